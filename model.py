@@ -1,0 +1,498 @@
+"""
+nanoPE's model: one decoder-only GPT (the GPT-2 architecture) whose attention can use any of five positional
+encodings, or none, and a KV cache whose decoding equals the model's own full forward.
+
+Positions travel as one tensor of absolute positions `pos` (T,), defaulting to arange(T) or continuing the
+cache. Everything positional derives from it once per forward: the embedding added to the tokens, the RoPE
+angles, the score bias, and the mask, which compares query and key positions (so it is aligned correctly
+whether or not keys come from a cache).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # training context length (the most a `learned` model can take)
+    vocab_size: int = 50304  # GPT-2's 50257, padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | rope | alibi | none
+    rpe_max_distance: int = 128  # bias_rpe: r_max; distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head
+    rope_base: float = 10000.0  # rope: θ_k = base^(-2k/d)
+
+    def __post_init__(self):
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(
+                f"pos_encoding={self.pos_encoding!r} is not a positional encoding; "
+                f"valid choices: {', '.join(POS_ENCODINGS)}"
+            )
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "rpe_max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"pos_encoding='rope' rotates pairs of dims, so the head dim n_embd/n_head="
+                f"{self.n_embd // self.n_head} must be even; change n_embd or n_head"
+            )
+        if self.pos_encoding == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"pos_encoding='sinusoidal' needs an even n_embd (sin/cos pairs), got {self.n_embd}")
+        if not self.rope_base > 1.0:
+            raise ValueError(f"rope_base={self.rope_base!r} must be > 1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Positional encodings: each a small module with no-op hooks, overriding only what it needs.
+
+
+class NoPE(nn.Module):
+    """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023).
+
+    The base class of every encoding. Hooks: `embed` (added to the token embeddings), `rotary` (cos/sin that
+    rotate q and k), `bias` (added to attention scores). A fused kernel's `score_mod` would be a fourth.
+    """
+
+    relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
+    max_len = None  # the most positions it can encode (None: unbounded)
+    has_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+
+    def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
+        return None  # (T,) -> (T, C)
+
+    def rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # (T,) -> cos, sin, each (T, hs/2) float32
+
+    def bias(self, rel: torch.Tensor) -> torch.Tensor | None:
+        return None  # rel = i - j (Tq, Tk) -> (nh, Tq, Tk) float32
+
+
+class Sinusoidal(NoPE):
+    """Fixed sin/cos of the absolute position added to the token embeddings (Vaswani et al. 2017, §3.5):
+    PE[p, 2i] = sin(p / 10000^(2i/C)), PE[p, 2i+1] = cos(p / 10000^(2i/C)). Computed from `pos`, so any length."""
+
+    relative = False
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.n_embd = config.n_embd
+
+    def embed(self, pos):
+        inv_freq = 10000.0 ** (-torch.arange(0, self.n_embd, 2, device=pos.device, dtype=torch.float32) / self.n_embd)
+        angle = pos.float()[:, None] * inv_freq  # (T, C/2)
+        return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)  # (T, C): sin on even dims, cos on odd
+
+
+class Learned(NoPE):
+    """A trainable table of absolute-position embeddings, GPT-2's `wpe` (Radford et al. 2019). Cannot go
+    past block_size: there is no row for a longer position."""
+
+    relative = False
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.max_len = config.block_size
+        self.weight = nn.Parameter(torch.randn(config.block_size, config.n_embd) * 0.02)
+
+    def embed(self, pos):
+        return F.embedding(pos, self.weight)
+
+
+class BiasRPE(NoPE):
+    """One trainable scalar per head and clamped relative distance i - j, added to the attention scores
+    (Shaw et al. 2018, simplified to scalars as in T5, Raffel et al. 2020), shared by all layers.
+    Table index = clamp(i - j, -(r_max - 1), r_max - 1) + r_max - 1; biases start at zero."""
+
+    has_bias = True
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.max_distance = config.rpe_max_distance
+        self.weight = nn.Parameter(torch.zeros(config.n_head, 2 * config.rpe_max_distance - 1))  # (nh, 2r-1)
+
+    def bias(self, rel):
+        r = self.max_distance
+        return self.weight.float()[:, rel.clamp(-(r - 1), r - 1) + (r - 1)]  # (nh, Tq, Tk)
+
+
+class RoPE(NoPE):
+    """Rotary position embedding (Su et al. 2021, RoFormer): rotate each pair (2k, 2k+1) of q and k by the
+    angle p·θ_k, θ_k = base^(-2k/d), so q·k depends on positions only through i - j. Angles in float32."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.head_dim = config.n_embd // config.n_head
+        self.base = config.rope_base
+
+    def rotary(self, pos):
+        k = torch.arange(0, self.head_dim, 2, device=pos.device, dtype=torch.float32)
+        angle = pos.float()[:, None] * self.base ** (-k / self.head_dim)  # (T, hs/2)
+        return angle.cos(), angle.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x (B, nh, T, hs) by angles with cos, sin (T, hs/2), in float32."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (B, nh, T, hs/2)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """ALiBi's head slopes exactly as the paper's reference code (Press et al. 2021): a geometric sequence from
+    2^(-8/n) for n a power of two; otherwise the slopes of the largest power of two c < n, then every other slope
+    of the 2c-head sequence (1/2 … 1/256 then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 for 12 heads)."""
+
+    def geometric(n):
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    c = 2 ** math.floor(math.log2(n_head))
+    return torch.tensor(geometric(c) + geometric(2 * c)[0::2][: n_head - c], dtype=torch.float32)
+
+
+class ALiBi(NoPE):
+    """Attention with linear biases (Press et al. 2021): add -m_h·(i - j) to the score of query i and key j.
+    Computed from i - j in float32, never from j alone: that would grow with absolute position."""
+
+    has_bias = True
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
+
+    def bias(self, rel):
+        return -self.slopes.float()[:, None, None] * rel.float()  # (nh, Tq, Tk)
+
+
+POS_ENCODINGS = {
+    "sinusoidal": Sinusoidal,
+    "learned": Learned,
+    "bias_rpe": BiasRPE,
+    "rope": RoPE,
+    "alibi": ALiBi,
+    "none": NoPE,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Keys (after rotation) and values of every layer, each (B, nh, L, hs), and the absolute position of each
+    cached key (L,). With a window W only the last W - 1 keys are kept: all the next query can see."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.pos: torch.Tensor | None = None  # (L,)
+        self.next_pos = 0  # absolute position of the next token
+
+    def __len__(self) -> int:
+        return 0 if self.pos is None else len(self.pos)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this chunk's k, v (B, nh, T, hs) and return all keys and values, cached ones first."""
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def key_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos if self.pos is None else torch.cat([self.pos, pos])
+
+    def advance(self, pos: torch.Tensor, window: int | None) -> None:
+        """Record this chunk's positions (T,) once every layer has seen it; drop keys no query can reach."""
+        self.pos = self.key_positions(pos)
+        self.next_pos = int(pos[-1]) + 1
+        if window is not None and len(self.pos) > window - 1:
+            keep = window - 1
+            self.pos = self.pos[len(self.pos) - keep :]
+            self.k = [k[:, :, k.size(2) - keep :] for k in self.k]
+            self.v = [v[:, :, v.size(2) - keep :] for v in self.v]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The transformer
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.layer_idx = layer_idx
+
+    def forward(self, x, rope, mask, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, Tk, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk)
+            mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, mask, cache):
+        x = x + self.attn(self.ln_1(x), rope, mask, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=POS_ENCODINGS[config.pos_encoding](config),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position table (the token table is tied to lm_head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and isinstance(self.transformer.wpe, Learned):
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def features(
+        self,
+        idx: torch.Tensor,
+        pos: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, C) for tokens idx (B, T) at absolute positions pos (T,).
+
+        pos defaults to arange(T), or continues the cache. With a cache, queries attend to the cached keys too.
+        With a window W, query i sees only keys j with i - j < W (a sliding-window causal mask).
+        """
+        T = idx.size(1)
+        start = cache.next_pos if cache is not None else 0
+        explicit_pos = pos is not None
+        if pos is None:
+            pos = torch.arange(start, start + T, device=idx.device)
+        pe = self.transformer.wpe
+        if pe.max_len is not None:
+            last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
+            if last >= pe.max_len:
+                raise ValueError(
+                    f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
+                    f"(asked for position {last}); feed at most {pe.max_len} tokens, or use an encoding that "
+                    "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
+                )
+        x = self.transformer.wte(idx)  # (B, T, C)
+        emb = pe.embed(pos)
+        if emb is not None:
+            x = x + emb
+        x = self.transformer.drop(x)
+        k_pos = cache.key_positions(pos) if cache is not None else pos  # (Tk,)
+        mask = self._attn_mask(pos, k_pos, window)
+        rope = pe.rotary(pos)
+        for block in self.transformer.h:
+            x = block(x, rope, mask, cache)
+        if cache is not None:
+            cache.advance(pos, window)
+        return self.transformer.ln_f(x)
+
+    def _attn_mask(self, q_pos, k_pos, window):
+        """None for plain causal attention, else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk).
+        Masks compare absolute positions, so cached keys line up whatever Tq and Tk are."""
+        pe = self.transformer.wpe
+        if not pe.has_bias and window is None and len(k_pos) == len(q_pos):
+            return None
+        rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
+        allowed = rel >= 0
+        if window is not None:
+            allowed = allowed & (rel < window)
+        bias = pe.bias(rel)
+        return allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        pos: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        window: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab_size) for every position and, given targets (B, T; -1 is ignored), the loss."""
+        logits = self.lm_head(self.features(idx, pos, cache, window))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation
+
+    def context_window(self, max_context: int | None = None) -> int:
+        """The longest context generation attends to: max_context, by default block_size."""
+        W = self.config.block_size if max_context is None else max_context
+        if not isinstance(W, int) or W < 1:
+            raise ValueError(f"max_context={max_context!r} must be a positive integer")
+        pe = self.transformer.wpe
+        if pe.max_len is not None and W > pe.max_len:
+            raise ValueError(
+                f"max_context={W} is longer than pos_encoding={self.config.pos_encoding!r} can take "
+                f"(block_size={pe.max_len}); use max_context <= {pe.max_len}"
+            )
+        return W
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        max_context: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
+
+        The model attends to at most max_context tokens (default block_size). Past that, absolute encodings
+        crop to the last max_context tokens and restart positions at 0 (nanoGPT's semantics); relative ones keep
+        a rolling cache whose keys keep their positions (a sliding-window causal mask). Without the cache every
+        step re-runs the cropped window, as nanoGPT does.
+        """
+        W = self.context_window(max_context)
+        relative = self.transformer.wpe.relative
+        cache = KVCache(self.config.n_layer) if use_cache else None
+        new = idx  # the tokens the cache has not seen yet
+        for _ in range(max_new_tokens):
+            if cache is None or (not relative and cache.next_pos + new.size(1) > W):
+                cache = KVCache(self.config.n_layer) if use_cache else None
+                new = idx[:, -W:]
+            window = W if cache is not None and relative else None
+            logits = self.lm_head(self.features(new, cache=cache, window=window)[:, -1])  # (B, vocab_size)
+            new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            idx = torch.cat([idx, new], dim=1)
+        return idx
+
+    # ------------------------------------------------------------------------------------------------------------
+    # GPT-2 weights
+
+    @classmethod
+    def from_hf(cls, hf_model, dropout: float = 0.0) -> "GPT":
+        """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
+        c = hf_model.config
+        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"only GPT-2's tanh GELU is supported, this model uses {c.activation_function!r}")
+        config = GPTConfig(
+            block_size=c.n_positions,
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            dropout=dropout,
+            bias=True,
+            pos_encoding="learned",
+        )
+        model = cls(config)
+        sd, sd_hf = model.state_dict(), hf_model.state_dict()
+        # HF's Conv1D stores (in, out): transpose to nn.Linear's (out, in)
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        missing = [k for k in sd if k not in sd_hf]
+        if missing:
+            raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
+        with torch.no_grad():
+            for k in sd:
+                w = sd_hf[k]
+                sd[k].copy_(w.t() if k.endswith(transposed) else w)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> "GPT":
+        """GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory) via transformers;
+        downloads when the hub is reachable."""
+        from transformers import GPT2LMHeadModel
+
+        return cls.from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample one token per row of logits (B, V) -> (B, 1). temperature 0 is greedy; top_k keeps the k likeliest
+    tokens, top_p the smallest set whose probability reaches p (Holtzman et al. 2019)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p (keeps the first)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)

@@ -1,0 +1,400 @@
+"""Tests for model.py: every positional encoding, the exact KV cache, and GPT-2 parity."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
+
+ENCODINGS = list(POS_ENCODINGS)
+RELATIVE = [e for e in ENCODINGS if POS_ENCODINGS[e].relative]
+ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]
+EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].max_len is None and e != "learned"]
+VOCAB = 64
+
+
+def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:
+    """A small random model in eval mode, its weights perturbed so every parameter (the bias-RPE table too,
+    which starts at zero) shapes the output and greedy choices are far from ties."""
+    torch.manual_seed(seed)
+    config = GPTConfig(
+        block_size=block_size, vocab_size=VOCAB, n_layer=n_layer, n_head=4, n_embd=32, pos_encoding=pe,
+        rpe_max_distance=5, **kw,
+    )
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def cached_logits(model: GPT, idx: torch.Tensor, chunks: list[int], window: int | None = None) -> torch.Tensor:
+    """Logits of idx fed through one KV cache in chunks of the given sizes."""
+    cache, out, t = KVCache(model.config.n_layer), [], 0
+    for n in chunks:
+        out.append(model(idx[:, t : t + n], cache=cache, window=window)[0])
+        t += n
+    assert t == idx.size(1)
+    return torch.cat(out, dim=1)
+
+
+def greedy_reference(model: GPT, idx: torch.Tensor, steps: int, logits_fn) -> torch.Tensor:
+    """Greedy decoding by re-running a full forward each step: logits_fn(model, idx) -> (B, V)."""
+    for _ in range(steps):
+        idx = torch.cat([idx, logits_fn(model, idx).argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache, case 1: inside the context window
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("chunks", [[16], [1] * 16, [5, 1, 7, 3], [2, 9, 1, 1, 3]])
+def test_cache_inside_block_equals_full_forward(pe, B, chunks):
+    """Feeding tokens through the cache in any chunking gives the full forward's logits."""
+    model = tiny(pe)
+    idx = tokens(B, sum(chunks))
+    close(cached_logits(model, idx, chunks), model(idx)[0])
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 5), (3, 9)])
+def test_cached_greedy_generation_equals_uncached(pe, B, T):
+    """Greedy tokens with the cache equal those of full forwards (inside block_size)."""
+    model = tiny(pe)
+    idx = tokens(B, T)
+    steps = model.config.block_size - T
+    expected = greedy_reference(model, idx, steps, lambda m, x: m(x)[0][:, -1])
+    assert torch.equal(model.generate(idx, steps, temperature=0), expected)
+    assert torch.equal(model.generate(idx, steps, temperature=0, use_cache=False), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache, case 2: max_context > block_size, positions keep counting
+
+
+@pytest.mark.parametrize("pe", EXTRAPOLATING)
+@pytest.mark.parametrize("chunks", [[30], [5] + [1] * 25, [3, 11, 1, 15]])
+def test_cache_past_block_size_equals_full_forward(pe, chunks):
+    """Past block_size (no window reached), cached logits equal the full forward over the whole sequence."""
+    model = tiny(pe, block_size=8)
+    idx = tokens(2, sum(chunks))
+    close(cached_logits(model, idx, chunks, window=40), model(idx)[0])
+
+
+@pytest.mark.parametrize("pe", EXTRAPOLATING)
+def test_generation_past_block_size_uses_true_positions(pe):
+    """generate(max_context > block_size) equals greedy full forwards over the whole, uncropped sequence."""
+    model = tiny(pe, block_size=8)
+    idx = tokens(2, 3)
+    expected = greedy_reference(model, idx, 25, lambda m, x: m(x)[0][:, -1])
+    assert torch.equal(model.generate(idx, 25, temperature=0, max_context=28), expected)
+
+
+def test_learned_positions_refuse_to_extrapolate():
+    """A learned-position model raises a clear error past block_size instead of indexing out of range."""
+    model = tiny("learned", block_size=8)
+    with pytest.raises(ValueError, match="block_size=8"):
+        model(tokens(1, 9))
+    with pytest.raises(ValueError, match="max_context"):
+        model.generate(tokens(1, 2), 3, max_context=9)
+    cache = KVCache(model.config.n_layer)
+    model(tokens(1, 8), cache=cache)
+    with pytest.raises(ValueError, match="block_size"):
+        model(tokens(1, 1), cache=cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache, case 3: past max_context
+
+
+@pytest.mark.parametrize("pe", RELATIVE)
+def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
+    """With one layer, a relative encoding's sliding-window forward at position t equals a plain forward over the
+    last W tokens (an independent check of the window mask)."""
+    model, W = tiny(pe, n_layer=1), 6
+    idx = tokens(2, 20)
+    windowed = model(idx, window=W)[0]
+    for t in range(idx.size(1)):
+        close(windowed[:, t], model(idx[:, max(0, t - W + 1) : t + 1])[0][:, -1], tol=1e-4)
+
+
+@pytest.mark.parametrize("pe", RELATIVE)
+@pytest.mark.parametrize("chunks", [[30], [1] * 30, [4, 1, 1, 9, 1, 14], [12, 18]])
+def test_rolling_cache_equals_sliding_window_forward(pe, chunks):
+    """A rolling cache of width W gives the logits of a full forward with a sliding-window causal mask of W."""
+    model, W = tiny(pe), 6
+    idx = tokens(2, sum(chunks))
+    close(cached_logits(model, idx, chunks, window=W), model(idx, window=W)[0])
+
+
+@pytest.mark.parametrize("pe", RELATIVE)
+@pytest.mark.parametrize("T", [2, 10])
+def test_generation_past_max_context_relative(pe, T):
+    """Relative encodings: cached generation past max_context equals greedy sliding-window full forwards;
+    uncached generation equals nanoGPT's crop-and-recompute."""
+    model, W, steps = tiny(pe), 6, 20
+    idx = tokens(2, T)
+    windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
+    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
+    cropped = greedy_reference(model, idx, steps, lambda m, x: m(x[:, -W:])[0][:, -1])
+    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
+
+
+@pytest.mark.parametrize("pe", ABSOLUTE)
+@pytest.mark.parametrize("T", [2, 10])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_past_max_context_absolute(pe, T, use_cache):
+    """Absolute encodings past max_context crop to the last W tokens and restart positions at 0, as nanoGPT."""
+    model, W, steps = tiny(pe), 6, 20
+    idx = tokens(2, T)
+    expected = greedy_reference(model, idx, steps, lambda m, x: m(x[:, -W:])[0][:, -1])
+    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=use_cache), expected)
+
+
+def test_rolling_cache_keeps_only_the_window():
+    """The rolling cache holds W - 1 keys, with their absolute positions."""
+    model, W = tiny("rope"), 6
+    cache = KVCache(model.config.n_layer)
+    model(tokens(1, 20), cache=cache, window=W)
+    assert cache.pos.tolist() == list(range(15, 20)) and cache.next_pos == 20
+    assert all(k.size(2) == W - 1 for k in cache.k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention paths and the encodings against their formulas
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_causal_fast_path_equals_materialized_mask(pe):
+    """SDPA's is_causal path and the materialized mask path give the same outputs."""
+    model = tiny(pe)
+    idx = tokens(2, 16)
+    close(model(idx)[0], model(idx, window=16)[0])
+
+
+def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as complex numbers."""
+    attn, pe, cfg = model.transformer.h[0].attn, model.transformer.wpe, model.config
+    B, T, C = x.shape
+    hs = C // cfg.n_head
+    q, k, v = (t.view(B, T, cfg.n_head, hs).transpose(1, 2).double() for t in attn.c_attn(x).split(C, dim=2))
+    i = torch.arange(T)
+    if cfg.pos_encoding == "rope":
+        theta = cfg.rope_base ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+        rot = torch.polar(torch.ones(T, hs // 2, dtype=torch.float64), i[:, None] * theta)
+        q, k = (torch.view_as_real(torch.view_as_complex(t.reshape(B, cfg.n_head, T, hs // 2, 2)) * rot).flatten(-2)
+                for t in (q, k))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hs)
+    rel = i[:, None] - i[None, :]
+    if cfg.pos_encoding == "alibi":
+        scores = scores - alibi_slopes(cfg.n_head).double()[:, None, None] * rel
+    if cfg.pos_encoding == "bias_rpe":
+        r = cfg.rpe_max_distance
+        scores = scores + pe.weight.double()[:, rel.clamp(-(r - 1), r - 1) + r - 1]
+    scores = scores.masked_fill(rel < 0, float("-inf"))
+    y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
+    return attn.c_proj(y.float())
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_attention_matches_handwritten_reference(pe):
+    """Each encoding's attention equals a float64 softmax written out from the papers' formulas."""
+    model = tiny(pe)
+    x = torch.randn(2, 12, 32)
+    pos = torch.arange(12)
+    cfg_attn = model.transformer.h[0].attn
+    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attn_mask(pos, pos, None), None)
+    close(got, reference_attention(model, x), tol=1e-4)
+
+
+PUBLISHED_SLOPES = {  # Press et al. 2021 reference code; 12 and 6 heads from ../shared/REFERENCES.md
+    8: [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256],
+    12: [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625, 0.70711, 0.35355, 0.17678, 0.08839],
+    6: [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125],
+}
+
+
+def fairseq_slopes(n: int) -> list[float]:
+    """The recursive form of the ALiBi reference code's get_slopes."""
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + fairseq_slopes(2 * closest)[0::2][: n - closest]
+
+
+@pytest.mark.parametrize("n_head", range(1, 33))
+def test_alibi_slopes_match_the_paper(n_head):
+    """alibi_slopes equals the paper's reference code for 1–32 heads and its published values."""
+    got = alibi_slopes(n_head)
+    close(got, torch.tensor(fairseq_slopes(n_head)), tol=1e-7)
+    if n_head in PUBLISHED_SLOPES:
+        close(got, torch.tensor(PUBLISHED_SLOPES[n_head]), tol=1e-5)
+
+
+def test_alibi_naive_formula_differs_for_non_power_of_two():
+    """The naive 2^(-8h/n) is not what the paper uses for 12 heads (guards against that shortcut)."""
+    naive = torch.tensor([2 ** (-8 * (h + 1) / 12) for h in range(12)])
+    assert not torch.allclose(alibi_slopes(12), naive, atol=1e-3)
+
+
+def test_bias_rpe_clamps_relative_distance():
+    """bias_rpe gathers table[clamp(i - j, ±(r_max - 1)) + r_max - 1]: distances beyond r_max - 1 share a bias."""
+    model = tiny("bias_rpe")  # rpe_max_distance=5: 9 biases per head
+    pe = model.transformer.wpe
+    assert pe.weight.shape == (4, 9)
+    with torch.no_grad():
+        pe.weight.copy_(torch.arange(36.0).view(4, 9))
+    rel = torch.arange(-8, 9)[None, :]
+    expected = (rel.clamp(-4, 4) + 4).float() + 9 * torch.arange(4.0)[:, None, None]
+    close(pe.bias(rel), expected)
+    assert pe.bias(torch.tensor([[4, 5, 100]]))[0, 0].tolist() == [8.0, 8.0, 8.0]
+
+
+def test_bias_rpe_starts_at_zero():
+    """The relative-bias table is initialised to zero (T5's start)."""
+    assert torch.count_nonzero(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, pos_encoding="bias_rpe",
+                                             vocab_size=10, block_size=8)).transformer.wpe.weight) == 0
+
+
+def test_sinusoidal_matches_formula():
+    """PE[p, 2i] = sin(p/10000^(2i/C)), PE[p, 2i+1] = cos(p/10000^(2i/C)), at positions past block_size too."""
+    model = tiny("sinusoidal", block_size=8)
+    pos = torch.tensor([0, 1, 7, 100, 1000])
+    got = model.transformer.wpe.embed(pos)
+    C = model.config.n_embd
+    for r, p in enumerate(pos.tolist()):
+        for i in range(C // 2):
+            angle = p / 10000 ** (2 * i / C)
+            assert abs(got[r, 2 * i].item() - math.sin(angle)) < 1e-4
+            assert abs(got[r, 2 * i + 1].item() - math.cos(angle)) < 1e-4
+
+
+def test_apply_rotary_equals_complex_multiplication():
+    """Rotating pairs (2k, 2k+1) by p·θ_k equals multiplying complex numbers by e^(i p θ_k)."""
+    model = tiny("rope")
+    x = torch.randn(2, 4, 10, 8)
+    pos = torch.arange(50, 60)
+    got = apply_rotary(x, *model.transformer.wpe.rotary(pos))
+    theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    rot = torch.polar(torch.ones(10, 4, dtype=torch.float64), pos[:, None].double() * theta)
+    expected = torch.view_as_real(torch.view_as_complex(x.double().reshape(2, 4, 10, 4, 2)) * rot).flatten(-2)
+    close(got, expected.float())
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_shifting_positions(pe):
+    """Shifting every position by a constant leaves relative encodings' outputs unchanged and changes absolute
+    ones' (RoPE's relative property, and its absence for sinusoidal and learned)."""
+    model = tiny(pe, block_size=64)
+    idx = tokens(2, 16)
+    base, shifted = model(idx)[0], model(idx, pos=torch.arange(16) + 37)[0]
+    if POS_ENCODINGS[pe].relative:
+        close(shifted, base, tol=1e-4)
+    else:
+        assert (shifted - base).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config, sampling, training, compile
+
+
+def test_config_errors_name_the_field():
+    """Invalid configs raise ValueError naming the field and the valid choices."""
+    with pytest.raises(ValueError, match="pos_encoding='xpos'.*sinusoidal, learned, bias_rpe, rope, alibi, none"):
+        GPTConfig(pos_encoding="xpos")
+    with pytest.raises(ValueError, match="head dim"):
+        GPTConfig(n_embd=36, n_head=4, pos_encoding="rope")  # head dim 9
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="dropout"):
+        GPTConfig(dropout=1.5)
+    with pytest.raises(ValueError, match="max_context"):
+        tiny("rope").generate(tokens(1, 2), 1, max_context=0)
+
+
+def test_sample_next_filters():
+    """temperature 0 is argmax; top_k=1 and a tiny top_p are argmax too; top_p keeps the smallest set reaching p."""
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
+    assert sample_next(logits, temperature=0).item() == 1
+    g = torch.Generator().manual_seed(0)
+    assert {sample_next(logits, top_k=1, generator=g).item() for _ in range(50)} == {1}
+    assert {sample_next(logits, top_p=0.01, generator=g).item() for _ in range(50)} == {1}
+    assert {sample_next(logits, top_p=0.7, generator=g).item() for _ in range(300)} == {1, 3}  # 0.5 + 0.25
+    assert {sample_next(logits, top_k=3, generator=g).item() for _ in range(300)} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_overfits_one_batch(pe):
+    """Every encoding can memorise one small batch (the loss falls from ~ln V to near zero)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding=pe))
+    idx = tokens(4, 17)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, loss.item()
+
+
+def test_gpt2_parity_with_transformers(tmp_path):
+    """A random transformers GPT2LMHeadModel converted with GPT.from_hf (and saved/loaded through from_pretrained)
+    gives the same logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_positions=32, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32)
+    ).eval()
+    idx = tokens(2, 32)
+    with torch.no_grad():
+        expected = hf(idx).logits
+    for ours in (GPT.from_hf(hf), GPT.from_pretrained(str(hf.save_pretrained(tmp_path) or tmp_path))):
+        ours.eval()
+        got = ours(idx)[0]
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+    assert ours.config.pos_encoding == "learned" and ours.config.block_size == 32
+
+
+def test_checkpoint_model_args_rebuild_the_model(tmp_path):
+    """A checkpoint with nanoGPT's keys rebuilds the same model with GPTConfig(**ckpt['model_args'])."""
+    from dataclasses import asdict
+
+    model = tiny("alibi")
+    torch.save({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    rebuilt = GPT(GPTConfig(**ckpt["model_args"]))
+    rebuilt.load_state_dict(ckpt["model"])
+    idx = tokens(1, 10)
+    assert torch.equal(rebuilt.eval()(idx)[0], model(idx)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_torch_compile_forward_backward(pe):
+    """torch.compile(model) runs forward and backward for every encoding and matches eager."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe))
+    idx = tokens(2, 17)
+    compiled = torch.compile(model)
+    logits, loss = compiled(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    close(logits, model(idx[:, :-1])[0], tol=1e-4)
