@@ -20,8 +20,14 @@ def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -
     which starts at zero) shapes the output and greedy choices are far from ties."""
     torch.manual_seed(seed)
     config = GPTConfig(
-        block_size=block_size, vocab_size=VOCAB, n_layer=n_layer, n_head=4, n_embd=32, pos_encoding=pe,
-        rpe_max_distance=5, **kw,
+        block_size=block_size,
+        vocab_size=VOCAB,
+        n_layer=n_layer,
+        n_head=4,
+        n_embd=32,
+        pos_encoding=pe,
+        rpe_max_distance=5,
+        **kw,
     )
     model = GPT(config)
     with torch.no_grad():
@@ -195,8 +201,10 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     if cfg.pos_encoding == "rope":
         theta = cfg.rope_base ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
         rot = torch.polar(torch.ones(T, hs // 2, dtype=torch.float64), i[:, None] * theta)
-        q, k = (torch.view_as_real(torch.view_as_complex(t.reshape(B, cfg.n_head, T, hs // 2, 2)) * rot).flatten(-2)
-                for t in (q, k))
+        q, k = (
+            torch.view_as_real(torch.view_as_complex(t.reshape(B, cfg.n_head, T, hs // 2, 2)) * rot).flatten(-2)
+            for t in (q, k)
+        )
     scores = q @ k.transpose(-1, -2) / math.sqrt(hs)
     rel = i[:, None] - i[None, :]
     if cfg.pos_encoding == "alibi":
@@ -229,6 +237,7 @@ PUBLISHED_SLOPES = {  # Press et al. 2021 reference code; 12 and 6 heads from ..
 
 def fairseq_slopes(n: int) -> list[float]:
     """The recursive form of the ALiBi reference code's get_slopes."""
+
     def power_of_2(n):
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
@@ -269,8 +278,14 @@ def test_bias_rpe_clamps_relative_distance():
 
 def test_bias_rpe_starts_at_zero():
     """The relative-bias table is initialised to zero (T5's start)."""
-    assert torch.count_nonzero(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, pos_encoding="bias_rpe",
-                                             vocab_size=10, block_size=8)).transformer.wpe.weight) == 0
+    assert (
+        torch.count_nonzero(
+            GPT(
+                GPTConfig(n_layer=1, n_head=2, n_embd=8, pos_encoding="bias_rpe", vocab_size=10, block_size=8)
+            ).transformer.wpe.weight
+        )
+        == 0
+    )
 
 
 def test_sinusoidal_matches_formula():

@@ -1,0 +1,60 @@
+"""
+Checkpoints with nanoGPT's keys (`model`, `optimizer`, `model_args`, `iter_num`, `best_val_loss`, `config`) plus
+`tokenizer` (see tokenizer.py) and what exact resumption needs. Written atomically; loaded with weights_only=True,
+so nothing loaded can run code.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from model import GPT, GPTConfig
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def save_checkpoint(ckpt: dict, path: str | Path) -> None:
+    """Write ckpt to a temporary file beside path, flush it to disk, then rename it over path: a crash at any
+    moment leaves either the old checkpoint or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
+    missing = [k for k in ("model", "model_args") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a nanoPE/nanoGPT checkpoint: it lacks {', '.join(missing)}")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict) -> GPT:
+    """Rebuild the model a checkpoint describes. Accepts nanoGPT's checkpoints too (learned positions, and the
+    `_orig_mod.` prefix its compiled runs leave)."""
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    model.load_state_dict(state)
+    return model

@@ -1,0 +1,123 @@
+"""
+Sample from a trained model, rebuilt (with its tokenizer) from the checkpoint alone:
+    python sample.py --out_dir=out-rope
+    python sample.py --out_dir=out-rope --start=FILE:prompt.txt --max_context=1024 --top_p=0.9
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"
+"""
+
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError, configure, default_device, default_dtype
+from model import GPT
+from tokenizer import GPT2Tokenizer, tokenizer_from_meta
+
+# -----------------------------------------------------------------------------------------------------------------
+defaults = dict(
+    init_from="resume",  # 'resume' (from out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', …
+    out_dir="out",  # folder holding ckpt.pt
+    start="\n",  # the prompt, or "FILE:prompt.txt" to read it from a file
+    num_samples=3,
+    max_new_tokens=500,
+    temperature=0.8,  # 1.0 unchanged, < 1 more conservative, 0 greedy
+    top_k=200,  # keep only the top_k likeliest tokens (None: all)
+    top_p=None,  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
+    max_context=None,  # longest context attended to (default block_size; may exceed it if the encoding extrapolates)
+    no_cache=False,  # re-run the whole context every token instead of using the KV cache (nanoGPT's way)
+    seed=1337,
+    device=default_device(),  # cpu, cuda, cuda:1, mps
+    dtype="",  # float32 | bfloat16 | float16; empty: bfloat16 where supported on GPU, else float16; CPU float32
+    compile=False,  # torch.compile the model (slower start, faster tokens on GPU)
+)
+
+
+def main(argv: list[str]) -> None:
+    cfg = configure(defaults, argv)
+    device, dtype = cfg["device"], cfg["dtype"] or default_dtype(cfg["device"])
+    torch.manual_seed(cfg["seed"])
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # -------------------------------------------------------------------------------------------------------------
+    # model and tokenizer
+    if cfg["init_from"] == "resume":
+        ckpt_path = Path(cfg["out_dir"]) / "ckpt.pt"
+        try:
+            ckpt = load_checkpoint(ckpt_path)
+        except CheckpointError as e:
+            sys.exit(
+                f"error: {e}\nTrain a model first, e.g.: python train.py config/rope.py --out_dir={cfg['out_dir']}"
+            )
+        model = model_from_checkpoint(ckpt)
+        if "tokenizer" in ckpt:
+            tok = tokenizer_from_meta(ckpt["tokenizer"])
+        elif model.config.vocab_size >= GPT2Tokenizer.vocab_size:  # a nanoGPT checkpoint: GPT-2's BPE, as it assumes
+            tok = GPT2Tokenizer()
+        else:
+            sys.exit(f"error: {ckpt_path} does not record its tokenizer and its vocabulary is not GPT-2's")
+    else:
+        model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
+    model.eval().to(device)
+    if cfg["compile"]:
+        model.features = torch.compile(model.features, dynamic=True)
+    ctx = (
+        nullcontext()
+        if device == "cpu" or dtype == "float32"
+        else torch.autocast(device.split(":")[0], dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+    )
+
+    # -------------------------------------------------------------------------------------------------------------
+    # prompt
+    start = cfg["start"]
+    if start.startswith("FILE:"):
+        try:
+            start = Path(start[5:]).read_text(encoding="utf-8")
+        except OSError as e:
+            sys.exit(f"error: cannot read the prompt file: {e}")
+    try:
+        ids = tok.encode(start)
+        max_context = model.context_window(cfg["max_context"])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if not ids:
+        sys.exit("error: the prompt is empty after tokenization; pass --start=... with some text")
+    if model.transformer.wpe.max_len is not None and len(ids) > max_context:
+        sys.exit(
+            f"error: the prompt is {len(ids)} tokens, but this {model.config.pos_encoding}-position model takes at "
+            f"most {max_context}; shorten the prompt"
+        )
+    x = torch.tensor(ids, dtype=torch.long, device=device)[None]
+
+    # -------------------------------------------------------------------------------------------------------------
+    # generate
+    with torch.no_grad(), ctx:
+        for _ in range(cfg["num_samples"]):
+            t0 = time.perf_counter()
+            y = model.generate(
+                x,
+                cfg["max_new_tokens"],
+                temperature=cfg["temperature"],
+                top_k=cfg["top_k"],
+                top_p=cfg["top_p"],
+                use_cache=not cfg["no_cache"],
+                max_context=max_context,
+            )
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            print(tok.decode(y[0].tolist()))
+            n = y.size(1) - x.size(1)
+            print(f"--------------- {n} tokens in {dt:.2f}s ({n / dt:.1f} tokens/s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"error: {e}")

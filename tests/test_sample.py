@@ -1,0 +1,172 @@
+"""Tests for sample.py, tokenizer.py, configurator.py and checkpoint.py."""
+
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+
+
+def make_checkpoint(out_dir: Path, pos_encoding: str = "rope", block_size: int = 32) -> CharTokenizer:
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    config = GPTConfig(
+        block_size=block_size, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=16, pos_encoding=pos_encoding
+    )
+    model = GPT(config)
+    save_checkpoint(
+        {
+            "model": model.state_dict(),
+            "model_args": asdict(config),
+            "tokenizer": tok.meta,
+            "iter_num": 0,
+            "best_val_loss": 9.9,
+            "config": {},
+        },
+        out_dir / "ckpt.pt",
+    )
+    return tok
+
+
+def run_sample(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "sample.py"), "--device=cpu", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_sample_generates_with_and_without_cache(tmp_path):
+    """sample.py rebuilds model and char tokenizer from the checkpoint; greedy text is the same with and without
+    the cache, and it reports tokens/s."""
+    make_checkpoint(tmp_path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Before we")
+    common = (
+        f"--out_dir={tmp_path}",
+        f"--start=FILE:{prompt}",
+        "--num_samples=1",
+        "--max_new_tokens=40",
+        "--temperature=0",
+        "--max_context=48",
+    )
+    cached, uncached = run_sample(*common), run_sample(*common, "--no_cache")
+    assert cached.returncode == 0, cached.stderr
+    assert uncached.returncode == 0, uncached.stderr
+    assert cached.stdout.startswith("Before we") and len(cached.stdout.rstrip("\n")) == len("Before we") + 40
+    assert cached.stdout == uncached.stdout
+    assert "tokens/s" in cached.stderr
+
+
+def test_sample_errors_are_clear(tmp_path):
+    """Missing or corrupt checkpoints, unknown characters, over-long prompts and misspelled keys give a message."""
+    r = run_sample(f"--out_dir={tmp_path}")
+    assert r.returncode != 0 and "no checkpoint at" in r.stderr and "train.py" in r.stderr
+
+    make_checkpoint(tmp_path)
+    r = run_sample(f"--out_dir={tmp_path}", "--start=Zebra €", "--num_samples=1", "--max_new_tokens=2")
+    assert r.returncode != 0 and "'Z'" in r.stderr and "'€'" in r.stderr and "Traceback" not in r.stderr
+
+    r = run_sample(f"--out_dir={tmp_path}", "--max_new_token=2")
+    assert r.returncode != 0 and "did you mean 'max_new_tokens'" in r.stderr
+
+    learned = tmp_path / "learned"
+    make_checkpoint(learned, pos_encoding="learned", block_size=8)
+    r = run_sample(f"--out_dir={learned}", "--start=Before we proceed", "--num_samples=1", "--max_new_tokens=2")
+    assert r.returncode != 0 and "at most 8" in r.stderr and "Traceback" not in r.stderr
+
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    r = run_sample(f"--out_dir={tmp_path}")
+    assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters():
+    """Char tokenizer ids follow sorted characters, round-trip, and unknown characters are named."""
+    tok = CharTokenizer.from_text("hello")
+    assert tok.chars == "ehlo" and tok.encode("hell") == [1, 0, 2, 2] and tok.decode(tok.encode("hole")) == "hole"
+    with pytest.raises(ValueError, match="'x', 'z'"):
+        tok.encode("xhz")
+    assert tokenizer_from_meta(tok.meta).encode("ole") == tok.encode("ole")
+
+
+def test_gpt2_tokenizer_matches_published_ids():
+    """The vendored GPT-2 BPE gives GPT-2's ids ("Hello world" -> 15496, 995) and <|endoftext|> = 50256."""
+    tok = GPT2Tokenizer()
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    text = "It's a test: ünïcödé, numbers 12345 and    spaces\n"
+    assert tok.decode(tok.encode(text)) == text
+    try:  # when tiktoken's own gpt2 encoding is reachable (cached or online), compare with it
+        import tiktoken
+
+        ref = tiktoken.get_encoding("gpt2")
+    except Exception:
+        return
+    assert tok.encode(text) == ref.encode_ordinary(text)
+
+
+def test_configure_files_overrides_and_errors(tmp_path):
+    """Config files then --key=value apply in order; unknown keys name the closest; types are checked."""
+    defaults = {"batch_size": 12, "dropout": 0.1, "compile": True, "device": "cpu", "top_k": None}
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("import math\nbatch_size = 4\ndropout = 0.2\n")
+    cfg = configure(defaults, [str(cfg_file), "--dropout=0", "--compile=False", "--device=cuda:1", "--top_k=5"])
+    assert cfg == {"batch_size": 4, "dropout": 0.0, "compile": False, "device": "cuda:1", "top_k": 5}
+    assert isinstance(cfg["dropout"], float)
+    assert configure(defaults, ["--compile"])["compile"] is True
+    with pytest.raises(ConfigError, match="did you mean 'batch_size'"):
+        configure(defaults, ["--batchsize=3"])
+    bad = tmp_path / "bad.py"
+    bad.write_text("drop_out = 0.0\n")
+    with pytest.raises(ConfigError, match=r"drop_out.*bad\.py.*did you mean 'dropout'"):
+        configure(defaults, [str(bad)])
+    with pytest.raises(ConfigError, match="expected a int"):
+        configure(defaults, ["--batch_size=1.5"])
+    with pytest.raises(ConfigError, match="True or False"):
+        configure(defaults, ["--compile=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        configure(defaults, ["missing.py"])
+
+
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    """A crash while writing leaves the previous checkpoint intact and no temporary file behind."""
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": {"w": torch.ones(2)}, "model_args": {}}, path)
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"model": {"w": torch.zeros(2)}, "model_args": {}}, path)
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_load_checkpoint_rejects_what_is_not_a_checkpoint(tmp_path):
+    """load_checkpoint names missing, corrupt and foreign files, and strips nanoGPT's _orig_mod. prefix."""
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "nope.pt")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="lacks model, model_args"):
+        load_checkpoint(tmp_path / "other.pt")
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    model = GPT(config)
+    state = {"_orig_mod." + k: v for k, v in model.state_dict().items()}
+    torch.save({"model": state, "model_args": asdict(config)}, tmp_path / "nanogpt.pt")
+    rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "nanogpt.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values()))
