@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
 

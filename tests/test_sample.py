@@ -169,4 +169,6 @@ def test_load_checkpoint_rejects_what_is_not_a_checkpoint(tmp_path):
     state = {"_orig_mod." + k: v for k, v in model.state_dict().items()}
     torch.save({"model": state, "model_args": asdict(config)}, tmp_path / "nanogpt.pt")
     rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "nanogpt.pt"))
-    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True)
+    )
