@@ -317,6 +317,38 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the training context (e.g. GPT-2's 1024 to 256): only a learned table has rows to drop."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        pe = self.transformer.wpe
+        if isinstance(pe, Learned):
+            pe.weight = nn.Parameter(pe.weight[:block_size].detach().clone())
+            pe.max_len = block_size
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices and embeddings only: not on biases, norms, or attention-score biases
+        (bias-RPE's table is 2-D but a bias)."""
+        pe = self.transformer.wpe
+        score_biases = {id(p) for p in pe.parameters()} if pe.has_bias else set()
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p.dim() >= 2 and id(p) not in score_biases for p in params]
+        groups = [
+            {"params": [p for p, d in zip(params, decay) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
+        """Model FLOPs utilization: achieved FLOP/s over peak_flops, counting 6N per token for the weights plus
+        attention's 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, App. B)."""
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
+        return flops_per_token * tokens_per_iter / dt / peak_flops
+
     def features(
         self,
         idx: torch.Tensor,

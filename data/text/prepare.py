@@ -1,0 +1,29 @@
+"""Any local text file, character level or GPT-2 BPE; the last 10% is the validation split.
+    python data/text/prepare.py --input my.txt [--tokenizer char|gpt2] [--out_dir data/text]
+Then train with --dataset=text (or the name of the folder given as --out_dir).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from datafiles import DataError, prepare_text  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="a UTF-8 text file")
+    parser.add_argument("--tokenizer", choices=["char", "gpt2"], default="char")
+    parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--val_fraction", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    try:
+        text = Path(args.input).read_text(encoding="utf-8")
+        prepare_text(text, args.out_dir, args.tokenizer, args.val_fraction)
+    except (OSError, UnicodeDecodeError, DataError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""TinyStories (Eldan & Li 2023): short children's stories, GPT-2 BPE, <|endoftext|> after each (~470M tokens).
+python data/tinystories/prepare.py [--num_proc 8]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from datafiles import prepare_hf  # noqa: E402
+
+
+def split(dataset):
+    return {"train": dataset["train"], "val": dataset["validation"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_proc", type=int, default=None)
+    args = parser.parse_args()
+    from datasets import load_dataset
+
+    dataset = load_dataset("roneneldan/TinyStories")
+    prepare_hf(split(dataset), Path(__file__).resolve().parent, eot=True, num_proc=args.num_proc)
+
+
+if __name__ == "__main__":
+    main()

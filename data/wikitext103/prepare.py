@@ -1,0 +1,29 @@
+"""WikiText-103 (Merity et al. 2016), the ALiBi paper's corpus, raw text with GPT-2 BPE (~120M train tokens).
+The rows are lines of articles, so they are joined as they are, with no end-of-text token between them.
+    python data/wikitext103/prepare.py [--num_proc 8]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from datafiles import prepare_hf  # noqa: E402
+
+
+def split(dataset):
+    return {"train": dataset["train"], "val": dataset["validation"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_proc", type=int, default=None)
+    args = parser.parse_args()
+    from datasets import load_dataset
+
+    dataset = load_dataset("wikitext", "wikitext-103-raw-v1")
+    prepare_hf(split(dataset), Path(__file__).resolve().parent, eot=False, num_proc=args.num_proc)
+
+
+if __name__ == "__main__":
+    main()

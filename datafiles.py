@@ -1,0 +1,154 @@
+"""
+Tokenized datasets in nanoGPT's layout: data/<name>/{train,val}.bin (uint16 token ids) and meta.json
+({"vocab_size", "tokenizer", "tokens"}). JSON, not pickle: reading a dataset can never run code.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+EMBEDDED_CORPUS = DATA_DIR / "shakespeare_complete_works.txt.xz"
+SPLITS = ("train", "val")
+
+
+class DataError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def write_dataset(out_dir: str | Path, splits: dict[str, np.ndarray], tokenizer_meta: dict, vocab_size: int) -> None:
+    """Write each split's token ids as uint16 and meta.json last, so a dataset with meta.json is complete."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if vocab_size > 2**16:
+        raise DataError(f"vocab_size={vocab_size} does not fit in uint16 token files")
+    for split, ids in splits.items():
+        tmp = out_dir / f".{split}.bin.tmp"
+        np.asarray(ids, dtype=np.uint16).tofile(tmp)
+        os.replace(tmp, out_dir / f"{split}.bin")
+    meta = {"vocab_size": vocab_size, "tokenizer": tokenizer_meta, "tokens": {s: len(v) for s, v in splits.items()}}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def prepare_text(text: str, out_dir: str | Path, tokenizer: str = "char", val_fraction: float = 0.1) -> dict:
+    """Tokenize one text (char-level or GPT-2 BPE); the last val_fraction of it is the validation split."""
+    if tokenizer not in ("char", "gpt2"):
+        raise DataError(f"tokenizer={tokenizer!r}: choose 'char' or 'gpt2'")
+    if not text:
+        raise DataError("the text is empty")
+    tok = CharTokenizer.from_text(text) if tokenizer == "char" else GPT2Tokenizer()
+    n = int(len(text) * (1 - val_fraction))
+    splits = {"train": np.array(tok.encode(text[:n])), "val": np.array(tok.encode(text[n:]))}
+    write_dataset(out_dir, splits, tok.meta, tok.vocab_size)
+    print(
+        f"wrote {out_dir}: vocab {tok.vocab_size}, train {len(splits['train']):,} tokens, "
+        f"val {len(splits['val']):,} tokens"
+    )
+    return splits
+
+
+def read_embedded_corpus() -> str:
+    """The complete works of Shakespeare (5,057,321 characters), committed xz-compressed."""
+    import lzma
+
+    return lzma.decompress(EMBEDDED_CORPUS.read_bytes()).decode("utf-8")
+
+
+def prepare_hf(
+    dataset_dict, out_dir: str | Path, text_column: str = "text", eot: bool = True, num_proc: int | None = None
+) -> dict[str, int]:
+    """Tokenize a Hugging Face DatasetDict (splits 'train' and 'val') with GPT-2 BPE in parallel, with progress
+    bars, and write it in shards. eot appends <|endoftext|> after each document (not for line-split corpora)."""
+    from tqdm import tqdm
+
+    num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
+    tok = GPT2Tokenizer()
+
+    def encode(example):
+        ids = tok.encode(example[text_column]) + ([GPT2_EOT] if eot else [])
+        return {"ids": ids, "len": len(ids)}
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split in SPLITS:
+        ds = dataset_dict[split]
+        ds = ds.map(encode, remove_columns=ds.column_names, desc=f"tokenizing {split}", num_proc=num_proc)
+        total = int(np.sum(ds["len"], dtype=np.uint64))
+        tmp = out_dir / f".{split}.bin.tmp"
+        arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(total,))
+        shards, offset = min(1024, len(ds)), 0
+        for i in tqdm(range(shards), desc=f"writing {split}.bin"):
+            batch = ds.shard(num_shards=shards, index=i, contiguous=True).with_format("numpy")
+            ids = np.concatenate(batch["ids"]) if len(batch) else np.array([], dtype=np.uint16)
+            arr[offset : offset + len(ids)] = ids
+            offset += len(ids)
+        arr.flush()
+        del arr
+        os.replace(tmp, out_dir / f"{split}.bin")
+        counts[split] = total
+    meta = {"vocab_size": tok.vocab_size, "tokenizer": tok.meta, "tokens": counts}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    data_dir = Path(data_dir)
+    name = data_dir.name
+    missing = [f for f in ("meta.json", "train.bin", "val.bin") if not (data_dir / f).is_file()]
+    if missing:
+        raise DataError(
+            f"dataset {name!r} is not prepared ({', '.join(missing)} missing in {data_dir}); "
+            f"run: python data/{name}/prepare.py"
+        )
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+        meta["vocab_size"] = int(meta["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{data_dir / 'meta.json'} is not valid ({e}); re-run python data/{name}/prepare.py") from e
+    return meta
+
+
+def get_batch(
+    data_dir: str | Path,
+    split: str,
+    batch_size: int,
+    block_size: int,
+    generator: torch.Generator,
+    vocab_size: int,
+    device: str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch x, y (B, T) from split, y shifted by one. All ranks draw the same world_size * B offsets from
+    one generator and take their own slice, so the sampler's state is one generator state."""
+    path = Path(data_dir) / f"{split}.bin"
+    data = np.memmap(path, dtype=np.uint16, mode="r")  # re-opened each batch to avoid a memmap memory leak
+    if len(data) <= block_size:
+        raise DataError(f"{path} holds {len(data)} tokens, too few for block_size={block_size}")
+    ix = torch.randint(len(data) - block_size, (world_size * batch_size,), generator=generator)
+    ix = ix[rank * batch_size : (rank + 1) * batch_size].tolist()
+    x = np.stack([data[i : i + block_size] for i in ix]).astype(np.int64)
+    y = np.stack([data[i + 1 : i + 1 + block_size] for i in ix]).astype(np.int64)
+    if max(x.max(), y.max()) >= vocab_size:
+        raise DataError(
+            f"{path} holds token id {max(x.max(), y.max())} but the vocabulary has {vocab_size} tokens: "
+            "the data and meta.json disagree; re-run the dataset's prepare.py"
+        )
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    if device.startswith("cuda"):  # pinned memory lets the copy overlap with compute
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

@@ -1,0 +1,419 @@
+"""
+Train a GPT with any positional encoding, with nanoGPT's config keys.
+    python train.py config/rope.py                        # one GPU (bf16 + torch.compile), or the CPU
+    python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
+    python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py
+Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to quit at once.
+"""
+
+import math
+import os
+import runpy
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from configurator import ConfigError, configure, default_device, default_dtype
+from datafiles import DATA_DIR, SPLITS, DataError, get_batch, load_meta
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------------------------------------------
+# Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
+# works of Shakespeare at block 256 (nanoGPT's shakespeare_char sizes; minutes on one GPU).
+defaults = dict(
+    # I/O
+    out_dir="",  # default: out-<pos_encoding>
+    eval_interval=250,
+    log_interval=10,
+    eval_iters=200,  # batches per split for each validation estimate (the same batches every time)
+    eval_only=False,  # evaluate once and exit
+    always_save_checkpoint=True,  # save ckpt.pt at every eval; False: only when val loss improves, and at the end
+    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+    # wandb
+    wandb_log=False,
+    wandb_project="nanope",
+    wandb_run_name="",  # default: <pos_encoding>
+    wandb_group="",  # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit together
+    # data
+    dataset="shakespeare_char",  # a folder of data/ (shakespeare_char and shakespeare are prepared automatically)
+    gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
+    batch_size=64,  # sequences per micro-step and process
+    block_size=256,
+    # model
+    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | rope | alibi | none
+    rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
+    rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
+    n_layer=6,
+    n_head=6,
+    n_embd=384,
+    dropout=0.2,  # 0 for pretraining, 0.1+ for finetuning and small data
+    bias=False,  # biases in Linears and LayerNorms (GPT-2 has them)
+    # AdamW
+    learning_rate=1e-3,
+    max_iters=5000,
+    weight_decay=1e-1,
+    beta1=0.9,
+    beta2=0.99,
+    grad_clip=1.0,  # clip gradients at this norm, 0 to disable
+    # learning-rate schedule: linear warmup, then cosine decay to min_lr
+    decay_lr=True,
+    warmup_iters=100,
+    lr_decay_iters=5000,  # ~= max_iters (Chinchilla)
+    min_lr=1e-4,  # ~= learning_rate / 10 (Chinchilla)
+    # system
+    backend="",  # DDP backend: nccl | gloo; default nccl on GPU, gloo on CPU
+    device=default_device(),  # cuda, cuda:1, mps, cpu; default the best available
+    dtype="",  # float32 | bfloat16 | float16; default bfloat16 where the GPU has it, else float16; float32 on CPU
+    compile=None,  # torch.compile the model; default on for CUDA
+    seed=1337,
+)
+EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
+GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+
+
+class TrainError(Exception):
+    pass
+
+
+def resolve(cfg: dict) -> dict:
+    """Fill in the defaults that depend on other keys, and check the values no type check catches."""
+    cfg = dict(cfg)
+    cfg["out_dir"] = cfg["out_dir"] or f"out-{cfg['pos_encoding']}"
+    cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
+    cfg["wandb_group"] = cfg["wandb_group"] or (
+        f"{cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
+    )
+    cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
+    if cfg["compile"] is None:
+        cfg["compile"] = cfg["device"].startswith("cuda")
+    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
+    if not isinstance(cfg["compile"], bool):
+        raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
+    if cfg["init_from"] not in ("scratch", "resume") and not cfg["init_from"].startswith("gpt2"):
+        raise ConfigError(f"init_from={cfg['init_from']!r}: choose scratch, resume, or a GPT-2 name like gpt2-medium")
+    for key in (
+        "eval_interval",
+        "log_interval",
+        "eval_iters",
+        "batch_size",
+        "block_size",
+        "gradient_accumulation_steps",
+    ):
+        if cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
+    return cfg
+
+
+def get_lr(it: int, cfg: dict) -> float:
+    """Linear warmup for warmup_iters, then cosine decay to min_lr at lr_decay_iters."""
+    if not cfg["decay_lr"]:
+        return cfg["learning_rate"]
+    if it < cfg["warmup_iters"]:
+        return cfg["learning_rate"] * (it + 1) / (cfg["warmup_iters"] + 1)
+    if it > cfg["lr_decay_iters"]:
+        return cfg["min_lr"]
+    ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
+    return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def rng_state(device: str) -> dict:
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def main(argv: list[str]) -> None:
+    cfg = resolve(configure(defaults, argv))
+
+    # -------------------------------------------------------------------------------------------------------------
+    # processes and devices
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    device = cfg["device"]
+    if ddp:
+        backend = cfg["backend"] or ("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group(backend=backend)
+        rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        if cfg["gradient_accumulation_steps"] % world_size:
+            raise ConfigError(
+                f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of the "
+                f"{world_size} processes"
+            )
+    else:
+        rank, world_size = 0, 1
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    grad_accum = cfg["gradient_accumulation_steps"] // world_size
+    B, T = cfg["batch_size"], cfg["block_size"]
+    tokens_per_iter = grad_accum * world_size * B * T
+    device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
+    torch.manual_seed(cfg["seed"] + rank)
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
+    ctx = nullcontext() if device_type == "cpu" or ptdtype == torch.float32 else torch.autocast(device_type, ptdtype)
+    out_dir = Path(cfg["out_dir"])
+
+    # -------------------------------------------------------------------------------------------------------------
+    # data
+    data_dir = DATA_DIR / cfg["dataset"]
+    if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
+        if master:
+            log(f"preparing the {cfg['dataset']} dataset (first run only)")
+            runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
+        if ddp:
+            dist.barrier()
+    meta = load_meta(data_dir)
+    data_vocab = meta["vocab_size"]
+    # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls); a char vocabulary as it is
+    vocab_size = data_vocab if data_vocab < 1024 else -(-data_vocab // 64) * 64
+
+    # -------------------------------------------------------------------------------------------------------------
+    # model, optimizer and state
+    model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg]
+    iter_num, best_val_loss, ckpt, wandb_run_id = 0, float("inf"), None, None
+    if cfg["init_from"] == "scratch":
+        model = GPT(GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in model_keys}))
+    elif cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(out_dir / "ckpt.pt")
+        model = model_from_checkpoint(ckpt)
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        wandb_run_id = ckpt.get("wandb_run_id")
+        log(f"resuming from {out_dir / 'ckpt.pt'} at iteration {iter_num}")
+    else:
+        model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
+        if T < model.config.block_size:
+            model.crop_block_size(T)
+    model_args = asdict(model.config)
+    for k in model_keys:  # the checkpoint or GPT-2 decides the architecture; say so where the config disagrees
+        if model_args[k] != cfg[k]:
+            log(f"note: {k}={model_args[k]!r} from {cfg['init_from']} (config says {cfg[k]!r})")
+            cfg[k] = model_args[k]
+    if data_vocab > model.config.vocab_size:
+        raise TrainError(
+            f"dataset {cfg['dataset']!r} has {data_vocab} tokens but the model only {model.config.vocab_size}"
+        )
+    if T > model.config.block_size:
+        raise TrainError(f"block_size={T} is longer than the model's {model.config.block_size}")
+    model.to(device)
+    scaler = torch.amp.GradScaler(device_type, enabled=cfg["dtype"] == "float16")
+    optimizer = model.configure_optimizers(
+        cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]), device_type
+    )
+    data_rng = torch.Generator().manual_seed(cfg["seed"])  # the training sampler; its state is saved
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if "scaler" in ckpt:
+            scaler.load_state_dict(ckpt["scaler"])
+        if "data_rng" in ckpt:
+            data_rng.set_state(ckpt["data_rng"])
+        if len(ckpt.get("rng", [])) == world_size:
+            set_rng_state(ckpt["rng"][rank])
+        else:
+            log("note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly")
+        del ckpt
+    raw_model = model
+    log(
+        f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {tokens_per_iter:,} tokens per "
+        f"iteration on {world_size} process(es), {device}, {cfg['dtype']}{', compiled' if cfg['compile'] else ''}"
+    )
+    if cfg["compile"]:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+    peak_flops = (
+        next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+        if device_type == "cuda"
+        else None
+    )
+
+    @torch.no_grad()
+    def estimate_loss() -> dict[str, float]:
+        """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks."""
+        out = {}
+        model.eval()
+        for split in SPLITS:
+            g = torch.Generator().manual_seed(cfg["seed"] + 1)
+            losses = torch.zeros(cfg["eval_iters"], device=device)
+            for k in range(cfg["eval_iters"]):
+                X, Y = get_batch(data_dir, split, B, T, g, vocab_size, device, rank, world_size)
+                with ctx:
+                    losses[k] = model(X, Y)[1]
+            mean = losses.mean()
+            if ddp:
+                dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+            out[split] = mean.item()
+        model.train()
+        return out
+
+    def save(best: bool) -> None:
+        """Every process calls this (its RNG state is gathered); the first one writes."""
+        states = [None] * world_size
+        if ddp:
+            dist.all_gather_object(states, rng_state(device))
+        else:
+            states = [rng_state(device)]
+        if not master:
+            return
+        ckpt = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "model_args": model_args,
+            "iter_num": iter_num,
+            "best_val_loss": best_val_loss,
+            "config": cfg,
+            "tokenizer": meta["tokenizer"],
+            "rng": states,
+            "data_rng": data_rng.get_state(),
+            "scaler": scaler.state_dict(),
+            "wandb_run_id": wandb_run_id,
+        }
+        save_checkpoint(ckpt, out_dir / "ckpt.pt")
+        if best:
+            save_checkpoint(ckpt, out_dir / "ckpt_best.pt")
+
+    # -------------------------------------------------------------------------------------------------------------
+    # logging and stopping
+    wandb = None
+    if cfg["wandb_log"] and master:
+        import wandb
+
+        run = wandb.init(
+            project=cfg["wandb_project"],
+            name=cfg["wandb_run_name"],
+            group=cfg["wandb_group"],
+            config=cfg,
+            id=wandb_run_id,
+            resume="allow",
+        )
+        wandb_run_id = run.id
+        wandb.define_metric("*", step_metric="iter")
+    stop_requested = torch.zeros(1, device=device if ddp and device_type == "cuda" else "cpu")
+
+    def on_signal(signum, frame):
+        if stop_requested.item():
+            raise KeyboardInterrupt
+        stop_requested.fill_(1)
+        log(f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration (again to quit at once)")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # training loop
+    model.train()
+    max_iters = cfg["max_iters"]
+    dt_avg, eval_dt, start_iter = None, 0.0, iter_num
+    t0 = time.time()
+    while True:
+        if ddp:
+            dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)  # every process stops at the same iteration
+        if stop_requested.item():
+            save(best=False)
+            log(f"stopped at iteration {iter_num}; resume with --init_from=resume --out_dir={out_dir}")
+            break
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if iter_num % cfg["eval_interval"] == 0 or iter_num >= max_iters or cfg["eval_only"]:
+            te = time.time()
+            losses = estimate_loss()
+            eval_dt = time.time() - te
+            improved = losses["val"] < best_val_loss
+            best_val_loss = min(best_val_loss, losses["val"])
+            log(
+                f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                f"(best {best_val_loss:.4f}), eval {eval_dt:.1f}s"
+            )
+            if wandb:
+                wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+            if cfg["eval_only"]:
+                break
+            if cfg["always_save_checkpoint"] or improved or iter_num >= max_iters:
+                save(best=improved)
+            t0 = time.time()
+        if iter_num >= max_iters:
+            break
+
+        # one iteration: grad_accum micro-steps, gradients synchronized on the last
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum):
+            X, Y = get_batch(data_dir, "train", B, T, data_rng, vocab_size, device, rank, world_size)
+            if ddp:
+                model.require_backward_grad_sync = micro_step == grad_accum - 1
+            with ctx:
+                _, loss = model(X, Y)
+                loss = loss / grad_accum
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"] or float("inf"))
+        # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
+        bad = not torch.isfinite(loss_sum) or (not scaler.is_enabled() and not torch.isfinite(norm))
+        if bad:
+            raise TrainError(
+                f"non-finite {'loss' if not torch.isfinite(loss_sum) else 'gradient norm'} at iteration {iter_num}: "
+                f"stopped before the optimizer step; the last good checkpoint is in {out_dir} "
+                "(try a lower learning_rate, grad_clip, or dtype=bfloat16)"
+            )
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        if iter_num > start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
+            dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if iter_num % cfg["log_interval"] == 0 and master:
+            lossf = loss_sum.item()
+            left = max_iters - iter_num - 1
+            eta = (dt_avg or dt) * left + eval_dt * (left // cfg["eval_interval"] + 1)
+            mfu = (
+                raw_model.estimate_mfu(tokens_per_iter // world_size, dt_avg or dt, peak_flops) if peak_flops else None
+            )
+            log(
+                f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, {tokens_per_iter / dt:,.0f} tok/s"
+                + (f", mfu {mfu * 100:.1f}%" if mfu is not None else "")
+                + f", eta {format_duration(eta)}"
+            )
+            if wandb:
+                wandb.log(
+                    {"iter": iter_num, "train/loss_step": lossf, "lr": lr, "tokens_per_sec": tokens_per_iter / dt}
+                    | ({"mfu": mfu} if mfu is not None else {})
+                )
+        iter_num += 1
+
+    if wandb:
+        wandb.finish()
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, CheckpointError, DataError, TrainError) as e:
+        sys.exit(f"error: {e}")
