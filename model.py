@@ -336,8 +336,8 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p.dim() >= 2 and id(p) not in score_biases for p in params]
         groups = [
-            {"params": [p for p, d in zip(params, decay) if d], "weight_decay": weight_decay},
-            {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0},
+            {"params": [p for p, d in zip(params, decay, strict=True) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decay, strict=True) if not d], "weight_decay": 0.0},
         ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 

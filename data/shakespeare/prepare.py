@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from datafiles import prepare_text, read_embedded_corpus  # noqa: E402
 
 
-def prepare(out_dir: Path = Path(__file__).resolve().parent) -> None:
-    prepare_text(read_embedded_corpus(), out_dir, tokenizer="gpt2")
+def prepare(out_dir: Path | None = None) -> None:
+    prepare_text(read_embedded_corpus(), out_dir or Path(__file__).resolve().parent, tokenizer="gpt2")
 
 
 if __name__ == "__main__":
