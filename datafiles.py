@@ -109,6 +109,9 @@ def load_meta(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
     name = data_dir.name
     missing = [f for f in ("meta.json", "train.bin", "val.bin") if not (data_dir / f).is_file()]
+    if missing and not data_dir.is_dir():
+        known = sorted(p.parent.name for p in DATA_DIR.glob("*/prepare.py"))
+        raise DataError(f"no dataset {name!r} (looked in {data_dir}); datasets here: {', '.join(known)}")
     if missing:
         raise DataError(
             f"dataset {name!r} is not prepared ({', '.join(missing)} missing in {data_dir}); "

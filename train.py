@@ -37,14 +37,16 @@ defaults = dict(
     eval_iters=200,  # batches per split for each validation estimate (the same batches every time)
     eval_only=False,  # evaluate once and exit
     always_save_checkpoint=True,  # save ckpt.pt at every eval; False: only when val loss improves, and at the end
-    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a
+    # local Hugging Face GPT-2 folder
     # wandb
     wandb_log=False,
     wandb_project="nanope",
     wandb_run_name="",  # default: <pos_encoding>
     wandb_group="",  # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit together
     # data
-    dataset="shakespeare_char",  # a folder of data/ (shakespeare_char and shakespeare are prepared automatically)
+    dataset="shakespeare_char",  # a folder of data/, or a path to a prepared one (shakespeare_char and shakespeare
+    # are prepared automatically the first time)
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
@@ -99,8 +101,9 @@ def resolve(cfg: dict) -> dict:
         raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
     if not isinstance(cfg["compile"], bool):
         raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
-    if cfg["init_from"] not in ("scratch", "resume") and not cfg["init_from"].startswith("gpt2"):
-        raise ConfigError(f"init_from={cfg['init_from']!r}: choose scratch, resume, or a GPT-2 name like gpt2-medium")
+    init = cfg["init_from"]
+    if init not in ("scratch", "resume") and not init.startswith("gpt2") and not Path(init).is_dir():
+        raise ConfigError(f"init_from={init!r}: choose scratch, resume, a GPT-2 name like gpt2-medium, or a folder")
     for key in (
         "eval_interval",
         "log_interval",
@@ -179,7 +182,7 @@ def main(argv: list[str]) -> None:
 
     # -------------------------------------------------------------------------------------------------------------
     # data
-    data_dir = DATA_DIR / cfg["dataset"]
+    data_dir = Path(cfg["dataset"]) if os.sep in cfg["dataset"] else DATA_DIR / cfg["dataset"]
     if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
         if master:
             log(f"preparing the {cfg['dataset']} dataset (first run only)")
@@ -196,7 +199,10 @@ def main(argv: list[str]) -> None:
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg]
     iter_num, best_val_loss, ckpt, wandb_run_id = 0, float("inf"), None, None
     if cfg["init_from"] == "scratch":
-        model = GPT(GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in model_keys}))
+        try:
+            model = GPT(GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in model_keys}))
+        except ValueError as e:  # GPTConfig names the bad field and the valid choices
+            raise ConfigError(str(e)) from e
     elif cfg["init_from"] == "resume":
         ckpt = load_checkpoint(out_dir / "ckpt.pt")
         model = model_from_checkpoint(ckpt)

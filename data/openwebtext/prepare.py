@@ -17,6 +17,12 @@ def split(dataset, seed: int = 2357):
     return {"train": parts["train"], "val": parts["test"]}
 
 
+def prepare(dataset, out_dir: Path | None = None, num_proc: int | None = None) -> dict[str, int]:
+    """Tokenize a loaded DatasetDict and write train.bin, val.bin and meta.json."""
+    out_dir = out_dir or Path(__file__).resolve().parent
+    return prepare_hf(split(dataset), out_dir, eot=True, num_proc=num_proc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=None)
@@ -24,7 +30,7 @@ def main() -> None:
     from datasets import load_dataset
 
     dataset = load_dataset("openwebtext", num_proc=args.num_proc)
-    prepare_hf(split(dataset), Path(__file__).resolve().parent, eot=True, num_proc=args.num_proc)
+    prepare(dataset, num_proc=args.num_proc)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ def split(dataset):
     return {"train": dataset["train"], "val": dataset["validation"]}
 
 
+def prepare(dataset, out_dir: Path | None = None, num_proc: int | None = None) -> dict[str, int]:
+    """Tokenize a loaded DatasetDict and write train.bin, val.bin and meta.json."""
+    out_dir = out_dir or Path(__file__).resolve().parent
+    return prepare_hf(split(dataset), out_dir, eot=False, num_proc=num_proc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=None)
@@ -22,7 +28,7 @@ def main() -> None:
     from datasets import load_dataset
 
     dataset = load_dataset("wikitext", "wikitext-103-raw-v1")
-    prepare_hf(split(dataset), Path(__file__).resolve().parent, eot=False, num_proc=args.num_proc)
+    prepare(dataset, num_proc=args.num_proc)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,353 @@
+"""Tests for train.py and the data pipeline: exact resume, Ctrl-C, atomic checkpoints, config errors, DDP, wandb,
+the dataset recipes offline."""
+
+import os
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
+from tokenizer import GPT2_EOT, GPT2Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--device=cpu",
+    "--compile=False",
+    "--dtype=float32",
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=4",
+    "--eval_iters=2",
+    "--eval_interval=5",
+    "--log_interval=1",
+    "--warmup_iters=3",
+    "--lr_decay_iters=20",
+    "--learning_rate=3e-3",
+]
+ENV = os.environ | {"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    """A character-level dataset from the first 200k characters of the embedded corpus."""
+    d = tmp_path_factory.mktemp("data") / "tiny"
+    prepare_text(read_embedded_corpus()[:200_000], d, "char")
+    return d
+
+
+def train(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *TINY, *args], capture_output=True, text=True, cwd=cwd, timeout=600, env=env or ENV
+    )
+
+
+def assert_ok(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints and resumption
+
+
+def test_resume_is_bit_exact(tiny_data, tmp_path):
+    """N iterations straight equal N/2, stop, resume to N: bit-identical weights and optimizer state, dropout on."""
+    common = [f"--dataset={tiny_data}", "--dropout=0.1", "--pos_encoding=bias_rpe"]
+    assert_ok(train(*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}"))
+    assert_ok(train(*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}"))
+    half = load_checkpoint(tmp_path / "split" / "ckpt.pt")
+    assert half["iter_num"] == 10
+    r = train(*common, "--max_iters=20", "--init_from=resume", f"--out_dir={tmp_path / 'split'}")
+    assert_ok(r)
+    assert "resuming from" in r.stdout
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
+    assert a["iter_num"] == b["iter_num"] == 20
+    assert_same_state(a["model"], b["model"])
+    assert not torch.equal(half["model"]["transformer.wpe.weight"], a["model"]["transformer.wpe.weight"])
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
+        assert_same_state(sa, sb)
+    assert a["best_val_loss"] == b["best_val_loss"]
+    assert (tmp_path / "straight" / "ckpt_best.pt").is_file()
+    assert not any(k.startswith("_orig_mod.") for k in a["model"])
+    assert a["tokenizer"]["kind"] == "char" and a["config"]["pos_encoding"] == "bias_rpe"
+
+
+def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
+    """SIGINT mid-run saves a checkpoint at an iteration boundary; resuming gives the straight run's weights."""
+    common = [
+        f"--dataset={tiny_data}",
+        "--dropout=0.1",
+        "--max_iters=300",
+        "--lr_decay_iters=300",
+        "--eval_interval=100",
+    ]
+    assert_ok(train(*common, f"--out_dir={tmp_path / 'straight'}"))
+    out = tmp_path / "stopped"
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, *common, f"--out_dir={out}"],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in p.stdout:
+        if line.startswith("iter 20:"):
+            p.send_signal(signal.SIGINT)
+            break
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "stopped at iteration" in stdout and "Traceback" not in stderr
+    stopped = load_checkpoint(out / "ckpt.pt")["iter_num"]
+    assert 20 < stopped < 300
+    assert_ok(train(*common, "--init_from=resume", f"--out_dir={out}"))
+    assert_same_state(
+        load_checkpoint(tmp_path / "straight" / "ckpt.pt")["model"], load_checkpoint(out / "ckpt.pt")["model"]
+    )
+
+
+def test_non_finite_loss_stops_before_the_step(tiny_data, tmp_path):
+    """A diverging run stops with a message before the optimizer step; the last good checkpoint stays."""
+    r = train(
+        f"--dataset={tiny_data}",
+        "--learning_rate=1e30",
+        "--decay_lr=False",
+        "--max_iters=50",
+        "--eval_interval=1000",
+        f"--out_dir={tmp_path}",
+    )
+    assert r.returncode != 0
+    assert "non-finite" in r.stderr and "Traceback" not in r.stderr
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter_num"] == 0
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_checkpoint_survives_kill_during_save(tmp_path):
+    """SIGKILL at random moments while checkpoints are being written never leaves a half-written ckpt.pt."""
+    path = tmp_path / "ckpt.pt"
+    writer = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from checkpoint import save_checkpoint
+        i = 0
+        while True:
+            save_checkpoint({{"model": {{"w": torch.full((4_000_000,), float(i))}}, "model_args": {{}}, "i": i}},
+                            {str(path)!r})
+            print(i, flush=True)
+            i += 1
+    """)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        p = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+        p.stdout.readline()  # at least one complete checkpoint exists
+        time.sleep(rng.uniform(0.0, 0.5))
+        p.kill()
+        p.wait()
+        ckpt = load_checkpoint(path)
+        assert torch.all(ckpt["model"]["w"] == ckpt["i"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+def test_config_errors_are_clear(tiny_data, tmp_path):
+    """Misspelled keys name the closest valid key; bad values and encodings name the fix; no tracebacks."""
+    cases = [
+        (["--n_layers=3"], "did you mean 'n_layer'"),
+        (["--learning_rate=fast"], "learning_rate='fast'"),
+        (["--pos_encoding=xpos"], "valid choices: sinusoidal, learned, bias_rpe, rope, alibi, none"),
+        (["--n_embd=30", "--n_head=2", "--pos_encoding=rope"], "head dim"),
+        (["--dataset=no_such_data"], "no dataset 'no_such_data'"),
+        (["--init_from=resume"], "no checkpoint at"),
+        (["config/nope.py"], "config file 'config/nope.py' not found"),
+    ]
+    for args, message in cases:
+        r = train(*args, f"--out_dir={tmp_path / 'out'}")
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_encoding_configs_differ_only_in_pos_encoding():
+    """config/<encoding>.py set exactly pos_encoding, so comparing encodings is editing one line."""
+    from model import POS_ENCODINGS
+
+    for name in POS_ENCODINGS:
+        values: dict = {}
+        exec((ROOT / "config" / f"{name}.py").read_text(), {}, values)
+        assert values == {"pos_encoding": name}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multi-process, wandb, GPT-2 init
+
+
+def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
+    """torchrun with 2 CPU processes (gloo) gives the weights of one process with the same global batch."""
+    common = [f"--dataset={tiny_data}", "--dropout=0.0", "--max_iters=6"]
+    assert_ok(train(*common, "--batch_size=8", "--gradient_accumulation_steps=1", f"--out_dir={tmp_path / 'one'}"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            *TINY,
+            *common,
+            "--batch_size=4",
+            "--gradient_accumulation_steps=2",
+            f"--out_dir={tmp_path / 'two'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=ENV,
+    )
+    assert_ok(r)
+    one, two = load_checkpoint(tmp_path / "one" / "ckpt.pt"), load_checkpoint(tmp_path / "two" / "ckpt.pt")
+    assert len(two["rng"]) == 2 and two["iter_num"] == 6
+    for k in one["model"]:
+        torch.testing.assert_close(one["model"][k], two["model"][k], atol=1e-5, rtol=1e-4)
+
+
+def test_wandb_offline_logs_the_run(tiny_data, tmp_path):
+    """wandb_log=True writes an offline run file holding the config (with pos_encoding) and the losses."""
+    env = ENV | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    assert_ok(
+        train(
+            f"--dataset={tiny_data}",
+            "--pos_encoding=alibi",
+            "--max_iters=6",
+            "--wandb_log=True",
+            f"--out_dir={tmp_path / 'out'}",
+            env=env,
+        )
+    )
+    files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    for needle in (b"val/loss", b"train/loss", b"tokens_per_sec", b"pos_encoding", b"alibi", b"nanope"):
+        assert needle in data, needle
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["wandb_run_id"]
+
+
+def test_init_from_local_gpt2_folder(tiny_data, tmp_path):
+    """init_from a (local) GPT-2 folder fine-tunes it, cropping learned positions to block_size."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_positions=64, vocab_size=128, n_layer=1, n_head=2, n_embd=16)
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    r = train(f"--dataset={tiny_data}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2", f"--out_dir={tmp_path}")
+    assert_ok(r)
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["model_args"]["pos_encoding"] == "learned" and ckpt["model_args"]["block_size"] == 32
+    assert ckpt["model"]["transformer.wpe.weight"].shape == (32, 16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data
+
+
+def test_default_dataset_is_prepared_automatically(tmp_path):
+    """In a fresh checkout, training on shakespeare_char first prepares it: 5,057,321 characters, 84 symbols,
+    split 90/10."""
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        ROOT, repo, ignore=shutil.ignore_patterns(".venv", ".git", "out*", "*.bin", "meta.json", "__pycache__", "wandb")
+    )
+    r = train("--eval_only=True", f"--out_dir={tmp_path / 'out'}", cwd=repo)
+    assert_ok(r)
+    assert "preparing the shakespeare_char dataset" in r.stdout
+    meta = (repo / "data" / "shakespeare_char" / "meta.json").read_text()
+    assert '"vocab_size": 84' in meta
+    n_train = (repo / "data" / "shakespeare_char" / "train.bin").stat().st_size // 2
+    n_val = (repo / "data" / "shakespeare_char" / "val.bin").stat().st_size // 2
+    assert (n_train, n_val) == (4_551_588, 505_733)
+
+
+def test_text_recipe_char_and_gpt2(tmp_path):
+    """data/text/prepare.py tokenizes any text file; the bins decode back to the text."""
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20
+    (tmp_path / "in.txt").write_text(text)
+    for tokenizer in ("char", "gpt2"):
+        out = tmp_path / tokenizer
+        r = subprocess.run(
+            [
+                sys.executable,
+                "data/text/prepare.py",
+                f"--input={tmp_path / 'in.txt'}",
+                f"--tokenizer={tokenizer}",
+                f"--out_dir={out}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert r.returncode == 0, r.stderr
+        from datafiles import load_meta
+        from tokenizer import tokenizer_from_meta
+
+        tok = tokenizer_from_meta(load_meta(out)["tokenizer"])
+        ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")]
+        assert tok.decode(ids[0]) + tok.decode(ids[1]) == text
+    r = subprocess.run(
+        [sys.executable, "data/text/prepare.py", "--input=/no/such.txt"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode != 0 and "such.txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_token_ids_outside_the_vocabulary_are_caught(tiny_data, tmp_path):
+    """A batch holding ids the vocabulary does not have raises a DataError naming the file."""
+    g = torch.Generator().manual_seed(0)
+    x, y = get_batch(tiny_data, "train", 4, 16, g, vocab_size=100)
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(DataError, match="train.bin holds token id"):
+        get_batch(tiny_data, "train", 4, 16, g, vocab_size=5)
+
+
+@pytest.mark.parametrize("recipe", ["openwebtext", "wikitext103", "tinystories"])
+def test_hf_recipes_offline(recipe, tmp_path):
+    """Each Hugging Face recipe's tokenize-and-write code, run on a local DatasetDict (2 worker processes), writes
+    GPT-2 ids that decode to the documents, with <|endoftext|> between documents where the recipe says so."""
+    from datasets import Dataset, DatasetDict
+
+    docs = [f"Story {i}: once upon a time there was a {'very ' * (i % 5)}small dragon." for i in range(60)]
+    split_names = ["train"] if recipe == "openwebtext" else ["train", "validation"]
+    dataset = DatasetDict({s: Dataset.from_dict({"text": docs}) for s in split_names})
+    module = runpy.run_path(str(ROOT / "data" / recipe / "prepare.py"))
+    counts = module["prepare"](dataset, out_dir=tmp_path, num_proc=2)
+    tok = GPT2Tokenizer()
+    eot = recipe != "wikitext103"
+    per_doc = {d: tok.encode(d) + ([GPT2_EOT] if eot else []) for d in docs}
+    ids = {s: np.fromfile(tmp_path / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")}
+    assert counts == {s: len(v) for s, v in ids.items()}
+    if recipe == "openwebtext":  # a held-out split of whole documents
+        assert counts["val"] > 0
+        assert counts["train"] + counts["val"] == sum(len(v) for v in per_doc.values())
+        texts = tok.decode(ids["train"] + ids["val"]).split("<|endoftext|>")
+        assert sorted(texts[:-1]) == sorted(docs) and texts[-1] == ""
+    else:
+        expected = [t for d in docs for t in per_doc[d]]
+        assert ids["train"] == expected and ids["val"] == expected
