@@ -66,11 +66,10 @@ def main(argv: list[str]) -> None:
     model.eval().to(device)
     if cfg["compile"]:
         model.features = torch.compile(model.features, dynamic=True)
-    ctx = (
-        nullcontext()
-        if device == "cpu" or dtype == "float32"
-        else torch.autocast(device.split(":")[0], dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
-    )
+    if dtype not in ("float32", "bfloat16", "float16"):
+        sys.exit(f"error: dtype={dtype!r}: choose float32, bfloat16 or float16")
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=ptdtype)
 
     # -------------------------------------------------------------------------------------------------------------
     # prompt

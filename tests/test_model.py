@@ -288,7 +288,7 @@ def test_bias_rpe_starts_at_zero():
 
 
 def test_sinusoidal_matches_formula():
-    """PE[p, 2i] = sin(p/10000^(2i/C)), PE[p, 2i+1] = cos(p/10000^(2i/C)), at positions past block_size too."""
+    """PE[p, 2i] = sin(p/10000^(2i/C))/√C, PE[p, 2i+1] = cos(p/10000^(2i/C))/√C, past block_size too."""
     model = tiny("sinusoidal", block_size=8)
     pos = torch.tensor([0, 1, 7, 100, 1000])
     got = model.transformer.wpe.embed(pos)
@@ -296,8 +296,8 @@ def test_sinusoidal_matches_formula():
     for r, p in enumerate(pos.tolist()):
         for i in range(C // 2):
             angle = p / 10000 ** (2 * i / C)
-            assert abs(got[r, 2 * i].item() - math.sin(angle)) < 1e-4
-            assert abs(got[r, 2 * i + 1].item() - math.cos(angle)) < 1e-4
+            assert abs(got[r, 2 * i].item() * math.sqrt(C) - math.sin(angle)) < 1e-4
+            assert abs(got[r, 2 * i + 1].item() * math.sqrt(C) - math.cos(angle)) < 1e-4
 
 
 def test_apply_rotary_equals_complex_multiplication():

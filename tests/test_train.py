@@ -351,3 +351,17 @@ def test_hf_recipes_offline(recipe, tmp_path):
     else:
         expected = [t for d in docs for t in per_doc[d]]
         assert ids["train"] == expected and ids["val"] == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_and_grad_scaler(tiny_data, tmp_path, dtype):
+    """bf16 autocast, and fp16 with a GradScaler whose state is checkpointed and resumed, train to a lower loss."""
+    common = [f"--dataset={tiny_data}", f"--dtype={dtype}", "--eval_interval=10", f"--out_dir={tmp_path}"]
+    assert_ok(train(*common, "--max_iters=10"))
+    first = load_checkpoint(tmp_path / "ckpt.pt")
+    scaler = first["scaler"]
+    assert (scaler.get("scale", 0) > 0) == (dtype == "float16")
+    r = train(*common, "--max_iters=20", "--init_from=resume")
+    assert_ok(r)
+    last = load_checkpoint(tmp_path / "ckpt.pt")
+    assert last["iter_num"] == 20 and last["best_val_loss"] < first["best_val_loss"] < 5.0
