@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 @dataclass
@@ -62,7 +63,8 @@ class NoPE(nn.Module):
     """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023).
 
     The base class of every encoding. Hooks: `embed` (added to the token embeddings), `rotary` (cos/sin that
-    rotate q and k), `bias` (added to attention scores). A fused kernel's `score_mod` would be a fourth.
+    rotate q and k), `bias` (added to attention scores). `bias` is elementwise in (head, i - j), so the same
+    formula fills a materialized (nh, Tq, Tk) tensor and runs inside FlexAttention's fused `score_mod`.
     """
 
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
@@ -78,8 +80,8 @@ class NoPE(nn.Module):
     def rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None  # (T,) -> cos, sin, each (T, hs/2) float32
 
-    def bias(self, rel: torch.Tensor) -> torch.Tensor | None:
-        return None  # rel = i - j (Tq, Tk) -> (nh, Tq, Tk) float32
+    def bias(self, h: torch.Tensor, rel: torch.Tensor) -> torch.Tensor | None:
+        return None  # head h and distance rel = i - j, broadcastable int tensors -> float32 bias of their shape
 
 
 class Sinusoidal(NoPE):
@@ -128,9 +130,9 @@ class BiasRPE(NoPE):
         self.max_distance = config.rpe_max_distance
         self.weight = nn.Parameter(torch.zeros(config.n_head, 2 * config.rpe_max_distance - 1))  # (nh, 2r-1)
 
-    def bias(self, rel):
+    def bias(self, h, rel):
         r = self.max_distance
-        return self.weight.float()[:, rel.clamp(-(r - 1), r - 1) + (r - 1)]  # (nh, Tq, Tk)
+        return self.weight[h, rel.clamp(-(r - 1), r - 1) + (r - 1)].float()
 
 
 class RoPE(NoPE):
@@ -177,8 +179,8 @@ class ALiBi(NoPE):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
 
-    def bias(self, rel):
-        return -self.slopes.float()[:, None, None] * rel.float()  # (nh, Tq, Tk)
+    def bias(self, h, rel):
+        return -self.slopes[h] * rel.float()
 
 
 POS_ENCODINGS = {
@@ -196,34 +198,48 @@ POS_ENCODINGS = {
 
 
 class KVCache:
-    """Keys (after rotation) and values of every layer, each (B, nh, L, hs), and the absolute position of each
-    cached key (L,). With a window W only the last W - 1 keys are kept: all the next query can see."""
+    """Preallocated keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots:
+    position p lives in slot p % S, and `pos` (S,) holds each slot's absolute position (EMPTY, in the future of
+    every query, where unused). Fixed shapes and in-place writes let a compiled decode step run as one CUDA graph.
 
-    def __init__(self, n_layer: int):
+    Writing a chunk of T tokens evicts the S keys before them, so with a window W a chunk of up to S - W + 1
+    tokens stays exact (the model splits longer ones); without a window the cache holds S tokens in all.
+    Positions must be consecutive, as they are when `pos` is left to the model."""
+
+    EMPTY = 2**62
+
+    def __init__(self, n_layer: int, size: int):
+        if size < 1:
+            raise ValueError(f"KVCache size={size} must be a positive number of slots")
+        self.size = size
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.pos: torch.Tensor | None = None  # (L,)
+        self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
         self.next_pos = 0  # absolute position of the next token
+        self.length = 0  # tokens written so far
+        self.slots: torch.Tensor | None = None  # (T,) the slots of the chunk being written
+
+    def max_chunk(self, window: int | None) -> int:
+        """The most tokens one forward may write without evicting a key that one of its queries needs."""
+        return self.size - self.length if window is None else self.size - window + 1
+
+    def write_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Claim the slots of positions pos (T,); return every slot's position (S,), the keys' positions."""
+        if self.pos is None:
+            self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
+        self.slots = pos % self.size
+        self.pos.index_copy_(0, self.slots, pos)
+        return self.pos
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this chunk's k, v (B, nh, T, hs) and return all keys and values, cached ones first."""
-        if self.k[layer] is not None:
-            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
-
-    def key_positions(self, pos: torch.Tensor) -> torch.Tensor:
-        return pos if self.pos is None else torch.cat([self.pos, pos])
-
-    def advance(self, pos: torch.Tensor, window: int | None) -> None:
-        """Record this chunk's positions (T,) once every layer has seen it; drop keys no query can reach."""
-        self.pos = self.key_positions(pos)
-        self.next_pos = int(pos[-1]) + 1
-        if window is not None and len(self.pos) > window - 1:
-            keep = window - 1
-            self.pos = self.pos[len(self.pos) - keep :]
-            self.k = [k[:, :, k.size(2) - keep :] for k in self.k]
-            self.v = [v[:, :, v.size(2) - keep :] for v in self.v]
+        """Write this chunk's k, v (B, nh, T, hs) into its slots and return every slot's keys and values."""
+        if self.k[layer] is None:
+            shape = (k.size(0), k.size(1), self.size, k.size(3))
+            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[layer].index_copy_(2, self.slots, k)
+        self.v[layer].index_copy_(2, self.slots, v)
+        return self.k[layer], self.v[layer]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,6 +266,9 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        elif isinstance(mask, tuple):  # fused: FlexAttention with the score bias as a score_mod (no dropout)
+            score_mod, block_mask = mask
+            y = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk)
             mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -297,6 +316,9 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        # score biases (alibi, bias_rpe) through FlexAttention: True, False, or None for "when compiled"
+        self.fused_attention: bool | None = None
+        self._compiled_decode = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("c_proj.weight"):
@@ -362,44 +384,74 @@ class GPT(nn.Module):
         With a window W, query i sees only keys j with i - j < W (a sliding-window causal mask).
         """
         T = idx.size(1)
+        if cache is not None:
+            if window is not None and cache.size < window:
+                raise ValueError(f"a KV cache of {cache.size} slots cannot serve a window of {window} tokens")
+            if window is None and cache.length + T > cache.size:
+                raise ValueError(
+                    f"the KV cache holds {cache.size} tokens and has {cache.length}; {T} more do not fit "
+                    "(make a bigger cache, or pass a window to roll it)"
+                )
+            step = cache.max_chunk(window)
+            if T > step:  # split so that no chunk evicts a key its own queries need: exact
+                chunks = [(idx[:, i : i + step], None if pos is None else pos[i : i + step]) for i in range(0, T, step)]
+                return torch.cat([self.features(x, p, cache, window) for x, p in chunks], dim=1)
         start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
         if pos is None:
             pos = torch.arange(start, start + T, device=idx.device)
+        last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
+        max_len = self.transformer.wpe.max_len
+        if max_len is not None and last >= max_len:
+            raise ValueError(
+                f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={max_len} "
+                f"(asked for position {last}); feed at most {max_len} tokens, or use an encoding that "
+                "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
+            )
+        x = self._features(idx, pos, cache, window)
+        if cache is not None:
+            cache.next_pos, cache.length = last + 1, cache.length + T
+        return x
+
+    def _features(self, idx, pos, cache, window):
+        """features() without the host-side bookkeeping: tensor code only, so a decode step compiles to one graph."""
         pe = self.transformer.wpe
-        if pe.max_len is not None:
-            last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
-            if last >= pe.max_len:
-                raise ValueError(
-                    f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
-                    f"(asked for position {last}); feed at most {pe.max_len} tokens, or use an encoding that "
-                    "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
-                )
         x = self.transformer.wte(idx)  # (B, T, C)
         emb = pe.embed(pos)
         if emb is not None:
             x = x + emb
         x = self.transformer.drop(x)
-        k_pos = cache.key_positions(pos) if cache is not None else pos  # (Tk,)
-        mask = self._attn_mask(pos, k_pos, window)
+        k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
+        mask = self._attn_mask(pos, k_pos, window, cached=cache is not None)
         rope = pe.rotary(pos)
         for block in self.transformer.h:
             x = block(x, rope, mask, cache)
-        if cache is not None:
-            cache.advance(pos, window)
         return self.transformer.ln_f(x)
 
-    def _attn_mask(self, q_pos, k_pos, window):
-        """None for plain causal attention, else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk).
-        Masks compare absolute positions, so cached keys line up whatever Tq and Tk are."""
+    def _attn_mask(self, q_pos, k_pos, window, cached):
+        """How attention masks: None for plain causal attention (SDPA's fused path); (score_mod, block_mask) for
+        FlexAttention; else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk). All of them compare
+        absolute positions, so cached keys line up whatever Tq and Tk are (and whatever slot holds them)."""
         pe = self.transformer.wpe
-        if not pe.has_bias and window is None and len(k_pos) == len(q_pos):
+        if not pe.has_bias and window is None and not cached:
             return None
+        window = KVCache.EMPTY if window is None else window
+        # FlexAttention is fused only when compiled, and has no backward on CPU: by default, compiled on CUDA
+        auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
+        fused = auto if self.fused_attention is None else self.fused_attention
+        if fused and pe.has_bias and not (self.training and self.config.dropout > 0):  # flex has no dropout
+
+            def allowed(b, h, q_idx, kv_idx):
+                rel = q_pos[q_idx] - k_pos[kv_idx]
+                return (rel >= 0) & (rel < window)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + pe.bias(h, q_pos[q_idx] - k_pos[kv_idx]).to(score.dtype)
+
+            return score_mod, create_block_mask(allowed, None, None, len(q_pos), len(k_pos), device=q_pos.device)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
-        allowed = rel >= 0
-        if window is not None:
-            allowed = allowed & (rel < window)
-        bias = pe.bias(rel)
+        allowed = (rel >= 0) & (rel < window)
+        bias = pe.bias(torch.arange(self.config.n_head, device=rel.device)[:, None, None], rel)
         return allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
 
     def forward(
@@ -444,27 +496,51 @@ class GPT(nn.Module):
         use_cache: bool = True,
         max_context: int | None = None,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> torch.Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
 
         The model attends to at most max_context tokens (default block_size). Past that, absolute encodings
         crop to the last max_context tokens and restart positions at 0 (nanoGPT's semantics); relative ones keep
         a rolling cache whose keys keep their positions (a sliding-window causal mask). Without the cache every
-        step re-runs the cropped window, as nanoGPT does.
+        step re-runs the cropped window, as nanoGPT does. compile=True compiles the one-token decode step (on a
+        GPU as a CUDA graph over the preallocated cache).
         """
         W = self.context_window(max_context)
         relative = self.transformer.wpe.relative
-        cache = KVCache(self.config.n_layer) if use_cache else None
-        new = idx  # the tokens the cache has not seen yet
+        window = W if relative else None
+        # the cache must hold the window plus the longest chunk written at once (the prompt, in pieces of <= W)
+        size = W - 1 + min(idx.size(1), W) if relative else W
+        decode = self._decode_step
+        if compile and use_cache:
+            if self._compiled_decode is None:
+                mode = "reduce-overhead" if idx.device.type == "cuda" else None
+                self._compiled_decode = torch.compile(self._decode_step, mode=mode, fullgraph=True)
+            decode = self._compiled_decode
+        cache, new = None, idx  # new: the tokens the model has not seen yet
         for _ in range(max_new_tokens):
-            if cache is None or (not relative and cache.next_pos + new.size(1) > W):
-                cache = KVCache(self.config.n_layer) if use_cache else None
-                new = idx[:, -W:]
-            window = W if cache is not None and relative else None
-            logits = self.lm_head(self.features(new, cache=cache, window=window)[:, -1])  # (B, vocab_size)
+            if not use_cache:
+                logits = self.lm_head(self.features(idx[:, -W:])[:, -1])
+            elif cache is None or (not relative and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
+                cache = KVCache(self.config.n_layer, size)
+                logits = self.lm_head(
+                    self.features(new if relative else idx[:, -W:], cache=cache, window=window)[:, -1]
+                )
+                if compile:  # the cache's tensors keep their addresses, so CUDA graphs need not copy them
+                    for t in [cache.pos, *cache.k, *cache.v]:
+                        torch._dynamo.mark_static_address(t)
+            else:
+                pos = torch.full((1,), cache.next_pos, device=idx.device)
+                logits = decode(new, pos, cache, window)
+                cache.next_pos, cache.length = cache.next_pos + 1, cache.length + 1
             new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx
+
+    def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache, window: int | None) -> torch.Tensor:
+        """Logits (B, vocab_size) of one new token idx (B, 1) at position pos (1,), read from and written to the
+        cache (which the caller advances): the unit compiled for fast decoding."""
+        return self.lm_head(self._features(idx, pos, cache, window)[:, -1])
 
     # ------------------------------------------------------------------------------------------------------------
     # GPT-2 weights

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
 
@@ -39,9 +40,13 @@ def tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def cached_logits(model: GPT, idx: torch.Tensor, chunks: list[int], window: int | None = None) -> torch.Tensor:
-    """Logits of idx fed through one KV cache in chunks of the given sizes."""
-    cache, out, t = KVCache(model.config.n_layer), [], 0
+def cached_logits(
+    model: GPT, idx: torch.Tensor, chunks: list[int], window: int | None = None, extra: int = 0
+) -> torch.Tensor:
+    """Logits of idx fed through one KV cache in chunks of the given sizes. The cache has the fewest slots that
+    can work (the window, or every token) plus `extra`: the model splits chunks that would evict needed keys."""
+    size = (idx.size(1) if window is None else window) + extra
+    cache, out, t = KVCache(model.config.n_layer, size), [], 0
     for n in chunks:
         out.append(model(idx[:, t : t + n], cache=cache, window=window)[0])
         t += n
@@ -92,11 +97,12 @@ def test_cached_greedy_generation_equals_uncached(pe, B, T):
 
 @pytest.mark.parametrize("pe", EXTRAPOLATING)
 @pytest.mark.parametrize("chunks", [[30], [5] + [1] * 25, [3, 11, 1, 15]])
-def test_cache_past_block_size_equals_full_forward(pe, chunks):
+@pytest.mark.parametrize("extra", [0, 7])
+def test_cache_past_block_size_equals_full_forward(pe, chunks, extra):
     """Past block_size (no window reached), cached logits equal the full forward over the whole sequence."""
     model = tiny(pe, block_size=8)
     idx = tokens(2, sum(chunks))
-    close(cached_logits(model, idx, chunks, window=40), model(idx)[0])
+    close(cached_logits(model, idx, chunks, window=40, extra=extra), model(idx)[0])
 
 
 @pytest.mark.parametrize("pe", EXTRAPOLATING)
@@ -115,7 +121,7 @@ def test_learned_positions_refuse_to_extrapolate():
         model(tokens(1, 9))
     with pytest.raises(ValueError, match="max_context"):
         model.generate(tokens(1, 2), 3, max_context=9)
-    cache = KVCache(model.config.n_layer)
+    cache = KVCache(model.config.n_layer, 16)
     model(tokens(1, 8), cache=cache)
     with pytest.raises(ValueError, match="block_size"):
         model(tokens(1, 1), cache=cache)
@@ -138,11 +144,13 @@ def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
 
 @pytest.mark.parametrize("pe", RELATIVE)
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [4, 1, 1, 9, 1, 14], [12, 18]])
-def test_rolling_cache_equals_sliding_window_forward(pe, chunks):
-    """A rolling cache of width W gives the logits of a full forward with a sliding-window causal mask of W."""
+@pytest.mark.parametrize("extra", [0, 3, 40])
+def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
+    """A rolling cache of width W gives the logits of a full forward with a sliding-window causal mask of W,
+    whether its ring wraps every token (extra=0), every few tokens, or never (extra=40)."""
     model, W = tiny(pe), 6
     idx = tokens(2, sum(chunks))
-    close(cached_logits(model, idx, chunks, window=W), model(idx, window=W)[0])
+    close(cached_logits(model, idx, chunks, window=W, extra=extra), model(idx, window=W)[0])
 
 
 @pytest.mark.parametrize("pe", RELATIVE)
@@ -170,12 +178,29 @@ def test_generation_past_max_context_absolute(pe, T, use_cache):
 
 
 def test_rolling_cache_keeps_only_the_window():
-    """The rolling cache holds W - 1 keys, with their absolute positions."""
-    model, W = tiny("rope"), 6
-    cache = KVCache(model.config.n_layer)
+    """The rolling cache is preallocated: S slots, position p in slot p % S, holding the last S positions."""
+    model, W, S = tiny("rope"), 6, 8
+    cache = KVCache(model.config.n_layer, S)
     model(tokens(1, 20), cache=cache, window=W)
-    assert cache.pos.tolist() == list(range(15, 20)) and cache.next_pos == 20
-    assert all(k.size(2) == W - 1 for k in cache.k)
+    assert cache.pos.tolist() == [16, 17, 18, 19, 12, 13, 14, 15] and cache.next_pos == 20 and cache.length == 20
+    assert all(k.size(2) == S for k in cache.k)
+    k_before = cache.k[0].clone()
+    model(tokens(1, 1), cache=cache, window=W)
+    assert torch.equal(cache.k[0][:, :, 5:], k_before[:, :, 5:]) and torch.equal(
+        cache.k[0][:, :, :4], k_before[:, :, :4]
+    )
+    assert not torch.equal(cache.k[0][:, :, 4], k_before[:, :, 4]) and cache.pos[4] == 20
+
+
+def test_cache_errors_name_the_problem():
+    """A cache too small for its window, or full without one, raises a clear error instead of dropping keys."""
+    model = tiny("alibi")
+    with pytest.raises(ValueError, match="window of 6"):
+        model(tokens(1, 3), cache=KVCache(model.config.n_layer, 4), window=6)
+    cache = KVCache(model.config.n_layer, 5)
+    model(tokens(1, 4), cache=cache)
+    with pytest.raises(ValueError, match="holds 5 tokens"):
+        model(tokens(1, 2), cache=cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,7 +248,7 @@ def test_attention_matches_handwritten_reference(pe):
     x = torch.randn(2, 12, 32)
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
-    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attn_mask(pos, pos, None), None)
+    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attn_mask(pos, pos, None, cached=False), None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -271,8 +296,9 @@ def test_bias_rpe_clamps_relative_distance():
         pe.weight.copy_(torch.arange(36.0).view(4, 9))
     rel = torch.arange(-8, 9)[None, :]
     expected = (rel.clamp(-4, 4) + 4).float() + 9 * torch.arange(4.0)[:, None, None]
-    close(pe.bias(rel), expected)
-    assert pe.bias(torch.tensor([[4, 5, 100]]))[0, 0].tolist() == [8.0, 8.0, 8.0]
+    heads = torch.arange(4)[:, None, None]
+    close(pe.bias(heads, rel), expected)
+    assert pe.bias(torch.tensor(0), torch.tensor([4, 5, 100])).tolist() == [8.0, 8.0, 8.0]
 
 
 def test_bias_rpe_starts_at_zero():
@@ -412,3 +438,71 @@ def test_torch_compile_forward_backward(pe):
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     close(logits, model(idx[:, :-1])[0], tol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused attention (FlexAttention score_mod) against the materialized reference
+
+BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
+
+
+def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    logits, loss = model(idx, targets=torch.roll(idx, -1, 1), **kw)
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_attention_equals_reference(pe, window):
+    """FlexAttention with the encoding's score_mod gives the materialized path's logits (its backward needs CUDA:
+    see the next test)."""
+    model = tiny(pe)
+    idx = tokens(2, 16)
+    expected = model(idx, window=window)[0]
+    model.fused_attention = True
+    with torch.no_grad():
+        close(model(idx, window=window)[0], expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
+@pytest.mark.parametrize("pe", BIASED)
+def test_compiled_fused_attention_gradients_on_cuda(pe, monkeypatch):
+    """Compiled on CUDA, the bias encodings train through FlexAttention (the default there); its logits and
+    gradients, the bias-RPE table's included, equal the eager materialized path's. Runs on the GPU machine."""
+    import model as model_module
+
+    calls = []
+
+    def counting_flex(*args, **kw):
+        calls.append(1)
+        return flex_attention(*args, **kw)
+
+    monkeypatch.setattr(model_module, "flex_attention", counting_flex)
+    model = tiny(pe, block_size=256).cuda().train()
+    idx = tokens(2, 256).cuda()
+    ref_logits, ref_grads = grads(model, idx)
+    assert not calls
+    compiled = torch.compile(model)
+    logits, fused_grads = grads(compiled, idx)
+    assert calls, "the compiled model did not take the FlexAttention path"
+    close(logits, ref_logits, tol=1e-4)
+    assert ref_grads.keys() == fused_grads.keys()
+    for name in ref_grads:
+        close(fused_grads[name], ref_grads[name], tol=1e-4)
+    assert ref_grads["transformer.h.0.attn.c_attn.weight"].abs().sum() > 0
+    if pe == "bias_rpe":
+        assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("chunks,window,extra", [([7, 1, 1, 5], None, 0), ([4, 1, 9, 1, 1, 14], 6, 0), ([3, 27], 6, 5)])
+def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window, extra):
+    """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the full forward."""
+    model = tiny(pe)
+    idx = tokens(2, sum(chunks))
+    expected = model(idx, window=window)[0]
+    model.fused_attention = True
+    with torch.no_grad():
+        close(cached_logits(model, idx, chunks, window=window, extra=extra), expected)
