@@ -9,7 +9,7 @@ whether or not keys come from a cache).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,10 @@ class GPTConfig:
     pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | rope | alibi | none
     rpe_max_distance: int = 128  # bias_rpe: r_max; distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head
     rope_base: float = 10000.0  # rope: θ_k = base^(-2k/d)
+    rope_scaling: str = "none"  # rope, to run past the training length: none | linear | ntk | dynamic_ntk | yarn
+    rope_factor: float = 1.0  # rope_scaling's s: the context is stretched s times
+    rope_original_max_len: int | None = None  # rope_scaling's L0, the training length (None: block_size)
+    gelu: str = "exact"  # exact (nanoGPT's, 3x faster on CPU) | tanh (GPT-2's own; from_hf uses it)
 
     def __post_init__(self):
         if self.pos_encoding not in POS_ENCODINGS:
@@ -51,6 +55,19 @@ class GPTConfig:
             )
         if self.pos_encoding == "sinusoidal" and self.n_embd % 2:
             raise ValueError(f"pos_encoding='sinusoidal' needs an even n_embd (sin/cos pairs), got {self.n_embd}")
+        if self.gelu not in ("exact", "tanh"):
+            raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"rope_scaling={self.rope_scaling!r} is not a RoPE scaling; valid choices: {', '.join(ROPE_SCALINGS)}"
+            )
+        if not (isinstance(self.rope_factor, int | float) and self.rope_factor >= 1.0):
+            raise ValueError(f"rope_factor={self.rope_factor!r} must be a number >= 1 (how many times longer)")
+        L0 = self.rope_original_max_len
+        if L0 is not None and (not isinstance(L0, int) or isinstance(L0, bool) or L0 < 1):
+            raise ValueError(f"rope_original_max_len={L0!r} must be a positive integer (or None for block_size)")
+        if self.rope_scaling == "ntk" and self.n_embd // self.n_head <= 2:
+            raise ValueError("rope_scaling='ntk' needs a head dim > 2 (its exponent is d/(d-2))")
         if not self.rope_base > 1.0:
             raise ValueError(f"rope_base={self.rope_base!r} must be > 1")
 
@@ -70,6 +87,7 @@ class NoPE(nn.Module):
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
     max_len = None  # the most positions it can encode (None: unbounded)
     has_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
+    cache_span = None  # the longest span of positions a KV cache stays exact for (None: any)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -77,7 +95,7 @@ class NoPE(nn.Module):
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None  # (T,) -> (T, C)
 
-    def rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rotary(self, pos: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None  # (T,) -> cos, sin, each (T, hs/2) float32
 
     def bias(self, h: torch.Tensor, rel: torch.Tensor) -> torch.Tensor | None:
@@ -135,19 +153,56 @@ class BiasRPE(NoPE):
         return self.weight[h, rel.clamp(-(r - 1), r - 1) + (r - 1)].float()
 
 
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Peng et al. 2023, recommended for LLaMA)
+
+
 class RoPE(NoPE):
     """Rotary position embedding (Su et al. 2021, RoFormer): rotate each pair (2k, 2k+1) of q and k by the
-    angle p·θ_k, θ_k = base^(-2k/d), so q·k depends on positions only through i - j. Angles in float32."""
+    angle p·θ_k, θ_k = base^(-2k/d), so q·k depends on positions only through i - j. Angles in float32.
+
+    Scalings stretch the context s = rope_factor times past L0 = rope_original_max_len (see REFERENCES):
+    linear (position interpolation, Chen et al. 2023): θ_k / s. ntk (bloc97 2023): base · s^(d/(d-2)).
+    dynamic_ntk: base · (s·L/L0 - (s-1))^(d/(d-2)) for the current length L > L0: every key, in every layer, changes
+    whenever L does, so past L0 no KV cache can be exact; generate() recomputes there, features() refuses a cache.
+    yarn (Peng et al. 2023): θ_k kept for dims that turn more than β=32 times in L0, θ_k / s for those turning less
+    than α=1 time, a linear ramp between; cos and sin scaled by 0.1·ln(s) + 1 (the attention temperature)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.head_dim = config.n_embd // config.n_head
-        self.base = config.rope_base
+        d = self.head_dim = config.n_embd // config.n_head
+        self.base, self.scaling, self.factor = config.rope_base, config.rope_scaling, float(config.rope_factor)
+        self.original = config.rope_original_max_len or config.block_size
+        self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
+        self.cache_span = self.original if self.scaling == "dynamic_ntk" else None
+        # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
+        dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
+        self.low, self.high = math.floor(dim(YARN_BETA)), math.ceil(dim(YARN_ALPHA))
+        if self.high == self.low:
+            self.high += 0.001  # a step, not a division by zero
 
-    def rotary(self, pos):
-        k = torch.arange(0, self.head_dim, 2, device=pos.device, dtype=torch.float32)
-        angle = pos.float()[:, None] * self.base ** (-k / self.head_dim)  # (T, hs/2)
-        return angle.cos(), angle.sin()
+    def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
+        """θ_k (hs/2,) float32, scaled; length (a 0-d tensor, the sequence length L) matters for dynamic_ntk only."""
+        d, s = self.head_dim, self.factor
+        k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
+        # NTK: the original exponent d/(d-2), as Hugging Face's dynamic variant; one textbook's s^(2/(d-2)) is not it
+        base = self.base * s ** (d / (d - 2)) if self.scaling == "ntk" else self.base
+        theta = base ** (-2 * k / d)
+        if self.scaling == "linear":
+            theta = theta / s
+        elif self.scaling == "yarn":  # ramp 0: keep θ_k (high frequency); ramp 1: interpolate θ_k / s
+            ramp = ((k - self.low) / (self.high - self.low)).clamp(0, 1)
+            theta = theta / s * ramp + theta * (1 - ramp)
+        elif self.scaling == "dynamic_ntk" and length is not None:
+            ratio = (s * length.float() / self.original - (s - 1)).clamp(min=1.0)  # 1 up to L0: unscaled
+            theta = theta * ratio ** (-2 * k / (d - 2))  # (base · ratio^(d/(d-2)))^(-2k/d)
+        return theta
+
+    def rotary(self, pos, window=None):
+        # dynamic NTK: L is the span the queries see, the last position + 1 but at most the window
+        length = (pos.max() + 1).clamp(max=window or KVCache.EMPTY) if self.scaling == "dynamic_ntk" else None
+        angle = pos.float()[:, None] * self.inv_freq(pos.device, length)  # (T, hs/2)
+        return angle.cos() * self.mscale, angle.sin() * self.mscale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -280,7 +335,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.gelu = nn.GELU(approximate="tanh" if config.gelu == "tanh" else "none")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -408,6 +463,13 @@ class GPT(nn.Module):
                 f"(asked for position {last}); feed at most {max_len} tokens, or use an encoding that "
                 "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
             )
+        span = last + 1 if window is None else min(last + 1, window)
+        if cache is not None and self.transformer.wpe.cache_span is not None and span > self.transformer.wpe.cache_span:
+            raise ValueError(
+                f"rope_scaling='dynamic_ntk' changes every key as the length grows past rope_original_max_len="
+                f"{self.transformer.wpe.cache_span} (here {span}), so no KV cache can be exact there; run without a "
+                "cache (generate() does so by itself)"
+            )
         x = self._features(idx, pos, cache, window)
         if cache is not None:
             cache.next_pos, cache.length = last + 1, cache.length + T
@@ -423,7 +485,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         mask = self._attn_mask(pos, k_pos, window, cached=cache is not None)
-        rope = pe.rotary(pos)
+        rope = pe.rotary(pos, window)
         for block in self.transformer.h:
             x = block(x, rope, mask, cache)
         return self.transformer.ln_f(x)
@@ -468,6 +530,16 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
+        """Switch RoPE's scaling at inference, no weight changes (e.g. yarn, factor 4: read 4x the training length).
+        original_max_len (L0) defaults to the config's, else block_size: the length the model was trained at."""
+        if self.config.pos_encoding != "rope":
+            raise ValueError(f"rope_scaling applies to pos_encoding='rope', not {self.config.pos_encoding!r}")
+        L0 = original_max_len or self.config.rope_original_max_len
+        self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
+        self.transformer.wpe = RoPE(self.config)  # RoPE holds no weights: rebuilding it loses nothing
+        self._compiled_decode = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation
@@ -518,8 +590,9 @@ class GPT(nn.Module):
                 self._compiled_decode = torch.compile(self._decode_step, mode=mode, fullgraph=True)
             decode = self._compiled_decode
         cache, new = None, idx  # new: the tokens the model has not seen yet
+        span = self.transformer.wpe.cache_span
         for _ in range(max_new_tokens):
-            if not use_cache:
+            if not use_cache or (span is not None and min(idx.size(1), W) > span):  # dynamic NTK past L0: recompute
                 logits = self.lm_head(self.features(idx[:, -W:])[:, -1])
             elif cache is None or (not relative and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
                 cache = KVCache(self.config.n_layer, size)
@@ -560,6 +633,7 @@ class GPT(nn.Module):
             dropout=dropout,
             bias=True,
             pos_encoding="learned",
+            gelu="tanh",
         )
         model = cls(config)
         sd, sd_hf = model.state_dict(), hf_model.state_dict()

@@ -54,6 +54,7 @@ defaults = dict(
     pos_encoding="rope",  # sinusoidal | learned | bias_rpe | rope | alibi | none
     rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
     rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
+    gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
     n_layer=6,
     n_head=6,
     n_embd=384,

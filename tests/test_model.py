@@ -365,6 +365,8 @@ def test_config_errors_name_the_field():
         GPTConfig(n_embd=30, n_head=4)
     with pytest.raises(ValueError, match="dropout"):
         GPTConfig(dropout=1.5)
+    with pytest.raises(ValueError, match="gelu='relu'.*exact, tanh"):
+        GPTConfig(gelu="relu")
     with pytest.raises(ValueError, match="max_context"):
         tiny("rope").generate(tokens(1, 2), 1, max_context=0)
 

@@ -1,0 +1,279 @@
+"""
+Benchmarks: training step time (and MFU on a GPU) for every encoding, decode speed with and without the KV cache,
+fused (FlexAttention) vs materialized attention for the bias encodings, and nanoGPT measured in the same process.
+Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test: it measures, it asserts nothing.
+
+    python bench.py                                  # every table this device can run (CPU: a few minutes)
+    python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
+    python bench.py --only=decode                    # one table: train, encodings, decode, attention
+
+CPU sizes follow issue 5: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
+against nanoGPT; block 256 for the encodings; 6 layers, 384 dims, block 256, batch 1, 512 tokens for decode. On a GPU:
+GPT-2 124M at block 1024, bf16, compiled.
+"""
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from model import GPT, GPTConfig
+from train import GPU_PEAK_FLOPS
+
+ENCODINGS = ["learned", "sinusoidal", "none", "rope", "alibi", "bias_rpe"]
+# HBM bandwidth in bytes/s: the bound for batch-1 decode, which reads every weight once per token
+GPU_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, steps: int, warmup: int) -> float:
+    """Median seconds per call of fn over steps calls, after warmup calls (compilation happens there)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(device: str) -> str:
+    return f"{torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if device == "cuda" else "—"
+
+
+def reset_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def load_nanogpt(path: str | None):
+    """nanoGPT's model.py, imported from a clone at benchmark time (its code is never part of this repository)."""
+    if path is None:
+        return None
+    file = Path(path) / "model.py"
+    if not file.exists():
+        sys.exit(f"--nanogpt={path}: no model.py there; clone https://github.com/karpathy/nanoGPT and pass its folder")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_step_fn(model, cfg: dict, args, device: str):
+    """One optimizer step on random tokens: forward with targets, backward, AdamW (what train.py does per iteration)."""
+    B, T = cfg["batch_size"], cfg["block_size"]
+    x = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
+    y = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
+    fwd = torch.compile(model) if args.compile else model
+
+    def step():
+        with ctx:
+            _, loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def sizes(device: str) -> dict:
+    if device == "cuda":  # GPT-2 124M
+        gpt2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, dropout=0.0, bias=False)
+        return dict(
+            train=dict(gpt2, block_size=1024, batch_size=16),
+            encodings=[dict(gpt2, block_size=1024, batch_size=16), dict(gpt2, block_size=256, batch_size=64)],
+            decode=dict(gpt2, block_size=1024, vocab_size=50257),
+        )
+    tiny = dict(n_layer=4, n_head=4, n_embd=128, vocab_size=65, dropout=0.0, bias=True)
+    return dict(
+        train=dict(tiny, block_size=64, batch_size=12),
+        encodings=[dict(tiny, block_size=256, batch_size=12)],
+        decode=dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, dropout=0.0, bias=True, block_size=256),
+    )
+
+
+def model_args(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "batch_size"}
+
+
+def bench_train(args, device: str, nanogpt) -> None:
+    """Our learned-position GPT (GPT-2's architecture) against nanoGPT's, same size and data, interleaved."""
+    cfg = sizes(device)["train"]
+    print(f"\n### Training step vs nanoGPT ({cfg})\n")
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(**model_args(cfg), pos_encoding="learned")).to(device)
+    runs = {"nanoPE (learned)": train_step_fn(ours, cfg, args, device)}
+    if nanogpt is not None:
+        torch.manual_seed(0)
+        theirs = nanogpt.GPT(nanogpt.GPTConfig(**model_args(cfg))).to(device)
+        runs["nanoGPT model.py"] = train_step_fn(theirs, cfg, args, device)
+    results = {name: [] for name in runs}
+    for _ in range(args.rounds):  # alternate so that drift in the machine's speed hits both alike
+        for name, fn in runs.items():
+            results[name].append(timed(fn, device, args.steps, args.warmup))
+    base = statistics.median(results["nanoGPT model.py"]) if nanogpt is not None else None
+    print("| model | ms/step | ratio to nanoGPT |\n|---|---:|---:|")
+    for name, ts in results.items():
+        t = statistics.median(ts)
+        print(f"| {name} | {t * 1e3:.1f} | {f'{t / base:.3f}' if base else 'n/a (pass --nanogpt)'} |")
+
+
+def bench_encodings(args, device: str) -> None:
+    for cfg in sizes(device)["encodings"]:
+        print(f"\n### Training step per encoding ({cfg})\n")
+        peak = (
+            next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+            if (device == "cuda")
+            else None
+        )
+        rows = []
+        for enc in ENCODINGS:
+            reset_memory(device)
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**model_args(cfg), pos_encoding=enc)).to(device)
+            t = timed(train_step_fn(model, cfg, args, device), device, args.steps, args.warmup)
+            tokens = cfg["batch_size"] * cfg["block_size"]
+            mfu = f"{100 * model.estimate_mfu(tokens, t, peak):.1f}%" if peak else "—"
+            rows.append((enc, t, tokens / t, mfu, peak_memory(device)))
+            del model
+        fastest = min(r[1] for r in rows)
+        rope = next(r[1] for r in rows if r[0] == "rope")
+        print("| encoding | ms/step | tokens/s | MFU | peak memory | vs fastest | vs rope |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for enc, t, tps, mfu, mem in rows:
+            print(f"| {enc} | {t * 1e3:.1f} | {tps:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {t / rope:.2f}x |")
+
+
+def bench_decode(args, device: str, nanogpt) -> None:
+    cfg = sizes(device)["decode"]
+    n = args.decode_tokens
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    print(f"\n### Decode, batch 1, {n} new tokens after an 8-token prompt, {dtype} ({cfg})\n")
+    prompt = torch.randint(0, cfg["vocab_size"], (1, 8), device=device)
+
+    def rate(fn, warm: bool = False) -> float:
+        if warm:  # compile first
+            fn()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return n / (time.perf_counter() - t0)
+
+    rows = []
+    for enc in args.decode_encodings:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**cfg, pos_encoding=enc)).to(device, dtype).eval()
+
+        def gen(model=model, **kw):
+            return model.generate(prompt, n, temperature=0, **kw)
+
+        rows.append([enc, rate(gen), rate(lambda: gen(compile=True), warm=True), rate(lambda: gen(use_cache=False))])
+    ng = None
+    if nanogpt is not None:
+        torch.manual_seed(0)
+        theirs = nanogpt.GPT(nanogpt.GPTConfig(**cfg)).to(device, dtype).eval()
+        with torch.no_grad():
+            ng = rate(lambda: theirs.generate(prompt, n, temperature=1.0))
+    bound = ""
+    if device == "cuda":
+        bw = next((v for k, v in GPU_BANDWIDTH.items() if k in torch.cuda.get_device_name()), None)
+        n_params = GPT(GPTConfig(**cfg, pos_encoding="rope")).get_num_params(non_embedding=False)
+        kv = 2 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"] / 2  # mean cache length, in elements
+        bound = bw / ((n_params + kv) * 2) if bw else None  # bf16: 2 bytes a weight, all read once per token
+    print("| encoding | cache, tokens/s | cache + compiled step | no cache (window re-run) | compiled vs nanoGPT |")
+    print("|---|---:|---:|---:|---:|")
+    for enc, cached, compiled, plain in rows:
+        vs = f"{compiled / ng:.1f}x" if ng else "n/a"
+        print(f"| {enc} | {cached:,.0f} | {compiled:,.0f} | {plain:,.0f} | {vs} |")
+    if ng:
+        print(f"| nanoGPT generate | | | {ng:,.0f} | 1.0x |")
+    if bound:
+        best = max(r[2] for r in rows)
+        print(
+            f"\nbandwidth bound (weights + mean KV cache read once per token): {bound:,.0f} tokens/s; "
+            f"best compiled: {best / bound:.0%} of it"
+        )
+
+
+def bench_attention(args, device: str) -> None:
+    """One 124M-width layer, forward + backward: the (nh, T, T) bias materialized vs FlexAttention's score_mod."""
+    if device != "cuda":
+        print("\n### Attention, materialized vs fused: needs a GPU (FlexAttention has no backward on CPU)")
+        return
+    print(
+        "\n### Attention for the bias encodings, materialized vs fused (1 layer, 768 dims, 12 heads, batch 4, bf16)\n"
+    )
+    print("| encoding | context | materialized ms | fused ms | materialized peak | fused peak |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for enc in ["alibi", "bias_rpe"]:
+        for T in args.attention_lengths:
+            cells = []
+            for fused in (False, True):
+                reset_memory(device)
+                cfg = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=T, dropout=0.0, bias=False)
+                model = GPT(GPTConfig(**cfg, pos_encoding=enc)).to(device)
+                model.fused_attention = fused
+                base = torch.cuda.memory_allocated()
+                try:
+                    t = timed(train_step_fn(model, dict(cfg, batch_size=4), args, device), device, args.steps, 3)
+                    cells.append((f"{t * 1e3:.1f}", f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"))
+                except torch.OutOfMemoryError:
+                    cells.append(("OOM", "OOM"))
+                del model
+            print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
+    p.add_argument("--only", choices=["train", "encodings", "decode", "attention"], default=None)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median is reported)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the nanoGPT comparison")
+    p.add_argument("--decode_tokens", type=int, default=512)
+    p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
+    p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    args = p.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device=cuda but no CUDA device is visible; use --device=cpu")
+    args.compile = device == "cuda"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    nanogpt = load_nanogpt(args.nanogpt)
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"nanoPE bench: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    tables = {
+        "train": lambda: bench_train(args, device, nanogpt),
+        "encodings": lambda: bench_encodings(args, device),
+        "decode": lambda: bench_decode(args, device, nanogpt),
+        "attention": lambda: bench_attention(args, device),
+    }
+    for key, fn in tables.items():
+        if args.only in (None, key):
+            fn()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""RoPE scaling (linear, NTK, dynamic NTK, YaRN): golden values from the published formulas, and an exact KV cache."""
+
+import math
+
+import pytest
+import torch
+from test_model import cached_logits, close, greedy_reference, tiny, tokens
+
+from model import GPTConfig, KVCache, RoPE
+
+SCALINGS = ["none", "linear", "ntk", "dynamic_ntk", "yarn"]
+
+
+def rope(d: int, L0: int, scaling: str, factor: float, base: float = 10000.0) -> RoPE:
+    return RoPE(
+        GPTConfig(
+            n_embd=d,
+            n_head=1,
+            block_size=L0,
+            pos_encoding="rope",
+            rope_base=base,
+            rope_scaling=scaling,
+            rope_factor=factor,
+        )
+    )
+
+
+def theta(d: int, base: float = 10000.0) -> torch.Tensor:
+    return torch.tensor([base ** (-2 * k / d) for k in range(d // 2)], dtype=torch.float64)
+
+
+def test_linear_divides_every_frequency():
+    got = rope(64, 256, "linear", 4.0).inv_freq("cpu").double()
+    close(got, theta(64) / 4, tol=1e-6)
+
+
+def test_ntk_base_matches_the_original_formula():
+    """bloc97's base · s^(d/(d-2)): base 12,286 for s = 5000/4096, d = 64 (a textbook's s^(2/(d-2)) gives 10,065)."""
+    s = 5000 / 4096
+    got = rope(64, 4096, "ntk", s).inv_freq("cpu").double()
+    base = 10000 * s ** (64 / 62)
+    assert round(base) == 12286
+    close(got, theta(64, base), tol=1e-6)
+    # θ_1 = base'^(-2/64): the textbook's base would put it measurably elsewhere
+    assert abs(got[1].item() - 12286 ** (-2 / 64)) < 1e-6
+    assert abs(got[1].item() - 10065 ** (-2 / 64)) > 1e-3
+
+
+def test_dynamic_ntk_base_follows_the_length():
+    """Unscaled up to L0; at L = 2·L0 with s = 2, base · (s·L/L0 - (s - 1))^(d/(d-2)) = base · 3^(d/(d-2))."""
+    pe = rope(32, 128, "dynamic_ntk", 2.0)
+    close(pe.inv_freq("cpu", torch.tensor(100)).double(), theta(32), tol=1e-6)
+    close(pe.inv_freq("cpu", torch.tensor(128)).double(), theta(32), tol=1e-6)
+    close(pe.inv_freq("cpu", torch.tensor(256)).double(), theta(32, 10000 * 3 ** (32 / 30)), tol=1e-6)
+
+
+def test_yarn_matches_the_paper():
+    """LLaMA's setting (d = 128, base 10^4, L0 = 4096), s = 16. dim(r) = d·ln(L0/(2πr))/(2·ln base): dim(32) = 20.95,
+    dim(1) = 45.03, so dims k <= 20 are kept (they turn > 32 times in L0), k >= 46 divided by s, a linear ramp between.
+    A port that blends the other way round interpolates the fast dims and keeps the slow ones: k = 0 catches it."""
+    pe = rope(128, 4096, "yarn", 16.0)
+    assert (pe.low, pe.high) == (20, 46)
+    got, t = pe.inv_freq("cpu").double(), theta(128)
+    close(got[:21], t[:21], tol=1e-7)
+    close(got[46:], t[46:] / 16, tol=1e-7)
+    ramp = (33 - 20) / (46 - 20)  # 0.5
+    assert abs(got[33].item() - (t[33] / 16 * ramp + t[33] * (1 - ramp)).item()) < 1e-7
+    assert abs(pe.mscale - (0.1 * math.log(16) + 1)) < 1e-12  # 1.2773
+    cos, sin = pe.rotary(torch.tensor([0, 5]))
+    close(cos[0], torch.full((64,), 0.1 * math.log(16) + 1))  # the temperature scales cos and sin alike
+    close(cos[1] ** 2 + sin[1] ** 2, torch.full((64,), (0.1 * math.log(16) + 1) ** 2))
+
+
+def test_factor_one_changes_nothing():
+    """s = 1 is the identity for the static scalings (YaRN's temperature is 0.1·ln 1 + 1 = 1). Dynamic NTK still
+    stretches past L0 (its ratio is s·L/L0 - (s - 1) = L/L0 there), so it is the identity up to L0 only."""
+    model = tiny("rope", block_size=16)
+    idx = tokens(2, 24)
+    expected = model(idx)[0]
+    for scaling in SCALINGS:
+        model.set_rope_scaling(scaling, 1.0)
+        close(model(idx[:, :16])[0], expected[:, :16])
+        if scaling != "dynamic_ntk":
+            close(model(idx)[0], expected)
+
+
+STATIC = [s for s in SCALINGS if s != "dynamic_ntk"]
+
+
+@pytest.mark.parametrize("scaling", STATIC)
+@pytest.mark.parametrize("chunks", [[24], [10, 1, 1, 5, 7], [1] * 24])
+def test_cache_is_exact_with_scaling(scaling, chunks):
+    """Static scalings: cached logits equal the full forward at every position, past block_size, and in a rolling
+    window."""
+    model = tiny("rope", block_size=8, rope_scaling=scaling, rope_factor=4.0)
+    idx = tokens(2, 24)
+    close(cached_logits(model, idx, chunks), model(idx)[0])
+    close(cached_logits(model, idx, chunks, window=6, extra=2), model(idx, window=6)[0])
+
+
+@pytest.mark.parametrize("scaling", STATIC)
+def test_generation_with_scaling_equals_full_forwards(scaling):
+    model = tiny("rope", block_size=8, rope_scaling=scaling, rope_factor=2.0)
+    idx = tokens(1, 3)
+    expected = greedy_reference(model, idx, 20, lambda m, x: m(x)[0][:, -1])
+    assert torch.equal(model.generate(idx, 20, temperature=0, max_context=23), expected)
+    windowed = greedy_reference(model, idx, 20, lambda m, x: m(x, window=6)[0][:, -1])
+    assert torch.equal(model.generate(idx, 20, temperature=0, max_context=6), windowed)
+
+
+@pytest.mark.parametrize("W", [6, 12, 23])
+def test_dynamic_ntk_generation_caches_up_to_L0_then_recomputes(W):
+    """Dynamic NTK changes every key (in every layer: deeper keys depend on earlier layers) whenever the length
+    grows past L0, so no cache is exact there. generate() caches up to L0 = 8 and recomputes the last W tokens past it,
+    which equals greedy full forwards over the last W tokens. W = 6 never passes L0: the rolling cache runs
+    throughout, and equals the sliding-window forward as without scaling."""
+    model = tiny("rope", block_size=8, rope_scaling="dynamic_ntk", rope_factor=3.0)
+    idx = tokens(2, 3)
+    if W <= 8:
+        expected = greedy_reference(model, idx, 20, lambda m, x: m(x, window=W)[0][:, -1])
+    else:
+        expected = greedy_reference(model, idx, 20, lambda m, x: m(x[:, -W:])[0][:, -1])
+    assert torch.equal(model.generate(idx, 20, temperature=0, max_context=W), expected)
+    cache = KVCache(model.config.n_layer, 16)
+    close(model(idx, cache=cache)[0], model(idx)[0])  # inside L0 the cache is exact
+    model(tokens(2, 5), cache=cache)
+    with pytest.raises(ValueError, match="dynamic_ntk.*no KV cache can be exact"):
+        model(tokens(2, 1), cache=cache)  # position 8: length 9 > L0
+    assert (model(tokens(2, 24))[0] - tiny("rope", block_size=8)(tokens(2, 24))[0]).abs().max() > 1e-3
+
+
+def test_set_rope_scaling_and_errors():
+    model = tiny("rope", block_size=16)
+    model.set_rope_scaling("yarn", 4.0)
+    assert model.config.rope_scaling == "yarn" and model.transformer.wpe.mscale > 1
+    with pytest.raises(ValueError, match="rope_scaling='yarm'.*linear, ntk, dynamic_ntk, yarn"):
+        model.set_rope_scaling("yarm", 4.0)
+    with pytest.raises(ValueError, match="rope_factor=0.5"):
+        GPTConfig(pos_encoding="rope", rope_scaling="linear", rope_factor=0.5)
+    with pytest.raises(ValueError, match="rope_original_max_len"):
+        GPTConfig(pos_encoding="rope", rope_original_max_len=0)
+    with pytest.raises(ValueError, match="pos_encoding='rope', not 'alibi'"):
+        tiny("alibi").set_rope_scaling("yarn", 2.0)
