@@ -1,0 +1,272 @@
+"""
+Train short, test long: validation loss and perplexity of checkpoints at several context lengths.
+
+    python eval_length.py out-rope out-alibi out-sinusoidal --lengths 256 512 1024 2048
+    python eval_length.py out-* --lengths 64 128 256 512 1024 --rope_scaling yarn ntk --plot length.png
+    python eval_length.py out-* --wandb_log
+
+Two ways, as in the ALiBi paper (Press et al. 2021, §4): `nonoverlapping` cuts the validation text into windows of
+L tokens and scores every token (early tokens of each window see little context); `sliding` moves a window of L
+tokens by `stride` and scores only the tokens that are new in it, so each token is scored once with at least
+L - stride tokens of context. Every length scores the same stretch of text (the first --eval_tokens validation
+tokens). Also the loss at each position of the window (the non-overlapping windows), where an encoding breaks.
+
+`learned` has no position past its block size: n/a there. --rope_scaling adds rows for RoPE checkpoints evaluated
+with a scaling (factor: --rope_factor, by default the longest length / the training length).
+Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a plot (--plot).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from datafiles import DATA_DIR, DataError, load_meta
+from model import GPT, ROPE_SCALINGS
+
+MODES = ("nonoverlapping", "sliding")
+
+
+def windows(n_tokens: int, L: int, mode: str, stride: int) -> list[tuple[int, int]]:
+    """(start, first scored offset) of each window of L tokens over n_tokens + 1 tokens (inputs and targets).
+    Every target 1..n_tokens' (the scored stretch) is scored exactly once."""
+    if mode == "nonoverlapping":
+        return [(s, 0) for s in range(0, n_tokens - L + 1, L)]
+    out = [(0, 0)]
+    s = stride
+    while s + L <= n_tokens:
+        out.append((s, L - stride))  # the tokens before L - stride were scored by the previous window
+        s += stride
+    return out
+
+
+def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
+    """Windows per forward that fit in budget_bytes: logits (fp32, with the loss's copy), activations, and the
+    (nh, L, L) attention bias or mask that the reference attention path materializes."""
+    c = model.config
+    per_window = L * (8 * c.vocab_size + 64 * c.n_embd * c.n_layer) + 8 * c.n_head * L * L
+    return max(1, int(budget_bytes // per_window))
+
+
+@torch.no_grad()
+def evaluate(
+    model: GPT,
+    data: np.ndarray,
+    L: int,
+    mode: str,
+    stride: int,
+    budget_bytes: float,
+    device: str,
+    ctx,
+    bar: tqdm,
+) -> dict:
+    """Mean loss and perplexity over the scored tokens, and (nonoverlapping) the mean loss at each window position."""
+    n = len(data) - 1
+    spans = windows(n, L, mode, stride)
+    B = window_batch(model, L, budget_bytes)
+    total, count, per_pos, i = 0.0, 0, torch.zeros(L, dtype=torch.float64), 0
+    while i < len(spans):
+        chunk = spans[i : i + B]
+        x = torch.from_numpy(np.stack([data[s : s + L] for s, _ in chunk]).astype(np.int64)).to(device)
+        y = torch.from_numpy(np.stack([data[s + 1 : s + 1 + L] for s, _ in chunk]).astype(np.int64)).to(device)
+        try:
+            with ctx:
+                logits, _ = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(len(chunk), L)
+        except torch.OutOfMemoryError:
+            if B == 1:
+                raise
+            B = max(1, B // 2)  # shrink and retry this batch, not silently fail
+            torch.cuda.empty_cache()
+            tqdm.write(f"out of memory at {len(chunk)} windows of {L} tokens: retrying with {B}")
+            continue
+        loss = loss.double().cpu()
+        for row, (_, first) in zip(loss, chunk, strict=True):
+            total += row[first:].sum().item()
+            count += L - first
+        per_pos += loss.sum(0)
+        i += len(chunk)
+        bar.update(len(chunk) * L)
+    mean = total / count
+    return {"loss": mean, "ppl": math.exp(mean), "tokens": count, "per_position": (per_pos / len(spans)).tolist()}
+
+
+def load_val(ckpt: dict, data_dir: str | None) -> tuple[np.ndarray, str]:
+    dataset = ckpt.get("config", {}).get("dataset", "shakespeare_char")
+    path = Path(data_dir) if data_dir else (Path(dataset) if "/" in dataset else DATA_DIR / dataset)
+    load_meta(path)  # names a missing or unprepared dataset and how to prepare it
+    return np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--stride", type=int, default=None, help="sliding stride (default: a quarter of the length)")
+    p.add_argument("--eval_tokens", type=int, default=32768, help="validation tokens scored at every length")
+    p.add_argument("--rope_scaling", nargs="*", default=[], choices=[s for s in ROPE_SCALINGS if s != "none"])
+    p.add_argument("--rope_factor", type=float, default=None, help="default: longest length / training length")
+    p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
+    p.add_argument("--memory_gb", type=float, default=None, help="memory for one batch (default: 2, or 1/2 the GPU's)")
+    p.add_argument("--out_json", default="eval_length.json")
+    p.add_argument("--out_md", default=None)
+    p.add_argument("--plot", default="eval_length.png")
+    p.add_argument("--wandb_log", action="store_true")
+    p.add_argument("--wandb_project", default="nanope")
+    p.add_argument("--wandb_run_name", default="eval_length")
+    args = p.parse_args(argv)
+    for L in args.lengths:
+        if L < 2 or (args.stride and args.stride > L):
+            p.error(f"length {L}: lengths must be >= 2 and at least --stride={args.stride}")
+    lengths = sorted(set(args.lengths))
+    device = args.device
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    ctx = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
+    if args.memory_gb is None:
+        args.memory_gb = torch.cuda.mem_get_info()[0] / 2**31 if device.startswith("cuda") else 2.0
+    budget = args.memory_gb * 2**30
+
+    # every checkpoint, and a scaled copy of each RoPE one per --rope_scaling
+    runs = []
+    for out_dir in args.out_dirs:
+        try:
+            ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+            data, dataset = load_val(ckpt, args.data_dir)
+        except (CheckpointError, DataError) as e:
+            sys.exit(f"error: {e}")
+        model = model_from_checkpoint(ckpt).to(device).eval()
+        enc, T = model.config.pos_encoding, model.config.block_size
+        runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
+        for scaling in args.rope_scaling if enc == "rope" else []:
+            scaled = model_from_checkpoint(ckpt).to(device).eval()
+            factor = args.rope_factor or max(1.0, max(lengths) / T)
+            scaled.set_rope_scaling(scaling, factor)
+            name = f"rope+{scaling} (s={factor:g})"
+            runs.append(dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T))
+    need = max(lengths) + 1
+    for r in runs:
+        if len(r["data"]) < need:
+            sys.exit(
+                f"error: {r['out_dir']}: the validation set has {len(r['data'])} tokens, fewer than the longest "
+                f"length + 1 = {need}; evaluate shorter lengths"
+            )
+        r["data"] = np.asarray(r["data"][: max(args.eval_tokens, max(lengths)) + 1])
+
+    def feasible(r, L):
+        max_len = r["model"].transformer.wpe.max_len
+        return max_len is None or L <= max_len
+
+    work = sum(
+        len(r["data"]) * (1 if m == "nonoverlapping" else L / (args.stride or max(1, L // 4)))
+        for r in runs
+        for L in lengths
+        if feasible(r, L)
+        for m in args.modes
+    )
+    bar = tqdm(total=int(work), unit="tok", desc="eval_length", dynamic_ncols=True)
+    t0 = time.time()
+    for r in runs:
+        r["results"] = {m: {} for m in args.modes}
+        for L in lengths:
+            for mode in args.modes:
+                if not feasible(r, L):
+                    r["results"][mode][L] = None  # learned: no position past block_size
+                    continue
+                stride = args.stride or max(1, L // 4)
+                bar.set_postfix_str(f"{r['name']} L={L} {mode}")
+                r["results"][mode][L] = evaluate(r["model"], r["data"], L, mode, stride, budget, device, ctx, bar)
+    bar.close()
+
+    report = {
+        "lengths": lengths,
+        "modes": args.modes,
+        "stride": args.stride or "length/4",
+        "eval_tokens": args.eval_tokens,
+        "seconds": round(time.time() - t0, 1),
+        "runs": [{k: v for k, v in r.items() if k not in ("model", "data")} for r in runs],
+    }
+    table = markdown_table(report)
+    print(table)
+    if args.out_md:
+        Path(args.out_md).write_text(table + "\n")
+    Path(args.out_json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
+    if args.wandb_log:
+        import wandb
+
+        run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args), job_type="eval")
+        cols = ["name", "out_dir", "mode", "length", "loss", "ppl"]
+        rows = [
+            [r["name"], r["out_dir"], m, L, *((res["loss"], res["ppl"]) if res else (None, None))]
+            for r in report["runs"]
+            for m, by_len in r["results"].items()
+            for L, res in by_len.items()
+        ]
+        log = {"eval_length": wandb.Table(columns=cols, data=rows)}
+        if args.plot:
+            log["eval_length_plot"] = wandb.Image(args.plot)
+        run.log(log)
+        run.finish()
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    out = []
+    for mode in report["modes"]:
+        out.append(f"\nPerplexity, {mode} windows (train length in brackets):\n")
+        out.append("| encoding | " + " | ".join(str(L) for L in report["lengths"]) + " |")
+        out.append("|---|" + "---:|" * len(report["lengths"]))
+        for r in report["runs"]:
+            cells = [("n/a" if res is None else f"{res['ppl']:.2f}") for res in r["results"][mode].values()]
+            out.append(f"| {r['name']} [{r['train_len']}] | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
+    for r in report["runs"]:
+        pts = [(L, res["ppl"]) for L, res in r["results"][mode].items() if res is not None]
+        axes[0].plot(*zip(*pts, strict=True), marker="o", label=r["name"])
+    axes[0].set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=f"perplexity ({mode})")
+    axes[0].set_title("Train short, test long")
+    train_len = min(r["train_len"] for r in report["runs"])
+    axes[0].axvline(train_len, color="gray", ls=":", lw=1)
+    if "nonoverlapping" in report["modes"]:  # the loss at each position of the longest windows
+        for r in report["runs"]:
+            res = [v for v in r["results"]["nonoverlapping"].values() if v is not None]
+            if res:
+                curve = np.array(res[-1]["per_position"])
+                k = max(1, len(curve) // 64)  # smooth over k positions
+                smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
+                axes[1].plot(np.arange(len(smooth)) + k // 2, smooth, label=f"{r['name']} (L={len(curve)})")
+        axes[1].axvline(train_len, color="gray", ls=":", lw=1)
+        axes[1].set(xlabel="position in the window", ylabel="loss (nats)", title="Loss by position, longest windows")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

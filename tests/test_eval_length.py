@@ -1,0 +1,146 @@
+"""eval_length.py on tiny checkpoints made here: window arithmetic, losses against direct computation, n/a for
+learned past its block size, RoPE scaling rows, the plot, wandb offline."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval_length
+from checkpoint import save_checkpoint
+from datafiles import load_meta, prepare_text, read_embedded_corpus
+from model import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    """One random checkpoint per encoding (block 16) on a small character dataset, as train.py writes them."""
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "data"
+    prepare_text(read_embedded_corpus()[:60_000], data, "char")
+    meta = load_meta(data)
+    out = {}
+    for i, enc in enumerate(["rope", "alibi", "learned", "sinusoidal"]):
+        torch.manual_seed(i)
+        config = GPTConfig(
+            block_size=16, vocab_size=meta["vocab_size"], n_layer=2, n_head=2, n_embd=16, pos_encoding=enc, bias=False
+        )
+        model = GPT(config)
+        d = root / f"out-{enc}"
+        ckpt = {
+            "model": model.state_dict(),
+            "model_args": vars(config).copy(),
+            "config": {"dataset": str(data)},
+            "tokenizer": meta["tokenizer"],
+            "iter_num": 0,
+            "best_val_loss": 0.0,
+        }
+        save_checkpoint(ckpt, d / "ckpt.pt")
+        out[enc] = d
+    out["data"] = data
+    return out
+
+
+@pytest.mark.parametrize("n, L, stride", [(100, 16, 4), (100, 16, 16), (64, 16, 5), (17, 16, 1), (50, 7, 3)])
+def test_every_target_is_scored_once(n, L, stride):
+    for mode in eval_length.MODES:
+        scored = [s + j for s, first in eval_length.windows(n, L, mode, stride) for j in range(first, L)]
+        assert len(scored) == len(set(scored))  # never twice
+        assert scored == list(range(len(scored)))  # a contiguous stretch from the start
+        assert len(scored) > n - (L if mode == "nonoverlapping" else stride)  # nearly all of it
+        if mode == "sliding":  # each target after the first window has at least L - stride tokens of context
+            assert all(first in (0, L - stride) for _, first in eval_length.windows(n, L, mode, stride))
+
+
+def direct_loss(model: GPT, data: np.ndarray, start: int, L: int, j: int) -> float:
+    """The loss of target data[start + j + 1] from a forward over the window data[start : start + L]."""
+    x = torch.from_numpy(data[start : start + L].astype(np.int64))[None]
+    logits, _ = model(x)
+    return F.cross_entropy(logits[0, j][None], torch.tensor([int(data[start + j + 1])])).item()
+
+
+def test_losses_equal_direct_computation(ckpts):
+    ckpt = torch.load(ckpts["alibi"] / "ckpt.pt", weights_only=False)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    data = np.fromfile(ckpts["data"] / "val.bin", dtype=np.uint16)[:301]
+    bar = eval_length.tqdm(disable=True)
+    with torch.no_grad():
+        for mode, stride in [("nonoverlapping", 8), ("sliding", 8), ("sliding", 3)]:
+            L = 24  # past the block size of 16: ALiBi extrapolates
+            res = eval_length.evaluate(model, data, L, mode, stride, 1e9, "cpu", eval_length.nullcontext(), bar)
+            expected = [
+                direct_loss(model, data, s, L, j)
+                for s, first in eval_length.windows(300, L, mode, stride)
+                for j in range(first, L)
+            ]
+            assert res["tokens"] == len(expected)
+            assert abs(res["loss"] - sum(expected) / len(expected)) < 1e-5
+            assert abs(res["ppl"] - math.exp(res["loss"])) < 1e-9
+            tiny_batch = eval_length.evaluate(model, data, L, mode, stride, 1.0, "cpu", eval_length.nullcontext(), bar)
+            assert abs(tiny_batch["loss"] - res["loss"]) < 1e-6  # one window per forward: same numbers
+        # the per-position curve: the mean over windows of the loss at each offset
+        res = eval_length.evaluate(model, data, 24, "nonoverlapping", 24, 1e9, "cpu", eval_length.nullcontext(), bar)
+        starts = [s for s, _ in eval_length.windows(300, 24, "nonoverlapping", 24)]
+        for j in (0, 23):
+            assert abs(res["per_position"][j] - np.mean([direct_loss(model, data, s, 24, j) for s in starts])) < 1e-5
+
+
+def test_window_batch_shrinks_with_length():
+    model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=16))
+    sizes = [eval_length.window_batch(model, L, 2**26) for L in (64, 256, 1024, 4096)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1] >= 1
+
+
+def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out_json, plot, md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"
+    dirs = [str(ckpts[e]) for e in ("rope", "alibi", "learned", "sinusoidal")]
+    report = eval_length.main(
+        [
+            *dirs,
+            "--lengths",
+            "8",
+            "16",
+            "48",
+            "--eval_tokens",
+            "500",
+            "--rope_scaling",
+            "yarn",
+            "--out_json",
+            str(out_json),
+            "--plot",
+            str(plot),
+            "--out_md",
+            str(md),
+            "--wandb_log",
+        ]
+    )
+    names = [r["name"] for r in report["runs"]]
+    assert names == ["rope", "rope+yarn (s=3)", "alibi", "learned", "sinusoidal"]
+    learned = report["runs"][3]["results"]
+    assert learned["sliding"][48] is None and learned["nonoverlapping"][16] is not None  # n/a past block_size
+    table = capsys.readouterr().out
+    assert "| learned [16] |" in table and "n/a" in table
+    assert md.read_text().strip() == table.strip()
+    saved = json.loads(out_json.read_text())
+    assert saved["runs"][2]["results"]["sliding"]["48"]["ppl"] > 1
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    # YaRN changes the RoPE model's numbers; at the training length almost nothing (its fast dims are kept)
+    rope, yarn = report["runs"][0]["results"]["sliding"], report["runs"][1]["results"]["sliding"]
+    assert rope[48]["loss"] != yarn[48]["loss"]
+
+
+def test_errors_name_the_problem(ckpts, tmp_path):
+    with pytest.raises(SystemExit, match="ckpt.pt"):
+        eval_length.main([str(tmp_path / "nowhere"), "--lengths", "8"])
+    with pytest.raises(SystemExit, match="fewer than the longest length"):
+        eval_length.main([str(ckpts["rope"]), "--lengths", "100000", "--plot", ""])
