@@ -2,6 +2,7 @@
 Sample from a trained model, rebuilt (with its tokenizer) from the checkpoint alone:
     python sample.py --out_dir=out-rope
     python sample.py --out_dir=out-rope --start=FILE:prompt.txt --max_context=1024 --top_p=0.9
+    python sample.py --out_dir=out-rope --max_context=1024 --rope_scaling=yarn   # 4x a block of 256, YaRN-scaled
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"
 """
 
@@ -33,6 +34,8 @@ defaults = dict(
     device=default_device(),  # cpu, cuda, cuda:1, mps
     dtype="",  # float32 | bfloat16 | float16; empty: bfloat16 where supported on GPU, else float16; CPU float32
     compile=False,  # torch.compile the one-token decode step (a CUDA graph on GPU): slower start, faster tokens
+    rope_scaling="",  # RoPE models, to read past the training length: linear | ntk | dynamic_ntk | yarn
+    rope_factor=0.0,  # rope_scaling's factor s (default: max_context / block_size)
 )
 
 
@@ -64,6 +67,12 @@ def main(argv: list[str]) -> None:
     else:
         model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
     model.eval().to(device)
+    if cfg["rope_scaling"]:
+        try:
+            s = cfg["rope_factor"] or max(1.0, (cfg["max_context"] or 0) / model.config.block_size)
+            model.set_rope_scaling(cfg["rope_scaling"], s)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     if dtype not in ("float32", "bfloat16", "float16"):
         sys.exit(f"error: dtype={dtype!r}: choose float32, bfloat16 or float16")
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

@@ -17,13 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
 
 
-def make_checkpoint(out_dir: Path, pos_encoding: str = "rope", block_size: int = 32) -> CharTokenizer:
+def make_checkpoint(
+    out_dir: Path, pos_encoding: str = "rope", block_size: int = 32, noise: float = 0.0
+) -> CharTokenizer:
     tok = CharTokenizer.from_text(TEXT)
     torch.manual_seed(0)
     config = GPTConfig(
         block_size=block_size, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=16, pos_encoding=pos_encoding
     )
     model = GPT(config)
+    with torch.no_grad():  # noise: weights far from init, so that positions shape the output
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise)
     save_checkpoint(
         {
             "model": model.state_dict(),
@@ -68,6 +73,26 @@ def test_sample_generates_with_and_without_cache(tmp_path):
     assert cached.stdout.startswith("Before we") and len(cached.stdout.rstrip("\n")) == len("Before we") + 40
     assert cached.stdout == uncached.stdout
     assert "tokens/s" in cached.stderr
+
+
+def test_sample_with_rope_scaling(tmp_path):
+    """--rope_scaling=yarn with max_context 3x the block: the same text as the model scaled by set_rope_scaling
+    (factor 3 by default), cached or not; scaling a non-RoPE model is a clear error."""
+    tok = make_checkpoint(tmp_path, noise=0.5)
+    common = (f"--out_dir={tmp_path}", "--start=Before", "--num_samples=1", "--max_new_tokens=60", "--temperature=0")
+    cached = run_sample(*common, "--max_context=96", "--rope_scaling=yarn")
+    uncached = run_sample(*common, "--max_context=96", "--rope_scaling=yarn", "--no_cache")
+    assert cached.returncode == 0, cached.stderr
+    assert cached.stdout == uncached.stdout
+    model = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
+    model.set_rope_scaling("yarn", 3.0)
+    y = model.generate(torch.tensor([tok.encode("Before")]), 60, temperature=0, max_context=96)
+    assert cached.stdout.rstrip("\n") == tok.decode(y[0].tolist())
+    plain = run_sample(*common, "--max_context=96")
+    assert plain.stdout != cached.stdout  # the scaling changes what the model says past its block
+    make_checkpoint(tmp_path / "alibi", pos_encoding="alibi")
+    r = run_sample(f"--out_dir={tmp_path / 'alibi'}", "--rope_scaling=yarn", "--max_new_tokens=2")
+    assert r.returncode != 0 and "pos_encoding='rope'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_sample_errors_are_clear(tmp_path):
