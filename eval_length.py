@@ -12,7 +12,8 @@ L - stride tokens of context. Every length scores the same stretch of text (the 
 tokens). Also the loss at each position of the window (the non-overlapping windows), where an encoding breaks.
 
 `learned` has no position past its block size: n/a there. --rope_scaling adds rows for RoPE checkpoints evaluated
-with a scaling (factor: --rope_factor, by default the longest length / the training length).
+with a scaling, by default with the factor s matched to each length (s = L / training length, as YaRN is meant
+to be used: at the training length and below, no scaling), or one fixed --rope_factor for every length.
 Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a plot (--plot).
 """
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stride", type=int, default=None, help="sliding stride (default: a quarter of the length)")
     p.add_argument("--eval_tokens", type=int, default=32768, help="validation tokens scored at every length")
     p.add_argument("--rope_scaling", nargs="*", default=[], choices=[s for s in ROPE_SCALINGS if s != "none"])
-    p.add_argument("--rope_factor", type=float, default=None, help="default: longest length / training length")
+    p.add_argument("--rope_factor", type=float, default=None, help="default: each length / the training length")
     p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
@@ -151,10 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if enc == "rope" else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
-            factor = args.rope_factor or max(1.0, max(lengths) / T)
-            scaled.set_rope_scaling(scaling, factor)
-            name = f"rope+{scaling} (s={factor:g})"
-            runs.append(dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T))
+            name = f"rope+{scaling} (s={args.rope_factor:g})" if args.rope_factor else f"rope+{scaling} (s=L/{T})"
+            runs.append(
+                dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T, scaling=scaling)
+            )
     need = max(lengths) + 1
     for r in runs:
         if len(r["data"]) < need:
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in runs:
         r["results"] = {m: {} for m in args.modes}
         for L in lengths:
+            if r.get("scaling"):
+                r["model"].set_rope_scaling(r["scaling"], args.rope_factor or max(1.0, L / r["train_len"]))
             for mode in args.modes:
                 if not feasible(r, L):
                     r["results"][mode][L] = None  # learned: no position past block_size

@@ -324,9 +324,9 @@ class CausalSelfAttention(nn.Module):
         elif isinstance(mask, tuple):  # fused: FlexAttention with the score bias as a score_mod (no dropout)
             score_mod, block_mask = mask
             y = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-        else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk)
+        else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk); 4-D, CPUs take their flash kernel
             mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

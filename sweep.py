@@ -199,7 +199,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1337])
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="evaluation lengths (default: per size)")
-    p.add_argument("--rope_scaling", nargs="*", default=["yarn"], help="extra RoPE rows (eval_length.py)")
+    p.add_argument("--rope_scaling", nargs="*", default=["yarn", "dynamic_ntk"], help="extra RoPE rows (eval_length)")
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")

@@ -124,7 +124,7 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
         ]
     )
     names = [r["name"] for r in report["runs"]]
-    assert names == ["rope", "rope+yarn (s=3)", "alibi", "learned", "sinusoidal"]
+    assert names == ["rope", "rope+yarn (s=L/16)", "alibi", "learned", "sinusoidal"]
     learned = report["runs"][3]["results"]
     assert learned["sliding"][48] is None and learned["nonoverlapping"][16] is not None  # n/a past block_size
     table = capsys.readouterr().out
@@ -134,9 +134,10 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
     assert saved["runs"][2]["results"]["sliding"]["48"]["ppl"] > 1
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    # YaRN changes the RoPE model's numbers; at the training length almost nothing (its fast dims are kept)
+    # YaRN with s = L / 16 changes the RoPE model's numbers past the training length, and none up to it (s = 1)
     rope, yarn = report["runs"][0]["results"]["sliding"], report["runs"][1]["results"]["sliding"]
     assert rope[48]["loss"] != yarn[48]["loss"]
+    assert rope[16]["loss"] == yarn[16]["loss"] and rope[8]["loss"] == yarn[8]["loss"]
 
 
 def test_errors_name_the_problem(ckpts, tmp_path):

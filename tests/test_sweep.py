@@ -39,7 +39,7 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
         (e, s) for e in ("rope", "learned", "alibi") for s in (1, 2)
     )
     report = (out / "report.md").read_text()
-    for row in ("| rope | ", "| rope+yarn (s=2) | ", "| alibi | ", "| learned | "):
+    for row in ("| rope | ", "| rope+yarn (s=L/32) | ", "| alibi | ", "| learned | "):
         assert row in report
     assert " ± " in report  # two seeds: mean ± spread
     learned = next(line for line in report.splitlines() if line.startswith("| learned | ") and "n/a" in line)
