@@ -120,7 +120,7 @@ def aggregate(report: dict) -> dict:
     return out
 
 
-def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str], seconds: float) -> Path:
+def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str]) -> Path:
     agg = aggregate(report)
     lengths, train_len = report["lengths"], report["runs"][0]["train_len"]
     lines = [
@@ -128,8 +128,8 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str],
         "",
         f"Command: `python sweep.py {' '.join(argv)}`  ",
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
-        f"Training length {train_len}; seeds {sorted({r['seed'] for r in runs})}; "
-        f"wall time {seconds / 60:.1f} min (training and evaluation).",
+        f"Training length {train_len}; seeds {sorted({r['seed'] for r in runs})}; training "
+        f"{sum(r['seconds'] for r in runs) / 60:.1f} min, evaluation {report['seconds'] / 60:.1f} min.",
         "",
         "## Validation loss at the training length (train.py's estimate, best of its evaluations)",
         "",
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> None:
     if args.wandb_log:
         eval_args += ["--wandb_log", "--wandb_run_name", f"sweep-{args.size}-eval"]
     report = eval_length.main(eval_args)
-    path = write_report(out_dir, report, runs, argv, time.time() - t0)
+    path = write_report(out_dir, report, runs, argv)
     print(f"[sweep] report: {path}")
 
 
