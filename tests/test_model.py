@@ -448,6 +448,16 @@ def test_torch_compile_forward_backward(pe):
 BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
 
 
+@pytest.mark.parametrize("pe, B", [("rope", 1), ("alibi", 1), ("learned", 2)])
+def test_compiled_generation_equals_eager(pe, B):
+    """generate(compile=True) (the compiled one-token step; on CPU with batch-1 matmuls decomposed into reductions)
+    gives the eager tokens, rolling past max_context (relative) or re-prefilling past it (absolute)."""
+    model = tiny(pe, block_size=16)
+    idx = tokens(B, 5)
+    eager = model.generate(idx, 30, temperature=0, max_context=12)
+    assert torch.equal(model.generate(idx, 30, temperature=0, max_context=12, compile=True), eager)
+
+
 def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     logits, loss = model(idx, targets=torch.roll(idx, -1, 1), **kw)
