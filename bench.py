@@ -134,29 +134,37 @@ def bench_train(args, device: str, nanogpt) -> None:
 
 
 def bench_encodings(args, device: str) -> None:
+    """Every encoding's training step; the encodings alternate over rounds so that drift in the machine's speed
+    hits them alike (the median over rounds is reported)."""
     for cfg in sizes(device)["encodings"]:
         print(f"\n### Training step per encoding ({cfg})\n")
-        peak = (
-            next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
-            if (device == "cuda")
-            else None
-        )
-        rows = []
+        peak = None
+        if device == "cuda":
+            peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+        steps, times, memory = {}, {enc: [] for enc in ENCODINGS}, {}
         for enc in ENCODINGS:
-            reset_memory(device)
             torch.manual_seed(0)
             model = GPT(GPTConfig(**model_args(cfg), pos_encoding=enc)).to(device)
-            t = timed(train_step_fn(model, cfg, args, device), device, args.steps, args.warmup)
-            tokens = cfg["batch_size"] * cfg["block_size"]
-            mfu = f"{100 * model.estimate_mfu(tokens, t, peak):.1f}%" if peak else "—"
-            rows.append((enc, t, tokens / t, mfu, peak_memory(device)))
-            del model
-        fastest = min(r[1] for r in rows)
-        rope = next(r[1] for r in rows if r[0] == "rope")
-        print("| encoding | ms/step | tokens/s | MFU | peak memory | vs fastest | vs rope |")
+            steps[enc] = (model, train_step_fn(model, cfg, args, device))
+        for _ in range(args.rounds):
+            for enc, (_, step) in steps.items():
+                reset_memory(device)
+                base = torch.cuda.memory_allocated() if device == "cuda" else 0
+                times[enc].append(timed(step, device, args.steps, args.warmup))
+                if device == "cuda":  # beyond what the models and optimizers hold: activations and temporaries
+                    memory[enc] = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"
+        tokens = cfg["batch_size"] * cfg["block_size"]
+        rows = {enc: statistics.median(ts) for enc, ts in times.items()}
+        fastest, rope = min(rows.values()), rows["rope"]
+        print("| encoding | ms/step | tokens/s | MFU | peak memory (activations) | vs fastest | vs rope |")
         print("|---|---:|---:|---:|---:|---:|---:|")
-        for enc, t, tps, mfu, mem in rows:
-            print(f"| {enc} | {t * 1e3:.1f} | {tps:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {t / rope:.2f}x |")
+        for enc, t in rows.items():
+            mfu = f"{100 * steps[enc][0].estimate_mfu(tokens, t, peak):.1f}%" if peak else "—"
+            mem = memory.get(enc, "—")
+            print(
+                f"| {enc} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {t / rope:.2f}x |"
+            )
+        del steps
 
 
 def bench_decode(args, device: str, nanogpt) -> None:
