@@ -49,8 +49,9 @@ def timed(fn, device: str, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def peak_memory(device: str) -> str:
-    return f"{torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if device == "cuda" else "—"
+def peak_above(base: int) -> str:
+    """CUDA memory at its peak since the last reset, beyond base bytes (what the models and optimizers hold)."""
+    return f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"
 
 
 def reset_memory(device: str) -> None:
@@ -152,7 +153,7 @@ def bench_encodings(args, device: str) -> None:
                 base = torch.cuda.memory_allocated() if device == "cuda" else 0
                 times[enc].append(timed(step, device, args.steps, args.warmup))
                 if device == "cuda":  # beyond what the models and optimizers hold: activations and temporaries
-                    memory[enc] = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"
+                    memory[enc] = peak_above(base)
         tokens = cfg["batch_size"] * cfg["block_size"]
         rows = {enc: statistics.median(ts) for enc, ts in times.items()}
         fastest, rope = min(rows.values()), rows["rope"]
@@ -240,7 +241,7 @@ def bench_attention(args, device: str) -> None:
                 base = torch.cuda.memory_allocated()
                 try:
                     t = timed(train_step_fn(model, dict(cfg, batch_size=4), args, device), device, args.steps, 3)
-                    cells.append((f"{t * 1e3:.1f}", f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"))
+                    cells.append((f"{t * 1e3:.1f}", peak_above(base)))
                 except torch.OutOfMemoryError:
                     cells.append(("OOM", "OOM"))
                 del model

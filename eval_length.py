@@ -50,6 +50,11 @@ def windows(n_tokens: int, L: int, mode: str, stride: int) -> list[tuple[int, in
     return out
 
 
+def sliding_stride(L: int, stride: int | None) -> int:
+    """--stride, or by default a quarter of the length."""
+    return stride or max(1, L // 4)
+
+
 def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
     """Windows per forward that fit in budget_bytes: logits (fp32, with the loss's copy), activations, and the
     (nh, L, L) attention bias or mask that the reference attention path materializes."""
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         return max_len is None or L <= max_len
 
     work = sum(
-        len(r["data"]) * (1 if m == "nonoverlapping" else L / (args.stride or max(1, L // 4)))
+        len(r["data"]) * (1 if m == "nonoverlapping" else L / sliding_stride(L, args.stride))
         for r in runs
         for L in lengths
         if feasible(r, L)
@@ -187,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if not feasible(r, L):
                     r["results"][mode][L] = None  # learned: no position past block_size
                     continue
-                stride = args.stride or max(1, L // 4)
                 bar.set_postfix_str(f"{r['name']} L={L} {mode}")
+                stride = sliding_stride(L, args.stride)
                 r["results"][mode][L] = evaluate(r["model"], r["data"], L, mode, stride, budget, device, ctx, bar)
     bar.close()
 

@@ -456,19 +456,19 @@ class GPT(nn.Module):
         if pos is None:
             pos = torch.arange(start, start + T, device=idx.device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
-        max_len = self.transformer.wpe.max_len
-        if max_len is not None and last >= max_len:
+        pe = self.transformer.wpe
+        if pe.max_len is not None and last >= pe.max_len:
             raise ValueError(
-                f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={max_len} "
-                f"(asked for position {last}); feed at most {max_len} tokens, or use an encoding that "
+                f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
+                f"(asked for position {last}); feed at most {pe.max_len} tokens, or use an encoding that "
                 "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
             )
         span = last + 1 if window is None else min(last + 1, window)
-        if cache is not None and self.transformer.wpe.cache_span is not None and span > self.transformer.wpe.cache_span:
+        if cache is not None and pe.cache_span is not None and span > pe.cache_span:
             raise ValueError(
                 f"rope_scaling='dynamic_ntk' changes every key as the length grows past rope_original_max_len="
-                f"{self.transformer.wpe.cache_span} (here {span}), so no KV cache can be exact there; run without a "
-                "cache (generate() does so by itself)"
+                f"{pe.cache_span} (here {span}), so no KV cache can be exact there; run without a cache "
+                "(generate() does so by itself)"
             )
         x = self._features(idx, pos, cache, window)
         if cache is not None:
@@ -593,9 +593,10 @@ class GPT(nn.Module):
                 self._compiled_decode = torch.compile(self._decode_step, fullgraph=True, **kw)
             decode = self._compiled_decode
         cache, new = None, idx  # new: the tokens the model has not seen yet
-        span = self.transformer.wpe.cache_span
+        cache_span = self.transformer.wpe.cache_span
         for _ in range(max_new_tokens):
-            if not use_cache or (span is not None and min(idx.size(1), W) > span):  # dynamic NTK past L0: recompute
+            # dynamic NTK past L0: no cache is exact, recompute the window
+            if not use_cache or (cache_span is not None and min(idx.size(1), W) > cache_span):
                 logits = self.lm_head(self.features(idx[:, -W:])[:, -1])
             elif cache is None or (not relative and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
                 cache = KVCache(self.config.n_layer, size)
