@@ -417,6 +417,9 @@ def main(argv: list[str]) -> None:
     if wandb:
         wandb.finish()
     if ddp:
+        # wait for every process (rank 0 may still be writing the checkpoint) before tearing gloo/NCCL down: a rank
+        # that destroys its group while a peer still talks to it can abort in gloo's worker threads
+        dist.barrier()
         dist.destroy_process_group()
 
 
