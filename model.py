@@ -297,6 +297,43 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
+class BiasAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked), on CPUs. SDPA's CPU
+    flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) fell back to SDPA's
+    unfused math path. Here the forward is the flash kernel, and the backward recomputes the probabilities from its
+    log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal)."""
+
+    block = 64  # queries per backward block
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias):
+        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias[None])
+        ctx.save_for_backward(q, k, v, bias, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
+        dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
+        scale, Tq, Tk = q.size(-1) ** -0.5, q.size(2), k.size(2)
+        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys
+        last = (bias.isfinite().any(0) * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
+        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
+        dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
+        for i0 in range(0, Tq, BiasAttention.block):
+            i1 = min(i0 + BiasAttention.block, Tq)
+            j1 = max(last[i0:i1])
+            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
+            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
+            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
+            dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
+            ds.mul_(scale)
+            dq[:, :, i0:i1] = ds @ kb
+            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The transformer
 
@@ -321,9 +358,8 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        elif isinstance(mask, tuple):  # fused: FlexAttention with the score bias as a score_mod (no dropout)
-            score_mod, block_mask = mask
-            y = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        elif callable(mask):  # a fused kernel that applies the bias itself: FlexAttention, or BiasAttention on CPUs
+            y = mask(q, k, v)
         else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk); 4-D, CPUs take their flash kernel
             mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
@@ -491,9 +527,10 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def _attn_mask(self, q_pos, k_pos, window, cached):
-        """How attention masks: None for plain causal attention (SDPA's fused path); (score_mod, block_mask) for
-        FlexAttention; else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk). All of them compare
-        absolute positions, so cached keys line up whatever Tq and Tk are (and whatever slot holds them)."""
+        """How attention masks: None for plain causal attention (SDPA's fused path); a function (q, k, v) -> y for a
+        fused kernel that applies the bias; else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk). All of
+        them compare absolute positions, so cached keys line up whatever Tq and Tk are (and whatever slot holds them).
+        fused_attention=False always takes the reference path (a materialized mask and SDPA)."""
         pe = self.transformer.wpe
         if not pe.has_bias and window is None and not cached:
             return None
@@ -501,7 +538,8 @@ class GPT(nn.Module):
         # FlexAttention is fused only when compiled, and has no backward on CPU: by default, compiled on CUDA
         auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
         fused = auto if self.fused_attention is None else self.fused_attention
-        if fused and pe.has_bias and not (self.training and self.config.dropout > 0):  # flex has no dropout
+        no_dropout = not (self.training and self.config.dropout > 0)  # neither fused kernel has dropout
+        if fused and pe.has_bias and no_dropout:
 
             def allowed(b, h, q_idx, kv_idx):
                 rel = q_pos[q_idx] - k_pos[kv_idx]
@@ -510,11 +548,20 @@ class GPT(nn.Module):
             def score_mod(score, b, h, q_idx, kv_idx):
                 return score + pe.bias(h, q_pos[q_idx] - k_pos[kv_idx]).to(score.dtype)
 
-            return score_mod, create_block_mask(allowed, None, None, len(q_pos), len(k_pos), device=q_pos.device)
+            block_mask = create_block_mask(allowed, None, None, len(q_pos), len(k_pos), device=q_pos.device)
+            return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
         bias = pe.bias(torch.arange(self.config.n_head, device=rel.device)[:, None, None], rel)
-        return allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+        if bias is None:
+            return allowed
+        bias = bias.masked_fill(~allowed, float("-inf"))
+        # a trainable bias on a CPU: SDPA's flash kernel gives it no gradient, BiasAttention does (no compile: inductor
+        # fuses the math path itself)
+        eager_cpu = rel.device.type == "cpu" and not torch.compiler.is_compiling()
+        if bias.requires_grad and eager_cpu and no_dropout and self.fused_attention is not False:
+            return lambda q, k, v: BiasAttention.apply(q, k, v, bias.to(q.dtype))
+        return bias
 
     def forward(
         self,

@@ -1,5 +1,6 @@
 """Tests for model.py: every positional encoding, the exact KV cache, and GPT-2 parity."""
 
+import contextlib
 import math
 
 import pytest
@@ -476,6 +477,48 @@ def test_fused_attention_equals_reference(pe, window):
     model.fused_attention = True
     with torch.no_grad():
         close(model(idx, window=window)[0], expected)
+
+
+@pytest.mark.parametrize(
+    "T, window, block, dtype",
+    [
+        (150, None, 64, torch.float32),
+        (40, None, 16, torch.float32),
+        (40, 9, 16, torch.float32),
+        (150, None, 64, torch.bfloat16),
+    ],
+)
+def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, monkeypatch):
+    """On a CPU, a trainable bias (bias-RPE) trains through BiasAttention: the flash forward, and a backward by blocks
+    of queries that skips the keys none of them sees. Logits and every gradient, the bias table's included, equal the
+    reference path's (SDPA's math path), with ragged last blocks, a sliding window, and bf16 autocast."""
+    import model as model_module
+
+    calls = []
+    apply = model_module.BiasAttention.apply
+    monkeypatch.setattr(model_module.BiasAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(model_module.BiasAttention, "block", block)
+    model = tiny("bias_rpe", block_size=T).train()
+    idx = tokens(3, T)
+    autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    with autocast:
+        model.fused_attention = False
+        ref_logits, ref_grads = grads(model, idx, window=window)
+        assert not calls
+        model.fused_attention = None  # the default
+        logits, fused_grads = grads(model, idx, window=window)
+    assert calls, "the default path did not take BiasAttention"
+    assert ref_grads.keys() == fused_grads.keys()
+    if dtype == torch.float32:
+        for got, want in [(logits, ref_logits)] + [(fused_grads[n], ref_grads[n]) for n in ref_grads]:
+            close(got, want, tol=1e-5)
+    else:  # the two kernels round differently in bf16: BiasAttention must be as close to float32 as the reference
+        exact_logits, exact = grads(model, idx, window=window)
+        error = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+        assert error(logits, exact_logits) <= 2 * error(ref_logits, exact_logits) + 1e-3
+        for n in exact:
+            assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
+    assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
