@@ -316,8 +316,9 @@ class BiasAttention(torch.autograd.Function):
         q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
         dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
         scale, Tq, Tk = q.size(-1) ** -0.5, q.size(2), k.size(2)
-        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys
-        last = (bias.isfinite().any(0) * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
+        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys.
+        # Every head has the same mask: read it from head 0.
+        last = (bias[0].isfinite() * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
         D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
         dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
         for i0 in range(0, Tq, BiasAttention.block):
