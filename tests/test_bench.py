@@ -1,0 +1,40 @@
+"""bench.py runs on a CPU and prints its tables (a smoke test at tiny settings: it measures, nothing is timed here)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def table_rows(out: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown rows whose first cell matches first_cell (a regex)."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    return [r for r in rows if re.fullmatch(first_cell, r[0])]
+
+
+@pytest.mark.parametrize(
+    "args, first_cell, n_rows",
+    [
+        (["--only=train", "--steps=1", "--warmup=0", "--rounds=1"], r"nanoPE \(learned\)", 1),
+        (
+            ["--only=encodings", "--steps=1", "--warmup=0", "--rounds=1"],
+            r"learned|sinusoidal|none|rope|alibi|bias_rpe",
+            6,
+        ),
+        (["--only=attention", "--steps=1", "--attention_lengths", "32"], r"alibi|bias_rpe", 2),
+    ],
+)
+def test_bench_prints_its_tables_on_cpu(args, first_cell, n_rows):
+    r = subprocess.run([sys.executable, "bench.py", "--device=cpu", *args], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = table_rows(r.stdout, first_cell)
+    assert len(rows) == n_rows, r.stdout
+    for row in rows:
+        assert float(row[1 if "attention" not in args[0] else 2].replace(",", "")) > 0, row  # a measured ms/step
+    if "--only=attention" in args:
+        assert [row[1] for row in rows] == ["32", "32"]
+        assert all(re.fullmatch(r"[\d,]+ MiB", cell) for row in rows for cell in row[4:]), rows
