@@ -15,6 +15,7 @@ GPT-2 124M at block 1024, bf16, compiled.
 import argparse
 import importlib.util
 import multiprocessing
+import re
 import resource
 import statistics
 import sys
@@ -52,15 +53,32 @@ def timed(fn, device: str, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def peak_above(base: int) -> str:
-    """CUDA memory at its peak since the last reset, beyond base bytes (what the models and optimizers hold)."""
-    return f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB"
+def memory_now(device: str) -> int:
+    """Bytes in use: CUDA's allocated memory, or on a CPU this process's resident memory (Linux)."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated()
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+def peak_above(base: int, device: str) -> str:
+    """Peak memory since the last reset_memory, beyond base bytes (what the models and optimizers hold)."""
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:  # the resident set's high-water mark
+        status = Path("/proc/self/status").read_text()
+        peak = int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) * 1024
+    return f"{(peak - base) / 2**20:,.0f} MiB"
 
 
 def reset_memory(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    else:
+        try:  # Linux restarts the resident set's high-water mark (VmHWM) at the current size
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass  # then the peak counts from the process's start: a fresh process per measurement keeps it honest
 
 
 def load_nanogpt(path: str | None):
@@ -153,10 +171,10 @@ def bench_encodings(args, device: str) -> None:
         for _ in range(args.rounds):
             for enc, (_, step) in steps.items():
                 reset_memory(device)
-                base = torch.cuda.memory_allocated() if device == "cuda" else 0
+                base = memory_now(device)
                 times[enc].append(timed(step, device, args.steps, args.warmup))
                 if device == "cuda":  # beyond what the models and optimizers hold: activations and temporaries
-                    memory[enc] = peak_above(base)
+                    memory[enc] = peak_above(base, device)
         tokens = cfg["batch_size"] * cfg["block_size"]
         rows = {enc: statistics.median(ts) for enc, ts in times.items()}
         fastest, rope = min(rows.values()), rows["rope"]
@@ -224,29 +242,22 @@ def bench_decode(args, device: str, nanogpt) -> None:
 
 
 def attention_cell(enc: str, T: int, fused: bool | None, args, device: str, batch: int) -> tuple[str, str]:
-    """ms per training step of one 124M-width layer and its peak memory beyond the model and optimizer. CUDA counts
-    allocated bytes; a CPU has no allocator statistics, so this runs in a fresh process and reads its peak RSS."""
+    """ms per training step of one 124M-width layer, and its peak memory beyond the weights and AdamW's state: the
+    gradients, the activations and attention's temporaries."""
     cfg = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=T, dropout=0.0, bias=False)
     if device == "cpu":
-        cfg["vocab_size"] = 64  # a small model, so that the process's earlier peaks stay below the attention's
-    reset_memory(device)
+        cfg["vocab_size"] = 64  # the GPT-2 vocabulary's logits and embedding would dwarf attention on a CPU
     model = GPT(GPTConfig(**cfg, pos_encoding=enc)).to(device)
     model.fused_attention = fused
-    train_step_fn(model, dict(cfg, block_size=16, batch_size=batch), args, device)()  # gradients and AdamW's state
-    base = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
-    reset_memory(device)
+    step = train_step_fn(model, dict(cfg, batch_size=batch), args, device)
     try:
-        t = timed(train_step_fn(model, dict(cfg, batch_size=batch), args, device), device, args.steps, 1)
+        step()  # compiles, and allocates AdamW's state
+        reset_memory(device)
+        base = memory_now(device)
+        t = timed(step, device, args.steps, 0)
     except torch.OutOfMemoryError:
         return "OOM", "OOM"
-    if device == "cuda":
-        return f"{t * 1e3:.1f}", peak_above(base)
-    return f"{t * 1e3:.0f}", f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / 2**20:,.0f} MiB"
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now (Linux)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    return f"{t * 1e3:.1f}" if device == "cuda" else f"{t * 1e3:.0f}", peak_above(base, device)
 
 
 def bench_attention(args, device: str) -> None:
