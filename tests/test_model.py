@@ -327,15 +327,20 @@ def test_sinusoidal_matches_formula():
             assert abs(got[r, 2 * i + 1].item() * math.sqrt(C) - math.cos(angle)) < 1e-4
 
 
-def test_apply_rotary_equals_complex_multiplication():
-    """Rotating pairs (2k, 2k+1) by p·θ_k equals multiplying complex numbers by e^(i p θ_k)."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_apply_rotary_rotates_each_pair_by_its_angle(compiled):
+    """Each pair (2k, 2k+1) of q or k turns by the angle p·θ_k: [x'_2k, x'_2k+1] = R(p·θ_k) [x_2k, x_2k+1], with
+    R(a) = [[cos a, -sin a], [sin a, cos a]], on eager's complex path and on the real arithmetic that compiled
+    code takes, for an input laid out as attention's q (a strided view)."""
     model = tiny("rope")
-    x = torch.randn(2, 4, 10, 8)
+    x = torch.randn(2, 10, 3 * 16)[..., :16].view(2, 10, 2, 8).transpose(1, 2)  # (B, nh, T, hs), like q in attention
     pos = torch.arange(50, 60)
-    got = apply_rotary(x, *model.transformer.wpe.rotary(pos))
+    rotate = torch.compile(apply_rotary, fullgraph=True) if compiled else apply_rotary
+    got = rotate(x, *model.transformer.wpe.rotary(pos))
     theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    rot = torch.polar(torch.ones(10, 4, dtype=torch.float64), pos[:, None].double() * theta)
-    expected = torch.view_as_real(torch.view_as_complex(x.double().reshape(2, 4, 10, 4, 2)) * rot).flatten(-2)
+    a = pos[:, None].double() * theta  # (T, hs/2)
+    R = torch.stack([torch.stack([a.cos(), -a.sin()], -1), torch.stack([a.sin(), a.cos()], -1)], -2)  # (T, hs/2, 2, 2)
+    expected = (R @ x.double().unflatten(-1, (-1, 2))[..., None]).squeeze(-1).flatten(-2)
     close(got, expected.float())
 
 
