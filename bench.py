@@ -261,9 +261,9 @@ def attention_cell(enc: str, T: int, fused: bool | None, args, device: str, batc
 
 
 def bench_attention(args, device: str) -> None:
-    """The bias encodings' attention at long contexts, forward + backward: the reference path (SDPA's math path with
-    the materialized (nh, T, T) bias) against the default one (FlexAttention on a GPU; on a CPU, SDPA's flash kernel
-    for ALiBi and BiasAttention for bias-RPE)."""
+    """The bias encodings' attention at long contexts, forward + backward. The reference path is SDPA with the
+    materialized (nh, T, T) bias: its math path, or on a CPU its flash kernel where the bias needs no gradient. The
+    default is FlexAttention on a GPU; on a CPU, the same flash kernel for ALiBi and BiasAttention for bias-RPE."""
     batch = 4 if device == "cuda" else 1
     dtype = "bf16" if device == "cuda" else "float32"
     size = f"1 layer, 768 dims, 12 heads, batch {batch}, {dtype}"

@@ -208,9 +208,8 @@ class RoPE(NoPE):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs of x (B, nh, T, hs) by angles with cos, sin (T, hs/2), in float32."""
     pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hs/2, 2)
-    if (
-        torch.compiler.is_compiling()
-    ):  # real arithmetic, which inductor fuses into one kernel (it has no complex codegen)
+    if torch.compiler.is_compiling():
+        # real arithmetic, which inductor fuses into one kernel (it has no complex codegen)
         x1, x2 = pairs.unbind(-1)
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
     # eager: one complex multiply, (x1 + i·x2)(cos + i·sin), 8x faster than the real arithmetic's separate kernels
