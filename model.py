@@ -16,6 +16,11 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+try:  # torch >= 2.9 (return_lse is deprecated there)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover
+    AuxRequest = None
+
 
 @dataclass
 class GPTConfig:
@@ -88,6 +93,7 @@ class NoPE(nn.Module):
     max_len = None  # the most positions it can encode (None: unbounded)
     has_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
     cache_span = None  # the longest span of positions a KV cache stays exact for (None: any)
+    bias_span = None  # bias: distances >= bias_span all share one bias (None: no such distance), see BandBiasGrad
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -146,6 +152,7 @@ class BiasRPE(NoPE):
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.max_distance = config.rpe_max_distance
+        self.bias_span = config.rpe_max_distance - 1  # distances >= r_max - 1 share the clamped entry
         self.weight = nn.Parameter(torch.zeros(config.n_head, 2 * config.rpe_max_distance - 1))  # (nh, 2r-1)
 
     def bias(self, h, rel):
@@ -340,6 +347,64 @@ class BiasAttention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
+def flex_attention_lse(q, k, v, score_mod, block_mask):
+    """FlexAttention's output (B, nh, T, hs) and its natural-log log-sum-exp (B, nh, T), float32."""
+    if AuxRequest is None:  # pragma: no cover (torch < 2.9)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    y, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    return y, aux.lse
+
+
+class BandBiasGrad(torch.autograd.Function):
+    """The identity on attention's output y, whose backward returns the gradient of a bias that depends on the distance
+    i - j alone and is one constant from distance R on: table (nh, R + 1) holds the bias at distances 0 … R.
+
+    FlexAttention can differentiate a bias read from a table, but it adds every (query, key) pair's dS into the few
+    table entries with atomics: 19x RoPE's step on an H100. The kernel here reads the table as a constant, and this
+    backward computes the table's gradient from a band instead. dS = P ⊙ (dP - D) sums to zero over each row, so the
+    shared far entry's gradient is minus the near ones' sum, and only the band 0 <= i - j < R is needed: q·k and dy·v
+    there, in blocks of R queries against 2R keys, recomputing P from the kernel's log-sum-exp. Linear in T.
+    Positions must be consecutive (q_pos = k_pos = a range), as in training."""
+
+    @staticmethod
+    def forward(ctx, y, lse, q, k, v, table, window):
+        ctx.save_for_backward(y, lse, q, k, v, table)
+        ctx.window = window
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, lse, q, k, v, table = ctx.saved_tensors
+        return dy, None, None, None, None, band_bias_grad(q, k, v, y, lse, dy, table, ctx.window), None
+
+
+def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
+    """d loss / d table (nh, R + 1), see BandBiasGrad. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T)."""
+    B, nh, T, hs = q.shape
+    R = table.size(1) - 1
+    if R == 0:  # one bias for every distance: softmax ignores it
+        return torch.zeros_like(table)
+    n, nb = R, -(-T // R)  # blocks of n queries, each against the n keys before it and its own n
+    dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
+    pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
+    qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
+    window2 = lambda t: torch.cat([F.pad(t, (0, 0, 0, 0, 1, -1)), t], dim=3)  # noqa: E731  (B, nh, nb, 2n, hs)
+    kw, vw = window2(kb), window2(vb)
+    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(2 * n, device=q.device)[None, :]
+    rel = n + r - c  # (n, 2n): i - j for query r of a block and key c of its window
+    i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
+    near = (rel >= 0) & (rel < min(R, window)) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
+    lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
+    s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
+    p = torch.where(near, (s - lse_b).exp(), 0.0)
+    D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
+    ds = (p * (dyb @ vw.transpose(-2, -1) - D)).sum((0, 2))  # (nh, n, 2n), summed over the batch and the blocks
+    near_grad = torch.zeros(nh, R, device=q.device, dtype=dtype).index_add_(
+        1, rel.clamp(0, R - 1).flatten(), ds.flatten(1)
+    )
+    return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The transformer
 
@@ -523,7 +588,7 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)  # (B, T, C)
         emb = pe.embed(pos)
         if emb is not None:
-            x = x + emb
+            x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         mask = self._attn_mask(pos, k_pos, window, cached=cache is not None)
@@ -545,16 +610,34 @@ class GPT(nn.Module):
         auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
         fused = auto if self.fused_attention is None else self.fused_attention
         no_dropout = not (self.training and self.config.dropout > 0)  # neither fused kernel has dropout
-        if fused and pe.has_bias and no_dropout:
+        if fused and pe.has_bias and no_dropout and self.fused_attention_note(q_pos.device.type) is None:
+            block_mask = create_block_mask(
+                lambda b, h, i, j: (q_pos[i] - k_pos[j] >= 0) & (q_pos[i] - k_pos[j] < window),
+                None,
+                None,
+                len(q_pos),
+                len(k_pos),
+                device=q_pos.device,
+            )
+            R = pe.bias_span
+            if (
+                R is not None
+                and not cached
+                and torch.is_grad_enabled()
+                and any(p.requires_grad for p in pe.parameters())
+            ):
+                # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
+                heads = torch.arange(self.config.n_head, device=q_pos.device)
+                table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None])  # (nh, R + 1)
+                frozen = table.detach()
+                score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
 
-            def allowed(b, h, q_idx, kv_idx):
-                rel = q_pos[q_idx] - k_pos[kv_idx]
-                return (rel >= 0) & (rel < window)
+                def attend(q, k, v):
+                    y, lse = flex_attention_lse(q, k, v, score_mod, block_mask)
+                    return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + pe.bias(h, q_pos[q_idx] - k_pos[kv_idx]).to(score.dtype)
-
-            block_mask = create_block_mask(allowed, None, None, len(q_pos), len(k_pos), device=q_pos.device)
+                return attend
+            score_mod = lambda s, b, h, i, j: s + pe.bias(h, q_pos[i] - k_pos[j]).to(s.dtype)
             return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
@@ -568,6 +651,16 @@ class GPT(nn.Module):
         if bias.requires_grad and eager_cpu and no_dropout and self.fused_attention is not False:
             return lambda q, k, v: BiasAttention.apply(q, k, v, bias.to(q.dtype))
         return bias
+
+    def fused_attention_note(self, device_type: str) -> str | None:
+        """Why the fused bias kernel (FlexAttention) cannot take this model's shapes on this device, else None."""
+        hs = self.config.n_embd // self.config.n_head
+        if device_type == "cuda" and hs < 16:  # Triton's tl.dot needs at least 16
+            return (
+                f"FlexAttention needs a head dim of at least 16 on CUDA (this model has {hs}): "
+                "attention adds a materialized bias instead (slower, memory quadratic in the context)"
+            )
+        return None
 
     def forward(
         self,

@@ -24,11 +24,8 @@ def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -
         block_size=block_size,
         vocab_size=VOCAB,
         n_layer=n_layer,
-        n_head=4,
-        n_embd=32,
         pos_encoding=pe,
-        rpe_max_distance=5,
-        **kw,
+        **{"n_head": 4, "n_embd": 32, "rpe_max_distance": 5, **kw},
     )
     model = GPT(config)
     with torch.no_grad():
@@ -468,7 +465,8 @@ def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, 
     model.zero_grad()
     logits, loss = model(idx, targets=torch.roll(idx, -1, 1), **kw)
     loss.backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters()  # a compiled model's names start with _orig_mod.
+    return logits.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in named if p.grad is not None}
 
 
 @pytest.mark.parametrize("pe", BIASED)
@@ -526,11 +524,74 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, m
     assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
 
 
+def math_flex_attention_lse(q, k, v, score_mod, block_mask):
+    """FlexAttention's semantics by the textbook formula (score_mod and mask_mod on broadcast index tensors), with a
+    backward on CPUs: a stand-in for the CUDA kernel, so the code around it can be tested here."""
+    h, i, j = (torch.arange(n)[:, None, None] for n in (q.size(1), q.size(2), k.size(2)))
+    s = score_mod((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, 0, h, i.transpose(0, 1), j.transpose(0, 2))
+    s = s.masked_fill(~block_mask.mask_mod(0, h, i.transpose(0, 1), j.transpose(0, 2)), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, s.logsumexp(-1)
+
+
+@pytest.mark.parametrize(
+    "T, r_max, window, compiled",
+    [
+        (16, 5, None, False),
+        (23, 5, None, False),
+        (23, 5, 6, False),
+        (23, 5, 3, False),
+        (40, 64, None, False),
+        (33, 8, None, True),
+        (12, 1, None, False),
+    ],
+)
+def test_band_bias_gradient_equals_reference(T, r_max, window, compiled, monkeypatch):
+    """The fused path's bias-RPE table gradient (the kernel reads the table as a constant; BandBiasGrad computes the
+    gradient from the band i - j < r_max - 1 and the rows' zero sum) equals the materialized path's, the clamped entry
+    included, with ragged blocks, T < r_max, windows shorter than r_max, one shared bias, eager and compiled."""
+    import model as model_module
+
+    calls = []
+    monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    model = tiny("bias_rpe", block_size=T, rpe_max_distance=r_max).train()
+    idx = tokens(3, T)
+    model.fused_attention = False
+    ref_logits, ref_grads = grads(model, idx, window=window)
+    model.fused_attention = True
+    logits, fused_grads = grads(torch.compile(model) if compiled else model, idx, window=window)
+    assert calls, "the fused path did not run"
+    close(logits, ref_logits)
+    assert ref_grads.keys() == fused_grads.keys()
+    for name in ref_grads:
+        close(fused_grads[name], ref_grads[name], tol=1e-5)
+    if 1 < r_max <= (window or T):  # some key is past the clamp
+        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry has a gradient to match
+
+
+def test_band_bias_gradient_of_each_entry():
+    """band_bias_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v, causal."""
+    from model import band_bias_grad
+
+    torch.manual_seed(0)
+    B, nh, T, hs, R = 2, 3, 19, 8, 4
+    q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
+    table = torch.randn(nh, R + 1, dtype=torch.float64, requires_grad=True)
+    rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    s = (q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]
+    s = s.masked_fill(rel < 0, float("-inf"))
+    y = torch.softmax(s, -1) @ v
+    (expected,) = torch.autograd.grad((y * dy).sum(), table)
+    got = band_bias_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table, window=10**9)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
 @pytest.mark.parametrize("pe", BIASED)
-def test_compiled_fused_attention_gradients_on_cuda(pe, monkeypatch):
-    """Compiled on CUDA, the bias encodings train through FlexAttention (the default there); its logits and
-    gradients, the bias-RPE table's included, equal the eager materialized path's. Runs on the GPU machine."""
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
+def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
+    """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head dims from 16, and
+    through the materialized bias below (Triton's minimum); logits and gradients, the bias-RPE table's included, equal
+    the eager materialized path's. Runs on the GPU machine."""
     import model as model_module
 
     calls = []
@@ -540,20 +601,28 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, monkeypatch):
         return flex_attention(*args, **kw)
 
     monkeypatch.setattr(model_module, "flex_attention", counting_flex)
-    model = tiny(pe, block_size=256).cuda().train()
+    model = tiny(pe, block_size=256, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64).cuda().train()
     idx = tokens(2, 256).cuda()
     ref_logits, ref_grads = grads(model, idx)
     assert not calls
     compiled = torch.compile(model)
     logits, fused_grads = grads(compiled, idx)
-    assert calls, "the compiled model did not take the FlexAttention path"
+    assert bool(calls) == (head_dim >= 16), "FlexAttention where it fits, the materialized bias elsewhere"
+    assert (model.fused_attention_note("cuda") is None) == (head_dim >= 16)
     close(logits, ref_logits, tol=1e-4)
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-4)
     assert ref_grads["transformer.h.0.attn.c_attn.weight"].abs().sum() > 0
     if pe == "bias_rpe":
-        assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
+        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
+
+
+def test_fused_attention_note_names_the_head_dim_limit():
+    """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): the model says so, and not on CPUs."""
+    assert "at least 16" in tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cuda")
+    assert tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cpu") is None
+    assert tiny("alibi", n_head=2, n_embd=32).fused_attention_note("cuda") is None
 
 
 @pytest.mark.parametrize("pe", BIASED)
