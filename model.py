@@ -409,6 +409,22 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
 # The transformer
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs) under mask, as GPT._attn_mask made it."""
+    if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if callable(mask):  # a fused kernel that applies the bias itself: FlexAttention, or BiasAttention on CPUs
+        return mask(q, k, v)
+    if mask.dtype == torch.bool or q.dtype == torch.float32:  # reference path: a materialized mask or bias,
+        # (nh or 1, Tq, Tk); 4-D, so CPUs take their flash kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
+    # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16 where
+    # m = 1/256), while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
+    with torch.autocast(q.device.type, enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None], dropout_p=dropout_p)
+    return y.to(q.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -426,14 +442,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nh, Tk, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        elif callable(mask):  # a fused kernel that applies the bias itself: FlexAttention, or BiasAttention on CPUs
-            y = mask(q, k, v)
-        else:  # reference path: a materialized bias and mask, (nh or 1, Tq, Tk); 4-D, CPUs take their flash kernel
-            mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -618,6 +618,35 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
 
 
+def test_reference_attention_adds_a_float32_bias_to_half_precision():
+    """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does: ALiBi's bias at
+    distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to bf16) weighs the keys exactly, so the
+    output is the exact one rounded once to bf16."""
+    from model import attend
+
+    T = 4096
+    q, k = torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 1, T, 16, dtype=torch.bfloat16)
+    rel = (T - 1) - torch.arange(T)  # the last query against every key
+    v = ((rel - 3050).float() / 8)[None, None, :, None].expand(2, 1, T, 16).bfloat16()  # exact in bf16, mean near 0
+    seen = (rel >= 3000) & (rel <= 3100)
+    bias = (-rel.float() / 256).masked_fill(~seen, float("-inf"))[None, None]  # (nh=1, Tq=1, Tk)
+    exact = torch.softmax(bias.double(), -1) @ v.double()
+    got = attend(q, k, v, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_bf16_model_generates(pe):
+    """A model cast to bf16 (weights and activations) keeps bf16 activations and generates, with and without the
+    cache (a float32 sinusoidal table once turned x to float32 and crashed the next bf16 Linear)."""
+    model = tiny(pe).to(torch.bfloat16)
+    idx = tokens(2, 5)
+    assert model(idx)[0].dtype == torch.bfloat16
+    for use_cache in (True, False):
+        assert model.generate(idx, 6, temperature=0, use_cache=use_cache).shape == (2, 11)
+
+
 def test_fused_attention_note_names_the_head_dim_limit():
     """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): the model says so, and not on CPUs."""
     assert "at least 16" in tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cuda")
