@@ -3,11 +3,12 @@ nanoGPT-style configuration for the scripts: `python train.py [config files...] 
 
 Config files are small Python files of assignments. Every key must already have a default: a misspelled key is an
 error naming the closest valid one, and values are checked against the default's type (an int is fine for a
-float; a default of None takes anything). A bare `--flag` means `--flag=True`.
+float; a default of None takes anything). A bare `--flag` means `--flag=True` (for True/False options only).
 """
 
 import ast
 import difflib
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -24,17 +25,36 @@ def configure(defaults: dict, argv: list[str]) -> dict:
     for arg in argv:
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
-            _set(config, defaults, key, _parse(text) if eq else True, "the command line")
+            default = defaults.get(key)
+            if not eq and key in defaults and not isinstance(default, bool | None):
+                example = repr(default) if default != "" else "..."
+                raise ConfigError(f"--{key} needs a value, e.g. --{key}={example} (only True/False options go bare)")
+            value = _parse(text) if eq else True
+            if isinstance(default, str) and eq and not isinstance(value, str):
+                value = text  # a string option takes the text as written: --wandb_run_name=2024 is '2024'
+            _set(config, defaults, key, value, "the command line")
         else:
             path = Path(arg)
             if not path.is_file():
                 raise ConfigError(f"config file {arg!r} not found (options are written --key=value)")
-            values: dict = {}
-            exec(compile(path.read_text(), str(path), "exec"), {}, values)
+            values = _run_config_file(path)
             for key, value in values.items():
                 if not key.startswith("_") and not isinstance(value, ModuleType):
                     _set(config, defaults, key, value, str(path))
     return config
+
+
+def _run_config_file(path: Path) -> dict:
+    """The assignments of a config file; a mistake in it is one line naming the file and line, not a traceback."""
+    values: dict = {}
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), {}, values)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}, line {e.lineno}: {e.msg} (config files are Python assignments: key = value)") from e
+    except Exception as e:  # e.g. a NameError for an unquoted string: the file's own bug, reported as such
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
+        raise ConfigError(f"{path}, line {line}: {type(e).__name__}: {e}") from e
+    return values
 
 
 def _parse(text: str):
@@ -51,15 +71,16 @@ def _set(config: dict, defaults: dict, key: str, value, source: str) -> None:
         raise ConfigError(f"unknown config key {key!r} in {source}{hint}")
     default = defaults[key]
     if default is not None and value is not None:
-        if isinstance(default, bool) != isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} in {source}: expected True or False")
-        if isinstance(default, float) and isinstance(value, int):
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, type(default)):
-            raise ConfigError(
-                f"{key}={value!r} in {source}: expected a {type(default).__name__} like the default {default!r}"
-            )
+        # bool is a subclass of int: True is no batch size, and 1 is no flag
+        if not isinstance(value, type(default)) or isinstance(default, bool) != isinstance(value, bool):
+            kind = _KINDS.get(type(default), f"a {type(default).__name__}")
+            raise ConfigError(f"{key}={value!r} in {source}: expected {kind} like the default {default!r}")
     config[key] = value
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
 
 def default_device() -> str:
