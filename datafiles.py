@@ -105,24 +105,72 @@ def prepare_hf(
 # reading
 
 
-def load_meta(data_dir: str | Path) -> dict:
+def load_meta(data_dir: str | Path, block_size: int | None = None) -> dict:
+    """meta.json of a prepared dataset, checked against its token files (sizes only, so it is instant for any
+    dataset): "tokens" holds each split's actual count. Raises DataError naming the problem and the fix."""
     data_dir = Path(data_dir)
     name = data_dir.name
     missing = [f for f in ("meta.json", "train.bin", "val.bin") if not (data_dir / f).is_file()]
     if missing and not data_dir.is_dir():
         known = sorted(p.parent.name for p in DATA_DIR.glob("*/prepare.py"))
         raise DataError(f"no dataset {name!r} (looked in {data_dir}); datasets here: {', '.join(known)}")
+    recipe = DATA_DIR / name / "prepare.py"
+    fix = (
+        f"python data/{name}/prepare.py"
+        if recipe.is_file()
+        else "the script that prepared it (e.g. data/text/prepare.py)"
+    )
     if missing:
-        raise DataError(
-            f"dataset {name!r} is not prepared ({', '.join(missing)} missing in {data_dir}); "
-            f"run: python data/{name}/prepare.py"
-        )
+        raise DataError(f"dataset {name!r} is not prepared ({', '.join(missing)} missing in {data_dir}); run: {fix}")
     try:
         meta = json.loads((data_dir / "meta.json").read_text())
         meta["vocab_size"] = int(meta["vocab_size"])
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{data_dir / 'meta.json'} is not valid ({e}); re-run python data/{name}/prepare.py") from e
+        raise DataError(f"{data_dir / 'meta.json'} is not valid ({e}); re-run {fix}") from e
+    problem = _tokenizer_problem(meta)
+    if problem:  # caught here, not when the first checkpoint (which stores the tokenizer) is written
+        raise DataError(f"{data_dir / 'meta.json'}: {problem}; re-run {fix}")
+    recorded = meta.get("tokens") if isinstance(meta.get("tokens"), dict) else {}
+    meta["tokens"] = {}
+    for split in SPLITS:
+        path = data_dir / f"{split}.bin"
+        size = path.stat().st_size
+        if size % 2:
+            raise DataError(f"{path} has an odd size ({size:,} bytes) for 2-byte tokens: it is cut short; re-run {fix}")
+        n = size // 2
+        expected = recorded.get(split)
+        if isinstance(expected, int) and expected != n:
+            raise DataError(
+                f"{path} holds {n:,} tokens but meta.json records {expected:,}: the file is truncated or from "
+                f"another preparation; re-run {fix}"
+            )
+        if n == 0:
+            raise DataError(f"{path} is empty; re-run {fix}")
+        if n <= (block_size or 0):
+            raise DataError(
+                f"{path} holds {n:,} tokens, too few for block_size={block_size} (it needs more than one block); "
+                "use a smaller --block_size or more text"
+            )
+        meta["tokens"][split] = n
     return meta
+
+
+def _tokenizer_problem(meta: dict) -> str | None:
+    """What is wrong with meta.json's tokenizer description, which every checkpoint stores for sample.py."""
+    tok, V = meta.get("tokenizer"), meta["vocab_size"]
+    if tok is None:
+        return "it has no 'tokenizer' entry, which every checkpoint stores so that sample.py can decode"
+    if not isinstance(tok, dict) or tok.get("kind") not in ("char", "gpt2"):
+        return f'its tokenizer is {tok!r}; expected {{"kind": "char", "chars": "..."}} or {{"kind": "gpt2"}}'
+    if tok["kind"] == "gpt2" and V != GPT2Tokenizer.vocab_size:
+        return f"vocab_size is {V} but the gpt2 tokenizer has {GPT2Tokenizer.vocab_size} tokens"
+    if tok["kind"] == "char":
+        chars = tok.get("chars")
+        if not isinstance(chars, str) or len(set(chars)) != len(chars):
+            return "its character list (tokenizer.chars) is not a string of distinct characters"
+        if len(chars) != V:
+            return f"its character list has {len(chars)} characters but vocab_size is {V}"
+    return None
 
 
 def get_batch(
