@@ -37,6 +37,28 @@ def save_checkpoint(ckpt: dict, path: str | Path) -> None:
         os.close(dir_fd)
 
 
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the `.<name>.<pid>.tmp` files save_checkpoint leaves when its process is killed mid-write (each up to a
+    checkpoint's size, so they pile up); a live process's file, a save in progress, stays. Returns what went."""
+    removed = []
+    for tmp in Path(directory).glob(".*.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and int(pid) > 0 and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
     path = Path(path)
     if not path.is_file():
