@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    model_from_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 from configurator import ConfigError, configure, default_device, default_dtype
 from datafiles import DATA_DIR, SPLITS, DataError, get_batch, load_meta
 from model import GPT, GPTConfig
@@ -39,6 +45,7 @@ defaults = dict(
     always_save_checkpoint=True,  # save ckpt.pt at every eval; False: only when val loss improves, and at the end
     init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a
     # local Hugging Face GPT-2 folder
+    overwrite=False,  # True: start afresh in an out_dir that holds a run, replacing its checkpoints
     # wandb
     wandb_log=False,
     wandb_project="nanope",
@@ -54,6 +61,9 @@ defaults = dict(
     pos_encoding="rope",  # sinusoidal | learned | bias_rpe | rope | alibi | none
     rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
     rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
+    rope_scaling="none",  # rope, to run past block_size: none | linear | ntk | dynamic_ntk | yarn
+    rope_factor=1.0,  # rope_scaling's s: the context is stretched s times
+    rope_original_max_len=None,  # rope_scaling's L0, the original training length (None: block_size)
     gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
     n_layer=6,
     n_head=6,
@@ -80,6 +90,8 @@ defaults = dict(
     seed=1337,
 )
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
+# what decides which batches a validation estimate averages over: val losses compare only when these agree
+EVAL_SETUP_KEYS = ("dataset", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -88,13 +100,15 @@ class TrainError(Exception):
 
 
 def resolve(cfg: dict) -> dict:
-    """Fill in the defaults that depend on other keys, and check the values no type check catches."""
+    """Fill in the defaults that depend on other keys, and check the values no type check catches, so that a bad
+    value is a one-line error before any work."""
     cfg = dict(cfg)
     cfg["out_dir"] = cfg["out_dir"] or f"out-{cfg['pos_encoding']}"
     cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
     cfg["wandb_group"] = cfg["wandb_group"] or (
         f"{cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
     )
+    check_device(cfg["device"])
     cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
     if cfg["compile"] is None:
         cfg["compile"] = cfg["device"].startswith("cuda")
@@ -102,9 +116,51 @@ def resolve(cfg: dict) -> dict:
         raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
     if not isinstance(cfg["compile"], bool):
         raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
+    if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
+        raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
     init = cfg["init_from"]
     if init not in ("scratch", "resume") and not init.startswith("gpt2") and not Path(init).is_dir():
         raise ConfigError(f"init_from={init!r}: choose scratch, resume, a GPT-2 name like gpt2-medium, or a folder")
+    check_ranges(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group starts
+    if cfg["gradient_accumulation_steps"] % world_size:
+        raise ConfigError(
+            f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of the "
+            f"{world_size} processes"
+        )
+    if init == "scratch":  # the model's own checks (GPTConfig), before the data is prepared or the model built
+        try:
+            GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
+        except ValueError as e:  # GPTConfig names the bad field and the valid choices
+            raise ConfigError(str(e)) from e
+    return cfg
+
+
+def check_device(device: str) -> None:
+    """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
+    try:
+        kind, index = torch.device(device).type, torch.device(device).index
+    except RuntimeError:
+        kind, index = None, None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device!r} is not a device; choose cpu, cuda, cuda:N (the Nth GPU) or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device={device!r} but CUDA is not available here (no GPU, or a CPU-only PyTorch); use --device=cpu"
+        )
+    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device!r} but this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={device!r} but MPS (Apple GPUs) is not available here; use --device=cpu")
+
+
+def check_ranges(cfg: dict) -> None:
+    """The numeric ranges of the training options; each error names the value, the rule and the usual setting."""
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:  # NaN fails every comparison, so it lands here too
+            raise ConfigError(f"{key}={cfg[key]!r} {rule}")
+
     for key in (
         "eval_interval",
         "log_interval",
@@ -113,9 +169,68 @@ def resolve(cfg: dict) -> dict:
         "block_size",
         "gradient_accumulation_steps",
     ):
-        if cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
-    return cfg
+        need(cfg[key] >= 1, key, "must be at least 1")
+    need(
+        cfg["max_iters"] >= 1 or cfg["eval_only"],
+        "max_iters",
+        "trains nothing (it would only save an untrained model); give a positive number, or --eval_only=True to "
+        "evaluate without training",
+    )
+    need(cfg["learning_rate"] > 0, "learning_rate", "must be positive (1e-3 for small models, 6e-4 for GPT-2)")
+    need(cfg["min_lr"] >= 0, "min_lr", "must be at least 0 (about learning_rate / 10)")
+    need(cfg["warmup_iters"] >= 0, "warmup_iters", "must be at least 0 (0: no warmup)")
+    need(cfg["lr_decay_iters"] >= 0, "lr_decay_iters", "must be at least 0 (about max_iters)")
+    need(cfg["weight_decay"] >= 0, "weight_decay", "must be at least 0 (0 disables it; 0.1 is usual)")
+    need(0 <= cfg["beta1"] < 1, "beta1", "must be in [0, 1) (0.9 is usual)")
+    need(0 <= cfg["beta2"] < 1, "beta2", "must be in [0, 1) (0.95 or 0.99 are usual)")
+    need(0 <= cfg["dropout"] < 1, "dropout", "must be in [0, 1) (0 for pretraining, 0.1-0.2 for small data)")
+    need(
+        cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
+    )
+
+
+def odd_values(cfg: dict) -> list[str]:
+    """Values that are legal but probably not meant: training goes ahead, and the log says so once."""
+    notes = []
+    if cfg["decay_lr"] and cfg["min_lr"] > cfg["learning_rate"]:
+        notes.append(f"min_lr={cfg['min_lr']} > learning_rate={cfg['learning_rate']}: the decay raises the rate")
+    if cfg["decay_lr"] and cfg["warmup_iters"] >= cfg["max_iters"] and not cfg["eval_only"]:
+        notes.append(f"warmup_iters={cfg['warmup_iters']} >= max_iters={cfg['max_iters']}: the whole run is warmup")
+    elif cfg["decay_lr"] and cfg["lr_decay_iters"] < cfg["warmup_iters"]:
+        notes.append(
+            f"lr_decay_iters={cfg['lr_decay_iters']} < warmup_iters={cfg['warmup_iters']}: the rate drops to min_lr "
+            "right after warmup"
+        )
+    if cfg["learning_rate"] > 0.1:
+        notes.append(f"learning_rate={cfg['learning_rate']} is far above AdamW's usual 1e-4 to 1e-3")
+    return notes
+
+
+def prepare_out_dir(cfg: dict) -> list[Path]:
+    """Before any work: out_dir must take checkpoints, a resume must have one, and a fresh start must not replace
+    a run there unless told to (--overwrite=True). Clears the temporary files of saves killed mid-write (returned)."""
+    out_dir = Path(cfg["out_dir"])
+    if cfg["init_from"] == "resume" and not (out_dir / "ckpt.pt").is_file():
+        raise CheckpointError(f"no checkpoint at {out_dir / 'ckpt.pt'} to resume from; check --out_dir")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TrainError(f"out_dir={str(out_dir)!r} is a file, not a folder; choose another --out_dir")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write_test.{os.getpid()}.tmp"  # the one sure test: /proc, read-only mounts, permissions
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise TrainError(
+            f"cannot write checkpoints to out_dir={str(out_dir)!r} ({e.strerror}); choose another --out_dir"
+        ) from e
+    found = [name for name in ("ckpt.pt", "ckpt_best.pt") if (out_dir / name).exists()]
+    if found and cfg["init_from"] != "resume" and not cfg["overwrite"]:
+        raise TrainError(
+            f"{out_dir} already holds a run ({', '.join(found)}), which starting from {cfg['init_from']} would "
+            "overwrite. Continue it with --init_from=resume, train elsewhere with --out_dir=<new folder>, or "
+            "replace it with --overwrite=True"
+        )
+    return remove_stale_temporaries(out_dir)
 
 
 def get_lr(it: int, cfg: dict) -> float:
@@ -128,6 +243,25 @@ def get_lr(it: int, cfg: dict) -> float:
         return cfg["min_lr"]
     ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def changed_eval_setup(ckpt: dict, setup: dict) -> list[str]:
+    """How this run's validation differs from the checkpoint's, as 'key old -> new'; older checkpoints without
+    eval_setup are read from their config and RNG states."""
+    old = ckpt.get("eval_setup") or (
+        {k: ckpt.get("config", {}).get(k) for k in EVAL_SETUP_KEYS} | {"world_size": len(ckpt.get("rng", []))}
+    )
+    return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in setup.items() if old.get(k) != v]
+
+
+def non_finite(loss: torch.Tensor, norm: torch.Tensor, check_norm: bool, ddp: bool) -> str | None:
+    """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets the same answer:
+    under DDP the losses differ per rank, and one rank stopping alone leaves the others waiting in all_reduce."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm) & check_norm]).float()
+    if ddp:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    loss_bad, norm_bad = flags.tolist()
+    return "loss" if loss_bad else "gradient norm" if norm_bad else None
 
 
 def format_duration(seconds: float) -> str:
@@ -146,8 +280,26 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def usage() -> str:
+    """The module docstring and the defaults block of this file, comments and all: every key with its choices."""
+    src = Path(__file__).read_text()
+    block = src[src.index("defaults = dict(\n") : src.index("\n)\n", src.index("defaults = dict(\n"))]
+    keys = "\n".join(line.strip() for line in block.splitlines()[1:])
+    return f"{__doc__.strip()}\n\nOptions (--key=value, or key = value in a config file), with their defaults:\n{keys}"
+
+
 def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
     cfg = resolve(configure(defaults, argv))
+    master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
+    if master and not cfg["eval_only"]:  # eval_only writes nothing
+        for tmp in prepare_out_dir(cfg):
+            print(f"removed {tmp.name}, left by a save that was killed mid-write")
+    if master:
+        for note in odd_values(cfg):
+            print(f"note: {note}")
 
     # -------------------------------------------------------------------------------------------------------------
     # processes and devices
@@ -160,14 +312,8 @@ def main(argv: list[str]) -> None:
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-        if cfg["gradient_accumulation_steps"] % world_size:
-            raise ConfigError(
-                f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of the "
-                f"{world_size} processes"
-            )
     else:
         rank, world_size = 0, 1
-    master = rank == 0
     log = print if master else (lambda *a, **k: None)
     grad_accum = cfg["gradient_accumulation_steps"] // world_size
     B, T = cfg["batch_size"], cfg["block_size"]
@@ -191,18 +337,20 @@ def main(argv: list[str]) -> None:
             runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
         if ddp:
             dist.barrier()
-    meta = load_meta(data_dir)
+    meta = load_meta(data_dir, block_size=T)  # checks meta.json and the token files before any training
     data_vocab = meta["vocab_size"]
     # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls); a char vocabulary as it is
     vocab_size = data_vocab if data_vocab < 1024 else -(-data_vocab // 64) * 64
 
     # -------------------------------------------------------------------------------------------------------------
     # model, optimizer and state
-    model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg]
+    # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
+    model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
+    eval_setup = {k: cfg[k] for k in EVAL_SETUP_KEYS if k in cfg} | {"world_size": world_size}
     iter_num, best_val_loss, ckpt, wandb_run_id = 0, float("inf"), None, None
     if cfg["init_from"] == "scratch":
         try:
-            model = GPT(GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in model_keys}))
+            model = GPT(GPTConfig(vocab_size=vocab_size, block_size=T, **{k: cfg[k] for k in model_keys}))
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     elif cfg["init_from"] == "resume":
@@ -211,8 +359,26 @@ def main(argv: list[str]) -> None:
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         wandb_run_id = ckpt.get("wandb_run_id")
         log(f"resuming from {out_dir / 'ckpt.pt'} at iteration {iter_num}")
+        changed = changed_eval_setup(ckpt, eval_setup)
+        if changed and best_val_loss < float("inf"):
+            log(
+                f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
+                f"{best_val_loss:.4f} does not compare; ckpt_best.pt goes to this run's best evaluation"
+            )
+            best_val_loss = float("inf")
+        if iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
+            log(
+                f"the run in {out_dir} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
+                "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
+            )
+            if ddp:
+                dist.destroy_process_group()
+            return
     else:
-        model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
+        try:
+            model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
+        except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers
+            raise TrainError(f"cannot load GPT-2 weights from {cfg['init_from']!r}: {e}") from e
         if T < model.config.block_size:
             model.crop_block_size(T)
     model_args = asdict(model.config)
@@ -234,7 +400,7 @@ def main(argv: list[str]) -> None:
     data_rng = torch.Generator().manual_seed(cfg["seed"])  # the training sampler; its state is saved
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
-        if "scaler" in ckpt:
+        if ckpt.get("scaler") and scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
             scaler.load_state_dict(ckpt["scaler"])
         if "data_rng" in ckpt:
             data_rng.set_state(ckpt["data_rng"])
@@ -294,6 +460,7 @@ def main(argv: list[str]) -> None:
             "best_val_loss": best_val_loss,
             "config": cfg,
             "tokenizer": meta["tokenizer"],
+            "eval_setup": eval_setup,
             "rng": states,
             "data_rng": data_rng.get_state(),
             "scaler": scaler.state_dict(),
@@ -380,10 +547,10 @@ def main(argv: list[str]) -> None:
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"] or float("inf"))
         # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
-        bad = not torch.isfinite(loss_sum) or (not scaler.is_enabled() and not torch.isfinite(norm))
+        bad = non_finite(loss_sum, norm, check_norm=not scaler.is_enabled(), ddp=ddp)
         if bad:
             raise TrainError(
-                f"non-finite {'loss' if not torch.isfinite(loss_sum) else 'gradient norm'} at iteration {iter_num}: "
+                f"non-finite {bad} at iteration {iter_num}: "
                 f"stopped before the optimizer step; the last good checkpoint is in {out_dir} "
                 "(try a lower learning_rate, grad_clip, or dtype=bfloat16)"
             )

@@ -1,0 +1,195 @@
+"""Bad input to train.py is a one-line error naming the problem and the fix, raised before any work: option values,
+config files, dataset files, the out_dir. These call the checks directly (no training, no subprocess)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from checkpoint import CheckpointError
+from configurator import ConfigError, configure
+from datafiles import DataError, load_meta, prepare_text
+
+
+def resolved(*args: str) -> dict:
+    return train.resolve(configure(train.defaults, ["--device=cpu", *args]))
+
+
+def main(*args: str) -> None:
+    """train.main in this process, with the signal handlers it installs put back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        train.main(["--device=cpu", *args])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """A character-level dataset of a few thousand characters."""
+    d = tmp_path_factory.mktemp("data") / "small"
+    prepare_text("To be, or not to be, that is the question.\n" * 100, d, "char")
+    return d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# option values
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grad_clip=-1"], "grad_clip=-1.0 must be at least 0 (0 disables clipping"),
+        (["--learning_rate=-1"], "learning_rate=-1.0 must be positive"),
+        (["--learning_rate=0"], "learning_rate=0.0 must be positive"),
+        (["--device=foo"], "device='foo' is not a device; choose cpu, cuda"),
+        (["--max_iters=0"], "max_iters=0 trains nothing"),
+        (["--warmup_iters=-5"], "warmup_iters=-5 must be at least 0"),
+        (["--lr_decay_iters=-1"], "lr_decay_iters=-1 must be at least 0"),
+        (["--min_lr=-1e-4"], "min_lr=-0.0001 must be at least 0"),
+        (["--beta1=1"], "beta1=1.0 must be in [0, 1)"),
+        (["--beta2=-0.5"], "beta2=-0.5 must be in [0, 1)"),
+        (["--weight_decay=-0.1"], "weight_decay=-0.1 must be at least 0"),
+        (["--dropout=1"], "dropout=1.0 must be in [0, 1)"),
+        (["--backend=mpich"], "backend='mpich': choose nccl"),
+        (["--rope_scaling=foo"], "rope_scaling='foo' is not a RoPE scaling"),
+        (["--rope_factor=0.5"], "rope_factor=0.5 must be a number >= 1"),
+        (["--n_head=5"], "n_embd=384 must be divisible by n_head=5"),
+        (["--batch_size"], "--batch_size needs a value, e.g. --batch_size=64"),
+        (["--batch_size=2.5"], "batch_size=2.5 in the command line: expected an integer like the default 64"),
+        (["--batch_size=True"], "expected an integer"),
+    ],
+)
+def test_bad_values_are_config_errors(args, message):
+    """Out-of-range values, unknown devices and bare value options are ConfigErrors naming the value and the rule."""
+    with pytest.raises(ConfigError) as e:
+        resolved(*args)
+    assert message in str(e.value)
+
+
+def test_legal_values_pass_and_odd_ones_are_noted():
+    """grad_clip=0, the RoPE scaling keys and max_iters=0 with eval_only are legal; odd schedules get one note each."""
+    cfg = resolved("--grad_clip=0", "--rope_scaling=yarn", "--rope_factor=4", "--rope_original_max_len=128")
+    assert (cfg["rope_scaling"], cfg["rope_factor"], cfg["rope_original_max_len"]) == ("yarn", 4.0, 128)
+    assert train.odd_values(cfg) == []
+    resolved("--max_iters=0", "--eval_only=True")
+    notes = train.odd_values(resolved("--min_lr=1e-2", "--warmup_iters=6000"))
+    assert len(notes) == 2 and "min_lr=0.01 > learning_rate=0.001" in notes[0] and "whole run is warmup" in notes[1]
+
+
+def test_config_file_errors_are_one_line(tmp_path):
+    """A config file with a syntax or runtime error is a ConfigError naming the file and the line."""
+    (tmp_path / "syntax.py").write_text("batch_size = 32\nn_layer = = 4\n")
+    (tmp_path / "name.py").write_text("device = cpu\n")
+    with pytest.raises(ConfigError, match=r"syntax.py, line 2: invalid syntax"):
+        configure(train.defaults, [str(tmp_path / "syntax.py")])
+    with pytest.raises(ConfigError, match=r"name.py, line 1: NameError: name 'cpu' is not defined"):
+        configure(train.defaults, [str(tmp_path / "name.py")])
+
+
+def test_help_lists_every_key(capsys):
+    """train.py --help prints every option with its default."""
+    main("--help")
+    out = capsys.readouterr().out
+    assert all(f"\n{key}=" in out for key in train.defaults)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dataset files
+
+
+def corrupt(src: Path, dst: Path, how: str) -> Path:
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "meta.json").read_text())
+    if how == "truncated":
+        np.fromfile(dst / "train.bin", dtype=np.uint16)[:500].tofile(dst / "train.bin")
+    elif how == "odd":
+        with open(dst / "val.bin", "ab") as f:
+            f.write(b"\0")
+    elif how == "empty":
+        (dst / "train.bin").write_bytes(b"")
+        del meta["tokens"]  # an older meta.json: no counts to compare with
+    elif how == "chars":
+        meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"][:-1]
+    elif how == "no tokenizer":
+        del meta["tokenizer"]
+    (dst / "meta.json").write_text(json.dumps(meta))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "train.bin holds 500 tokens but meta.json records 3,870: the file is truncated"),
+        ("odd", "val.bin has an odd size (861 bytes) for 2-byte tokens"),
+        ("empty", "train.bin is empty"),
+        ("chars", "its character list has 16 characters but vocab_size is 17"),
+        ("no tokenizer", "it has no 'tokenizer' entry"),
+    ],
+)
+def test_dataset_files_are_checked_against_meta(small_data, tmp_path, how, message):
+    """load_meta catches truncated, odd-sized and empty token files and a tokenizer that disagrees with the vocab."""
+    d = corrupt(small_data, tmp_path / "d", how)
+    with pytest.raises(DataError) as e:
+        load_meta(d)
+    assert message in str(e.value) and "re-run the script that prepared it" in str(e.value)
+
+
+def test_dataset_errors_come_before_training(small_data, tmp_path):
+    """train.main stops on a bad dataset or one shorter than a block before building a model or writing anything."""
+    d = corrupt(small_data, tmp_path / "d", "no tokenizer")
+    with pytest.raises(DataError, match="no 'tokenizer' entry"):
+        main(f"--dataset={d}", f"--out_dir={tmp_path / 'out'}")
+    with pytest.raises(DataError, match="too few for block_size=1024"):
+        main(f"--dataset={small_data}", "--block_size=1024", f"--out_dir={tmp_path / 'out'}")
+    assert list((tmp_path / "out").iterdir()) == []
+    assert load_meta(small_data, block_size=256)["tokens"] == {"train": 3870, "val": 430}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# out_dir
+
+
+def test_unwritable_out_dir_is_an_error(tmp_path):
+    """An out_dir that is a file or cannot be written (/proc) is an error before any work."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(train.TrainError, match="is a file, not a folder"):
+        train.prepare_out_dir(resolved(f"--out_dir={tmp_path / 'file'}"))
+    with pytest.raises(train.TrainError, match="cannot write checkpoints to out_dir='/proc/nanope'"):
+        train.prepare_out_dir(resolved("--out_dir=/proc/nanope"))
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        train.prepare_out_dir(resolved("--init_from=resume", f"--out_dir={tmp_path / 'none'}"))
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_finished_run_is_not_overwritten(small_data, tmp_path):
+    """Training from scratch into an out_dir holding a run refuses, naming the options, and changes nothing;
+    --overwrite=True or --init_from=resume go ahead."""
+    (tmp_path / "ckpt.pt").write_bytes(b"a finished run")
+    for init in ("scratch", "gpt2"):
+        with pytest.raises(train.TrainError) as e:
+            main(f"--dataset={small_data}", f"--init_from={init}", f"--out_dir={tmp_path}")
+        for option in ("--init_from=resume", "--out_dir=", "--overwrite=True"):
+            assert option in str(e.value)
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"a finished run"
+    train.prepare_out_dir(resolved("--overwrite=True", f"--out_dir={tmp_path}"))
+    train.prepare_out_dir(resolved("--init_from=resume", f"--out_dir={tmp_path}"))
+
+
+def test_stale_checkpoint_temporaries_are_removed(tmp_path):
+    """The temporary file of a save killed mid-write is removed by the next run; a live process's file stays."""
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale, live = tmp_path / f".ckpt.pt.{dead.pid}.tmp", tmp_path / f".ckpt_best.pt.{os.getpid()}.tmp"
+    stale.write_bytes(b"half")
+    live.write_bytes(b"half")
+    assert train.prepare_out_dir(resolved(f"--out_dir={tmp_path}")) == [stale]
+    assert not stale.exists() and live.exists()
