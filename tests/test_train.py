@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import train as train_py
 from checkpoint import load_checkpoint
 from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
 from tokenizer import GPT2_EOT, GPT2Tokenizer
@@ -51,6 +52,16 @@ def train(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.C
     return subprocess.run(
         [sys.executable, "train.py", *TINY, *args], capture_output=True, text=True, cwd=cwd, timeout=600, env=env or ENV
     )
+
+
+def train_here(*args: str) -> None:
+    """train.py's main in this process (no interpreter start-up), with the signal handlers it installs put back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        train_py.main([*TINY, *args])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 def assert_ok(r: subprocess.CompletedProcess) -> None:
@@ -138,6 +149,49 @@ def test_non_finite_loss_stops_before_the_step(tiny_data, tmp_path):
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["iter_num"] == 0
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_resume_in_float16_from_a_float32_run(tiny_data, tmp_path):
+    """Resuming a float32 run (empty GradScaler state) with --dtype=float16 trains on with a fresh scaler."""
+    common = [f"--dataset={tiny_data}", "--eval_interval=2", f"--out_dir={tmp_path}"]
+    train_here(*common, "--max_iters=2")
+    assert load_checkpoint(tmp_path / "ckpt.pt")["scaler"] == {}
+    train_here(*common, "--max_iters=4", "--init_from=resume", "--dtype=float16")
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter_num"] == 4 and ckpt["scaler"]["scale"] > 0
+
+
+def test_resume_with_another_block_size_resets_the_best(tiny_data, tmp_path, capsys):
+    """A resumed run evaluated at another block_size says so and picks ckpt_best.pt among its own evaluations only."""
+    common = [f"--dataset={tiny_data}", f"--out_dir={tmp_path}"]
+    train_here(*common, "--max_iters=5")
+    capsys.readouterr()
+    train_here(*common, "--max_iters=10", "--init_from=resume", "--block_size=8")
+    out = capsys.readouterr().out
+    assert "validation differs from the checkpoint's (block_size 32 -> 8)" in out
+    losses = [float(line.split("val loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+    best = load_checkpoint(tmp_path / "ckpt_best.pt")
+    assert len(losses) == 2 and best["eval_setup"]["block_size"] == 8
+    assert best["best_val_loss"] == pytest.approx(min(losses), abs=1e-4)
+
+
+def test_resuming_a_finished_run_writes_nothing(tiny_data, tmp_path, capsys):
+    """--init_from=resume on a run that reached max_iters says there is nothing to train and leaves ckpt.pt alone."""
+    common = [f"--dataset={tiny_data}", "--max_iters=1", f"--out_dir={tmp_path}"]
+    train_here(*common)
+    before = (tmp_path / "ckpt.pt").stat().st_mtime_ns
+    train_here(*common, "--init_from=resume")
+    assert "already reached max_iters=1: nothing to train" in capsys.readouterr().out
+    assert (tmp_path / "ckpt.pt").stat().st_mtime_ns == before
+
+
+def test_rope_scaling_keys_train(tiny_data, tmp_path):
+    """train.py takes the RoPE scaling keys (README: training configs take them) and stores them in the model."""
+    train_here(
+        f"--dataset={tiny_data}", "--max_iters=1", "--rope_scaling=yarn", "--rope_factor=2", f"--out_dir={tmp_path}"
+    )
+    args = load_checkpoint(tmp_path / "ckpt.pt")["model_args"]
+    assert (args["rope_scaling"], args["rope_factor"]) == ("yarn", 2.0)
 
 
 def test_checkpoint_survives_kill_during_save(tmp_path):
@@ -228,6 +282,35 @@ def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     assert len(two["rng"]) == 2 and two["iter_num"] == 6
     for k in one["model"]:
         torch.testing.assert_close(one["model"][k], two["model"][k], atol=1e-5, rtol=1e-4)
+
+
+def test_non_finite_check_agrees_across_ranks(tmp_path):
+    """Under DDP a non-finite loss on one rank stops every rank (none waits alone in all_reduce); fp16's inf
+    gradient norms, which the GradScaler skips, stop none."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        sys.path.insert(0, {str(ROOT)!r})
+        from train import non_finite
+        dist.init_process_group("gloo")
+        rank, nan, inf = dist.get_rank(), float("nan"), float("inf")
+        loss = torch.tensor(nan if rank == 1 else 1.0)
+        a = non_finite(loss, torch.tensor(1.0), check_norm=True, ddp=True)
+        b = non_finite(torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1.0), check_norm=False, ddp=True)
+        open({str(tmp_path)!r} + f"/rank{{rank}}", "w").write(f"{{a}} {{b}}")
+        dist.destroy_process_group()
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert_ok(r)
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == ["loss None", "loss None"]
 
 
 def test_wandb_offline_logs_the_run(tiny_data, tmp_path):
