@@ -7,13 +7,15 @@ Train short, test long: validation loss and perplexity of checkpoints at several
 
 Two ways, as in the ALiBi paper (Press et al. 2021, §4): `nonoverlapping` cuts the validation text into windows of
 L tokens and scores every token (early tokens of each window see little context); `sliding` moves a window of L
-tokens by `stride` and scores only the tokens that are new in it, so each token is scored once with at least
-L - stride tokens of context. Every length scores the same stretch of text (the first --eval_tokens validation
-tokens). Also the loss at each position of the window (the non-overlapping windows), where an encoding breaks.
+tokens by `stride` and scores only the last `stride` tokens of each, so every scored token has at least L - stride
+tokens of context (the first L - stride tokens of the text, which cannot have that much, are not scored). Every
+length scores (nearly) the same stretch of text, the first --eval_tokens validation tokens. Also the loss at each
+position of the window (the non-overlapping windows), where an encoding breaks.
 
 `learned` has no position past its block size: n/a there. --rope_scaling adds rows for RoPE checkpoints evaluated
 with a scaling, by default with the factor s matched to each length (s = L / training length, as YaRN is meant
 to be used: at the training length and below, no scaling), or one fixed --rope_factor for every length.
+dynamic_ntk takes s = 1 by default: it scales with the length by itself (its NTK ratio s·L/L0 - (s-1) is L/L0).
 Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a plot (--plot).
 """
 
@@ -39,20 +41,23 @@ MODES = ("nonoverlapping", "sliding")
 
 def windows(n_tokens: int, L: int, mode: str, stride: int) -> list[tuple[int, int]]:
     """(start, first scored offset) of each window of L tokens over n_tokens + 1 tokens (inputs and targets).
-    Every target 1..n_tokens' (the scored stretch) is scored exactly once."""
-    if mode == "nonoverlapping":
-        return [(s, 0) for s in range(0, n_tokens - L + 1, L)]
-    out = [(0, 0)]
-    s = stride
-    while s + L <= n_tokens:
-        out.append((s, L - stride))  # the tokens before L - stride were scored by the previous window
-        s += stride
-    return out
+    nonoverlapping scores every target of each window; sliding only the last `stride` ones of each, a contiguous
+    stretch from target L - stride on, each scored once with at least L - stride tokens of context."""
+    step, first = (L, 0) if mode == "nonoverlapping" else (stride, L - stride)
+    return [(s, first) for s in range(0, n_tokens - L + 1, step)]
 
 
 def sliding_stride(L: int, stride: int | None) -> int:
     """--stride, or by default a quarter of the length."""
     return stride or max(1, L // 4)
+
+
+def rope_factor(scaling: str, L: int, train_len: int, factor: float | None = None) -> float:
+    """The factor s a RoPE scaling gets at evaluation length L: a fixed factor if given, else L / train_len (1 up
+    to the training length); dynamic_ntk 1, since it already scales by L / L0 (s = L / L0 would square that)."""
+    if factor:
+        return factor
+    return 1.0 if scaling == "dynamic_ntk" else max(1.0, L / train_len)
 
 
 def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
@@ -113,6 +118,35 @@ def load_val(ckpt: dict, data_dir: str | None) -> tuple[np.ndarray, str]:
     return np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option in its range, before any work: p.error prints usage and one line, and exits 2."""
+    for L in args.lengths:
+        if L < 2:
+            p.error(f"--lengths {L}: every length must be >= 2")
+    if args.stride is not None and not 1 <= args.stride <= min(args.lengths):
+        p.error(f"--stride={args.stride}: must be between 1 and the shortest length, {min(args.lengths)}")
+    if args.eval_tokens < 1:
+        p.error(f"--eval_tokens={args.eval_tokens}: must be >= 1")
+    if args.rope_factor is not None and not args.rope_factor >= 1:
+        p.error(f"--rope_factor={args.rope_factor}: must be >= 1 (how many times longer than training)")
+    if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
+        p.error(f"--memory_gb={args.memory_gb}: must be a positive number")
+    if args.dtype not in (None, "float32", "bfloat16", "float16"):
+        p.error(f"--dtype={args.dtype}: choose float32, bfloat16 or float16")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        p.error(f"--device={args.device}: not a device; use cpu, cuda, cuda:1 or mps")
+    if (kind == "cuda" and not torch.cuda.is_available()) or (kind == "mps" and not torch.backends.mps.is_available()):
+        p.error(f"--device={args.device}: not available on this machine; use --device=cpu")
+    for flag in ("out_json", "out_md", "plot"):
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            p.error(f"--{flag}={path}: the folder {Path(path).parent} does not exist")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
@@ -133,9 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--wandb_project", default="nanope")
     p.add_argument("--wandb_run_name", default="eval_length")
     args = p.parse_args(argv)
-    for L in args.lengths:
-        if L < 2 or (args.stride and args.stride > L):
-            p.error(f"length {L}: lengths must be >= 2 and at least --stride={args.stride}")
+    check_args(p, args)
     lengths = sorted(set(args.lengths))
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
@@ -157,7 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if enc == "rope" else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
-            name = f"rope+{scaling} (s={args.rope_factor:g})" if args.rope_factor else f"rope+{scaling} (s=L/{T})"
+            if args.rope_factor:
+                name = f"rope+{scaling} (s={args.rope_factor:g})"
+            else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
+                name = f"rope+{scaling}" if scaling == "dynamic_ntk" else f"rope+{scaling} (s=L/{T})"
             runs.append(
                 dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T, scaling=scaling)
             )
@@ -187,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
         r["results"] = {m: {} for m in args.modes}
         for L in lengths:
             if r.get("scaling"):
-                r["model"].set_rope_scaling(r["scaling"], args.rope_factor or max(1.0, L / r["train_len"]))
+                r["model"].set_rope_scaling(
+                    r["scaling"], rope_factor(r["scaling"], L, r["train_len"], args.rope_factor)
+                )
             for mode in args.modes:
                 if not feasible(r, L):
                     r["results"][mode][L] = None  # learned: no position past block_size

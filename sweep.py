@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 import eval_length
-from checkpoint import CheckpointError, load_checkpoint
-from model import POS_ENCODINGS
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from model import POS_ENCODINGS, ROPE_SCALINGS
 
 ROOT = Path(__file__).resolve().parent
 SIZES = {  # train.py arguments and evaluation lengths per size; the training length is the block size
@@ -42,12 +42,17 @@ def run_dir(out_dir: Path, enc: str, seed: int) -> Path:
 
 
 def finished(d: Path) -> bool | None:
-    """True if d holds a finished run, False if an unfinished one (to resume), None if none."""
-    try:
-        ckpt = load_checkpoint(d / "ckpt.pt")
-    except CheckpointError:
+    """True if d holds a finished run, False if an unfinished one (to resume), None if none. An unreadable
+    ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run."""
+    path = d / "ckpt.pt"
+    if not path.exists():
         return None
-    return ckpt["iter_num"] >= ckpt["config"]["max_iters"]
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        sys.exit(f"[sweep] {e}\n[sweep] not training over it: move {d} aside (or delete it), then re-run")
+    max_iters = ckpt.get("config", {}).get("max_iters")
+    return max_iters is None or ckpt.get("iter_num", 0) >= max_iters
 
 
 def train(enc: str, seed: int, d: Path, args) -> float:
@@ -133,7 +138,7 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str])
         "",
         "## Validation loss at the training length (train.py's estimate, best of its evaluations)",
         "",
-        "| encoding | val loss | parameters | minutes to train |",
+        "| encoding | val loss | parameters (tied embedding once, no position table) | minutes to train |",
         "|---|---:|---:|---:|",
     ]
     for enc in dict.fromkeys(r["enc"] for r in runs):
@@ -146,7 +151,8 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str])
         lines += ["", f"## Perplexity by evaluation length, {mode} windows", ""]
         if mode == "sliding":
             lines.append(
-                f"(stride {report['stride']}; every token scored once, with at least 3/4 of the window as context)\n"
+                f"(stride {report['stride']}: each window scores its last quarter only, so every token is scored once, "
+                "with at least 3/4 of the window as context; the text's first 3/4 window is not scored)\n"
             )
         lines.append("| encoding | " + " | ".join(f"{L}{' (train)' if L == train_len else ''}" for L in lengths) + " |")
         lines.append("|---|" + "---:|" * len(lengths))
@@ -199,13 +205,32 @@ def main(argv: list[str]) -> None:
     p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1337])
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="evaluation lengths (default: per size)")
-    p.add_argument("--rope_scaling", nargs="*", default=["yarn", "dynamic_ntk"], help="extra RoPE rows (eval_length)")
+    p.add_argument(
+        "--rope_scaling",
+        nargs="*",
+        default=["yarn", "dynamic_ntk"],
+        choices=[s for s in ROPE_SCALINGS if s != "none"],
+        help="extra RoPE rows (eval_length)",
+    )
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
+    for name in ("encodings", "seeds"):
+        xs = getattr(args, name)
+        if len(set(xs)) != len(xs):
+            p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
+    if min(args.seeds) < 0:
+        p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
+    if args.lengths and min(args.lengths) < 2:
+        p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     out_dir = Path(args.out_dir or f"sweep-{args.size}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        p.error(f"--out_dir={out_dir} is a file, not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out_dir={out_dir}: cannot create it: {e.strerror}")
     size = SIZES[args.size]
     t0 = time.time()
     runs = []
@@ -216,9 +241,12 @@ def main(argv: list[str]) -> None:
         eta = f", ETA {done / i * (n - i) / 60:.0f} min for training" if i else ""
         print(f"[sweep] run {i + 1}/{n}{eta}", flush=True)
         train(enc, seed, d, args)
-        ckpt = load_checkpoint(d / "ckpt.pt")
+        try:
+            ckpt = load_checkpoint(d / "ckpt.pt")
+        except CheckpointError as e:
+            sys.exit(f"[sweep] {e}")
         seconds = json.loads((d / "sweep.json").read_text())["seconds"] if (d / "sweep.json").exists() else 0.0
-        n_params = sum(v.numel() for v in ckpt["model"].values())
+        n_params = model_from_checkpoint(ckpt).get_num_params()  # the tied wte/lm_head once; no wpe table
         runs.append(dict(enc=enc, seed=seed, dir=str(d), val=ckpt["best_val_loss"], params=n_params, seconds=seconds))
     (out_dir / "runs.json").write_text(json.dumps(runs, indent=1))
     lengths = args.lengths or size["lengths"]

@@ -47,13 +47,21 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("n, L, stride", [(100, 16, 4), (100, 16, 16), (64, 16, 5), (17, 16, 1), (50, 7, 3)])
 def test_every_target_is_scored_once(n, L, stride):
+    """Every target of one contiguous stretch is scored once; sliding scores from L - stride on, nearly to the end."""
     for mode in eval_length.MODES:
         scored = [s + j for s, first in eval_length.windows(n, L, mode, stride) for j in range(first, L)]
         assert len(scored) == len(set(scored))  # never twice
-        assert scored == list(range(len(scored)))  # a contiguous stretch from the start
-        assert len(scored) > n - (L if mode == "nonoverlapping" else stride)  # nearly all of it
-        if mode == "sliding":  # each target after the first window has at least L - stride tokens of context
-            assert all(first in (0, L - stride) for _, first in eval_length.windows(n, L, mode, stride))
+        start = 0 if mode == "nonoverlapping" else L - stride
+        assert scored == list(range(start, start + len(scored)))  # a contiguous stretch
+        assert start + len(scored) > n - (L if mode == "nonoverlapping" else stride)  # nearly all of it
+
+
+@pytest.mark.parametrize("n, L, stride", [(100, 16, 4), (64, 16, 5), (1000, 64, 16)])
+def test_sliding_context_is_at_least_window_minus_stride(n, L, stride):
+    """Sliding windows give every scored target, the first window's included, at least L - stride tokens of
+    context: the README's 'at least three quarters of the window' at the default stride L/4."""
+    contexts = [j + 1 for _, first in eval_length.windows(n, L, "sliding", stride) for j in range(first, L)]
+    assert min(contexts) >= L - stride
 
 
 def direct_loss(model: GPT, data: np.ndarray, start: int, L: int, j: int) -> float:
@@ -145,3 +153,50 @@ def test_errors_name_the_problem(ckpts, tmp_path):
         eval_length.main([str(tmp_path / "nowhere"), "--lengths", "8"])
     with pytest.raises(SystemExit, match="fewer than the longest length"):
         eval_length.main([str(ckpts["rope"]), "--lengths", "100000", "--plot", ""])
+
+
+def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
+    """At 4x the training length, eval's dynamic NTK uses Hugging Face's ratio L/L0 = 4 (base · 4^(d/(d-2))), not
+    s·L/L0 - (s-1) = 13 from s = L/L0; YaRN still gets s = L/L0 = 4."""
+    seen = {}
+
+    def spy(model, data, L, *args):
+        pe = model.transformer.wpe
+        seen[(pe.scaling, L)] = (pe.factor, pe.inv_freq(torch.device("cpu"), torch.tensor(L)))
+        return real(model, data, L, *args)
+
+    real = eval_length.evaluate
+    monkeypatch.setattr(eval_length, "evaluate", spy)
+    args = ["--lengths", "16", "64", "--modes", "nonoverlapping", "--eval_tokens", "100", "--plot", ""]
+    report = eval_length.main([str(ckpts["rope"]), *args, "--rope_scaling", "dynamic_ntk", "yarn"])
+    assert [r["name"] for r in report["runs"]] == ["rope", "rope+dynamic_ntk", "rope+yarn (s=L/16)"]
+    d, base = 8, 10000.0  # head dim 16 / 2 heads
+    k = torch.arange(d // 2, dtype=torch.float32)
+    expected = (base * 4 ** (d / (d - 2))) ** (-2 * k / d)
+    factor, inv_freq = seen[("dynamic_ntk", 64)]
+    assert factor == 1.0 and torch.allclose(inv_freq, expected, rtol=1e-5)
+    assert torch.equal(seen[("dynamic_ntk", 16)][1], base ** (-2 * k / d))  # the training length: unscaled
+    assert seen[("yarn", 64)][0] == 4.0 and seen[("yarn", 16)][0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stride", "-3"], "--stride=-3: must be between 1 and the shortest length"),
+        (["--stride", "0"], "--stride=0"),
+        (["--stride", "9"], "--stride=9"),  # longer than the shortest length, 8
+        (["--lengths", "1"], "--lengths 1: every length must be >= 2"),
+        (["--eval_tokens", "0"], "--eval_tokens=0"),
+        (["--rope_factor", "0.5"], "--rope_factor=0.5"),
+        (["--memory_gb", "-1"], "--memory_gb=-1"),
+        (["--dtype", "float8"], "--dtype=float8"),
+        (["--device", "foo"], "--device=foo: not a device"),
+        (["--out_json", "/nowhere/r.json"], "--out_json=/nowhere/r.json: the folder /nowhere does not exist"),
+    ],
+)
+def test_bad_options_are_one_line_errors(ckpts, capsys, args, message):
+    """Out-of-range options stop at once with a one-line error naming the option, before any evaluation (a negative
+    stride used to loop until memory ran out)."""
+    with pytest.raises(SystemExit) as e:
+        eval_length.main([str(ckpts["rope"]), "--lengths", "8", "16", "--plot", "", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -4,8 +4,17 @@ second run reuses finished runs instead of training them again."""
 import json
 import subprocess
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
+import pytest
+import torch
 from test_train import ENV, ROOT, TINY, tiny_data  # noqa: F401 (a fixture)
+
+import sweep
+from checkpoint import save_checkpoint
+from datafiles import load_meta
+from model import GPT, GPTConfig
 
 
 def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
@@ -39,7 +48,7 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
         (e, s) for e in ("rope", "learned", "alibi") for s in (1, 2)
     )
     report = (out / "report.md").read_text()
-    for row in ("| rope | ", "| rope+yarn (s=L/32) | ", "| alibi | ", "| learned | "):
+    for row in ("| rope | ", "| rope+yarn (s=L/32) | ", "| rope+dynamic_ntk | ", "| alibi | ", "| learned | "):
         assert row in report
     assert " ± " in report  # two seeds: mean ± spread
     learned = next(line for line in report.splitlines() if line.startswith("| learned | ") and "n/a" in line)
@@ -47,3 +56,70 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     assert (out / "length.png").stat().st_size > 10_000 and (out / "position.png").stat().st_size > 10_000
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 6
+
+
+def finished_run(out_dir: Path, enc: str, seed: int, data: Path) -> GPT:
+    """A checkpoint as train.py leaves a finished run (iter_num = max_iters), so sweep.py only evaluates it."""
+    meta = load_meta(data)
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=16, vocab_size=meta["vocab_size"], n_layer=1, n_head=2, n_embd=16, pos_encoding=enc)
+    model = GPT(config)
+    ckpt = {
+        "model": model.state_dict(),
+        "model_args": asdict(config),
+        "config": {"dataset": str(data), "max_iters": 4},
+        "tokenizer": meta["tokenizer"],
+        "iter_num": 4,
+        "best_val_loss": 3.0,
+    }
+    save_checkpoint(ckpt, sweep.run_dir(out_dir, enc, seed) / "ckpt.pt")
+    return model
+
+
+def test_parameter_column_counts_each_parameter_once(tiny_data, tmp_path):  # noqa: F811
+    """The parameters column counts the tied token embedding / lm_head once and leaves out learned's position
+    table (GPT.get_num_params), where the state_dict holds the tied matrix twice."""
+    out = tmp_path / "sweep"
+    models = {enc: finished_run(out, enc, 1, tiny_data) for enc in ("rope", "learned")}
+    argv = ["--encodings", "rope", "learned", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}"]
+    sweep.main([*argv, "--rope_scaling"])
+    runs = {r["enc"]: r["params"] for r in json.loads((out / "runs.json").read_text())}
+    for enc, model in models.items():
+        unique = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+        if enc == "learned":
+            unique -= model.transformer.wpe.weight.numel()
+        assert runs[enc] == unique
+        assert runs[enc] <= sum(v.numel() for v in model.state_dict().values()) - model.transformer.wte.weight.numel()
+
+
+def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):  # noqa: F811
+    """A truncated ckpt.pt stops the sweep with a message naming it, and stays as it was (no training over it)."""
+    out = tmp_path / "sweep"
+    finished_run(out, "rope", 1, tiny_data)
+    ckpt = sweep.run_dir(out, "rope", 1) / "ckpt.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit, match="(?s)not a readable checkpoint.*not training over it: move"):
+        sweep.main(["--encodings", "rope", "--seeds", "1", f"--out_dir={out}"])
+    assert ckpt.read_bytes() == before and sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seeds", "-1"], "--seeds: seeds must be >= 0"),
+        (["--seeds", "1", "1"], "--seeds 1 1: each may appear once"),
+        (["--encodings", "rope", "rope"], "--encodings rope rope: each may appear once"),
+        (["--lengths", "1", "64"], "--lengths: every length must be >= 2"),
+        (["--rope_scaling", "foo"], "invalid choice: 'foo'"),
+        (["--out_dir", "FILE"], "is a file, not a folder"),
+    ],
+)
+def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
+    """Bad sweep options stop before any training with a one-line error naming the option."""
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    with pytest.raises(SystemExit) as e:
+        sweep.main([f"--out_dir={tmp_path / 'sweep'}", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.glob("sweep/*"))
