@@ -3,9 +3,11 @@ Sample from a trained model, rebuilt (with its tokenizer) from the checkpoint al
     python sample.py --out_dir=out-rope
     python sample.py --out_dir=out-rope --start=FILE:prompt.txt --max_context=1024 --top_p=0.9
     python sample.py --out_dir=out-rope --max_context=1024 --rope_scaling=yarn   # 4x a block of 256, YaRN-scaled
+    python sample.py --out_dir=out-rope --ckpt=ckpt_best.pt   # the lowest-val-loss checkpoint
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"
 """
 
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -15,19 +17,21 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure, default_device, default_dtype
-from model import GPT
-from tokenizer import GPT2Tokenizer, tokenizer_from_meta
+from model import GPT, ROPE_SCALINGS
+from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
+from train import check_device
 
 # -----------------------------------------------------------------------------------------------------------------
 defaults = dict(
     init_from="resume",  # 'resume' (from out_dir/ckpt.pt) or a GPT-2 name: 'gpt2', 'gpt2-medium', …
     out_dir="out",  # folder holding ckpt.pt
+    ckpt="ckpt.pt",  # the checkpoint in out_dir: ckpt.pt (the latest) or ckpt_best.pt (lowest val loss)
     start="\n",  # the prompt, or "FILE:prompt.txt" to read it from a file
-    num_samples=3,
-    max_new_tokens=500,
-    temperature=0.8,  # 1.0 unchanged, < 1 more conservative, 0 greedy
-    top_k=200,  # keep only the top_k likeliest tokens (None: all)
-    top_p=None,  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
+    num_samples=3,  # >= 1
+    max_new_tokens=500,  # >= 1
+    temperature=0.8,  # >= 0: 1.0 unchanged, < 1 more conservative, 0 greedy
+    top_k=200,  # keep only the top_k (>= 1) likeliest tokens (None: all)
+    top_p=None,  # nucleus sampling, in (0, 1]: keep the smallest set of tokens whose probability reaches top_p
     max_context=None,  # longest context attended to (default block_size; may exceed it if the encoding extrapolates)
     no_cache=False,  # re-run the whole context every token instead of using the KV cache (nanoGPT's way)
     seed=1337,
@@ -35,12 +39,72 @@ defaults = dict(
     dtype="",  # float32 | bfloat16 | float16; empty: bfloat16 where supported on GPU, else float16; CPU float32
     compile=False,  # torch.compile the one-token decode step (a CUDA graph on GPU): slower start, faster tokens
     rope_scaling="",  # RoPE models, to read past the training length: linear | ntk | dynamic_ntk | yarn
-    rope_factor=0.0,  # rope_scaling's factor s (default: max_context / block_size)
+    rope_factor=0.0,  # rope_scaling's factor s >= 1 (default: max_context / block_size; dynamic_ntk: 1)
 )
+
+
+def check_options(cfg: dict) -> None:
+    """The ranges of the sampling options, checked before any work; each error names the value and the rule."""
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}={cfg[key]!r}: {rule}")
+
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    need(cfg["num_samples"] >= 1, "num_samples", "must be >= 1")
+    need(cfg["max_new_tokens"] >= 1, "max_new_tokens", "must be >= 1")
+    need(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0, "temperature", "must be >= 0 (0: greedy)")
+    top_k, top_p = cfg["top_k"], cfg["top_p"]
+    need(top_k is None or (type(top_k) is int and top_k >= 1), "top_k", "must be an integer >= 1, or None (all)")
+    need(top_p is None or (number(top_p) and 0 < top_p <= 1), "top_p", "must be in (0, 1], or None (all)")
+    mc = cfg["max_context"]
+    need(mc is None or (type(mc) is int and mc >= 1), "max_context", "must be an integer >= 1, or None (block_size)")
+    need(cfg["rope_scaling"] in ("", *ROPE_SCALINGS), "rope_scaling", f"choose one of {', '.join(ROPE_SCALINGS)}")
+    need(cfg["rope_factor"] == 0 or cfg["rope_factor"] >= 1, "rope_factor", "must be >= 1 (0: the default)")
+    need(cfg["dtype"] in ("", "float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
+    need(cfg["ckpt"] != "", "ckpt", "name a checkpoint file in out_dir, e.g. ckpt.pt or ckpt_best.pt")
+    check_device(cfg["device"])
+
+
+def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
+    """The model and tokenizer of out_dir's checkpoint; an error names what is wrong and what to do."""
+    out_dir = Path(cfg["out_dir"])
+    ckpt_path = out_dir / cfg["ckpt"]
+    try:
+        ckpt = load_checkpoint(ckpt_path)
+    except CheckpointError as e:
+        if not ckpt_path.exists():
+            sys.exit(f"error: {e}\nTrain a model first, e.g.: python train.py config/rope.py --out_dir={out_dir}")
+        # unreadable: nothing can resume from it, so never suggest training into this out_dir again
+        best = out_dir / "ckpt_best.pt"
+        try:
+            load_checkpoint(best)
+            hint = f"{best} is readable: sample from it with --ckpt=ckpt_best.pt"
+        except CheckpointError:
+            hint = f"train a new model into a new folder, e.g. --out_dir={out_dir}-2, and keep {out_dir} as it is"
+        sys.exit(f"error: {e}\nA run cannot be resumed from it either; {hint}")
+    model = model_from_checkpoint(ckpt)
+    V = model.config.vocab_size
+    if "tokenizer" in ckpt:
+        tok = tokenizer_from_meta(ckpt["tokenizer"])
+        if tok.vocab_size > V or (isinstance(tok, CharTokenizer) and tok.vocab_size != V):
+            sys.exit(
+                f"error: {ckpt_path}'s tokenizer has {tok.vocab_size} tokens but its model's vocabulary is {V}: "
+                "the dataset's meta.json disagreed with itself when this model trained; re-run the dataset's "
+                "prepare.py and train again"
+            )
+    elif V >= GPT2Tokenizer.vocab_size:  # a nanoGPT checkpoint: GPT-2's BPE, as it assumes
+        tok = GPT2Tokenizer()
+    else:
+        sys.exit(f"error: {ckpt_path} does not record its tokenizer and its vocabulary is not GPT-2's")
+    return model, tok
 
 
 def main(argv: list[str]) -> None:
     cfg = configure(defaults, argv)
+    check_options(cfg)
     device, dtype = cfg["device"], cfg["dtype"] or default_dtype(cfg["device"])
     torch.manual_seed(cfg["seed"])
     if device.startswith("cuda"):
@@ -50,31 +114,20 @@ def main(argv: list[str]) -> None:
     # -------------------------------------------------------------------------------------------------------------
     # model and tokenizer
     if cfg["init_from"] == "resume":
-        ckpt_path = Path(cfg["out_dir"]) / "ckpt.pt"
-        try:
-            ckpt = load_checkpoint(ckpt_path)
-        except CheckpointError as e:
-            sys.exit(
-                f"error: {e}\nTrain a model first, e.g.: python train.py config/rope.py --out_dir={cfg['out_dir']}"
-            )
-        model = model_from_checkpoint(ckpt)
-        if "tokenizer" in ckpt:
-            tok = tokenizer_from_meta(ckpt["tokenizer"])
-        elif model.config.vocab_size >= GPT2Tokenizer.vocab_size:  # a nanoGPT checkpoint: GPT-2's BPE, as it assumes
-            tok = GPT2Tokenizer()
-        else:
-            sys.exit(f"error: {ckpt_path} does not record its tokenizer and its vocabulary is not GPT-2's")
+        model, tok = load(cfg)
     else:
         model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
     model.eval().to(device)
     if cfg["rope_scaling"]:
         try:
-            s = cfg["rope_factor"] or max(1.0, (cfg["max_context"] or 0) / model.config.block_size)
+            # dynamic_ntk scales by L / block_size itself: a factor max_context / block_size would square it
+            stretch = (
+                1.0 if cfg["rope_scaling"] == "dynamic_ntk" else (cfg["max_context"] or 0) / model.config.block_size
+            )
+            s = cfg["rope_factor"] or max(1.0, stretch)
             model.set_rope_scaling(cfg["rope_scaling"], s)
         except ValueError as e:
             sys.exit(f"error: {e}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        sys.exit(f"error: dtype={dtype!r}: choose float32, bfloat16 or float16")
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=ptdtype)
 

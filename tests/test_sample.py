@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sample
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
@@ -197,3 +198,82 @@ def test_load_checkpoint_rejects_what_is_not_a_checkpoint(tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("--temperature=-1", "temperature=-1.0: must be >= 0"),
+        ("--top_k=0", "top_k=0: must be an integer >= 1"),
+        ("--top_k=2.5", "top_k=2.5 in the command line: expected an integer"),
+        ("--top_p=0", r"top_p=0: must be in \(0, 1\]"),
+        ("--top_p=1.5", r"top_p=1.5: must be in \(0, 1\]"),
+        ("--num_samples=0", "num_samples=0: must be >= 1"),
+        ("--max_new_tokens=-5", "max_new_tokens=-5: must be >= 1"),
+        ("--max_context=0", "max_context=0: must be an integer >= 1"),
+        ("--rope_factor=0.5", "rope_factor=0.5: must be >= 1"),
+        ("--rope_scaling=yarm", "rope_scaling='yarm': choose one of"),
+        ("--dtype=float64", "dtype='float64': choose float32"),
+        ("--device=foo", "device='foo' is not a device"),
+    ],
+)
+def test_sample_options_out_of_range_are_errors(option, message):
+    """Sampling options out of range are errors naming the value and the rule, raised before any checkpoint is
+    read (a negative temperature used to sample the least likely tokens, top_p=1.5 was ignored, top_k=0 crashed)."""
+    with pytest.raises(ConfigError, match=message):
+        sample.main(["--out_dir=/nonexistent", option])
+
+
+def test_sample_bad_value_gives_one_line_error(tmp_path):
+    """From the command line, a bad value is one 'error:' line and exit status 1, not a traceback."""
+    make_checkpoint(tmp_path)
+    r = run_sample(f"--out_dir={tmp_path}", "--top_p=0")
+    assert r.returncode == 1 and r.stderr.startswith("error: top_p=0") and "Traceback" not in r.stderr
+
+
+def test_sample_dynamic_ntk_factor_is_one(tmp_path, capsys):
+    """--rope_scaling=dynamic_ntk at max_context 4x the block samples as the model with factor 1 (whose NTK ratio
+    grows as L / block_size by itself), not factor 4 (ratio 4·L/L0 - 3: scaled twice)."""
+    tok = make_checkpoint(tmp_path, noise=0.5)
+    args = ["--start=Before", "--num_samples=1", "--max_new_tokens=60", "--temperature=0", "--max_context=128"]
+    sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--rope_scaling=dynamic_ntk", *args])
+    out = capsys.readouterr().out.rstrip("\n")
+    texts = {}
+    for factor in (1.0, 4.0):
+        model = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
+        model.set_rope_scaling("dynamic_ntk", factor)
+        y = model.generate(torch.tensor([tok.encode("Before")]), 60, temperature=0, max_context=128)
+        texts[factor] = tok.decode(y[0].tolist())
+    assert texts[1.0] != texts[4.0]  # the factor matters past the block of 32
+    assert out == texts[1.0]
+
+
+def test_corrupt_checkpoint_advice_keeps_the_run(tmp_path, capsys):
+    """An unreadable ckpt.pt points to a readable ckpt_best.pt (and --ckpt=ckpt_best.pt samples it), else to a new
+    out_dir; it never suggests training into the same out_dir, which would replace the run."""
+    make_checkpoint(tmp_path)
+    ckpt = tmp_path / "ckpt.pt"
+    best = tmp_path / "ckpt_best.pt"
+    best.write_bytes(ckpt.read_bytes())
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    with pytest.raises(SystemExit, match="(?s)corrupt.*--ckpt=ckpt_best.pt") as e:
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
+    assert f"--out_dir={tmp_path} " not in str(e.value) + " "
+    sample.main(
+        [f"--out_dir={tmp_path}", "--device=cpu", "--ckpt=ckpt_best.pt", "--num_samples=1", "--max_new_tokens=3"]
+    )
+    assert "tokens/s" in capsys.readouterr().err
+    best.unlink()
+    with pytest.raises(SystemExit, match=f"(?s)corrupt.*new folder, e.g. --out_dir={tmp_path}-2") as e:
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
+
+
+def test_tokenizer_that_disagrees_with_the_vocab_is_an_error(tmp_path):
+    """A checkpoint whose character list is shorter than its model's vocabulary (a meta.json at odds with itself) is
+    a clear error, not a crash when the model samples an id the tokenizer lacks."""
+    make_checkpoint(tmp_path)
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    ckpt["tokenizer"] = {"kind": "char", "chars": ckpt["tokenizer"]["chars"][:-3]}
+    save_checkpoint(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(SystemExit, match="tokenizer has 24 tokens but its model's vocabulary is 27"):
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--start=Be", "--max_new_tokens=50"])
