@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, POS_ENCODINGS, GPTConfig
 from train import GPU_PEAK_FLOPS
 
-ENCODINGS = ["learned", "sinusoidal", "none", "rope", "alibi", "bias_rpe"]
+ENCODINGS = list(POS_ENCODINGS)
+BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
 # HBM bandwidth in bytes/s: the bound for batch-1 decode, which reads every weight once per token
 GPU_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
@@ -271,7 +272,7 @@ def bench_attention(args, device: str) -> None:
     print("| encoding | context | reference ms | default ms | reference peak | default peak |")
     print("|---|---:|---:|---:|---:|---:|")
     spawn = multiprocessing.get_context("spawn")
-    for enc in ["alibi", "bias_rpe"]:
+    for enc in BIASED:
         for T in args.attention_lengths:
             cells = []
             for fused in (False, None):

@@ -31,10 +31,15 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
-    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | rope | alibi | none
+    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | none
     rpe_max_distance: int = 128  # bias_rpe: r_max; distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head
+    t5_num_buckets: int = 32  # t5: biases per head, half exact distances, half log-spaced up to t5_max_distance
+    t5_max_distance: int = 128  # t5: distances from here on share the last bucket
     rope_base: float = 10000.0  # rope: θ_k = base^(-2k/d)
-    rope_scaling: str = "none"  # rope, to run past the training length: none | linear | ntk | dynamic_ntk | yarn
+    rope_fraction: float = 1.0  # rope: the fraction of each head's pairs that rotate (the fastest ones; p-RoPE)
+    rope_scaling: str = (
+        "none"  # rope, to run past the training length: none | linear | ntk | dynamic_ntk | yarn | llama3
+    )
     rope_factor: float = 1.0  # rope_scaling's s: the context is stretched s times
     rope_original_max_len: int | None = None  # rope_scaling's L0, the training length (None: block_size)
     gelu: str = "exact"  # exact (nanoGPT's, 3x faster on CPU) | tanh (GPT-2's own; from_hf uses it)
@@ -45,7 +50,8 @@ class GPTConfig:
                 f"pos_encoding={self.pos_encoding!r} is not a positional encoding; "
                 f"valid choices: {', '.join(POS_ENCODINGS)}"
             )
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "rpe_max_distance"):
+        ints = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "rpe_max_distance", "t5_num_buckets")
+        for name in ints + ("t5_max_distance",):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -53,13 +59,6 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"pos_encoding='rope' rotates pairs of dims, so the head dim n_embd/n_head="
-                f"{self.n_embd // self.n_head} must be even; change n_embd or n_head"
-            )
-        if self.pos_encoding == "sinusoidal" and self.n_embd % 2:
-            raise ValueError(f"pos_encoding='sinusoidal' needs an even n_embd (sin/cos pairs), got {self.n_embd}")
         if self.gelu not in ("exact", "tanh"):
             raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -71,32 +70,41 @@ class GPTConfig:
         L0 = self.rope_original_max_len
         if L0 is not None and (not isinstance(L0, int) or isinstance(L0, bool) or L0 < 1):
             raise ValueError(f"rope_original_max_len={L0!r} must be a positive integer (or None for block_size)")
-        if self.rope_scaling == "ntk" and self.n_embd // self.n_head <= 2:
-            raise ValueError("rope_scaling='ntk' needs a head dim > 2 (its exponent is d/(d-2))")
         if not self.rope_base > 1.0:
             raise ValueError(f"rope_base={self.rope_base!r} must be > 1")
+        if not (isinstance(self.rope_fraction, int | float) and 0.0 < self.rope_fraction <= 1.0):
+            raise ValueError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1] (1: every pair rotates)")
+        POS_ENCODINGS[self.pos_encoding].check(self)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Positional encodings: each a small module with no-op hooks, overriding only what it needs.
+# Positional encodings: each a small module with no-op hooks, overriding only what it needs. Nothing outside this
+# section names an encoding: code elsewhere asks the object (or its class, through POS_ENCODINGS).
 
 
 class NoPE(nn.Module):
     """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023).
 
     The base class of every encoding. Hooks: `embed` (added to the token embeddings), `rotary` (cos/sin that
-    rotate q and k), `bias` (added to attention scores). `bias` is elementwise in (head, i - j), so the same
-    formula fills a materialized (nh, Tq, Tk) tensor and runs inside FlexAttention's fused `score_mod`.
+    rotate q and k), `bias` (added to attention scores). `bias` is elementwise in the head and the absolute query and
+    key positions, so the same formula fills a materialized (nh, Tq, Tk) tensor and runs inside FlexAttention's fused
+    `score_mod`. Class attributes say what the rest of the model needs to know.
     """
 
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
+    extrapolates = True  # has an encoding for any position (False: max_len is the last)
     max_len = None  # the most positions it can encode (None: unbounded)
     has_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
+    bias_span = None  # bias: a function of i - j alone that is one constant from this distance on (None: not so)
     cache_span = None  # the longest span of positions a KV cache stays exact for (None: any)
-    bias_span = None  # bias: distances >= bias_span all share one bias (None: no such distance), see BandBiasGrad
+    rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+
+    @classmethod
+    def check(cls, config: GPTConfig) -> None:
+        """Raise ValueError, naming the fix, where config cannot build this encoding."""
 
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None  # (T,) -> (T, C)
@@ -104,8 +112,19 @@ class NoPE(nn.Module):
     def rotary(self, pos: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None  # (T,) -> cos, sin, each (T, hs/2) float32
 
-    def bias(self, h: torch.Tensor, rel: torch.Tensor) -> torch.Tensor | None:
-        return None  # head h and distance rel = i - j, broadcastable int tensors -> float32 bias of their shape
+    def bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
+        return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
+
+    def no_decay(self) -> list[nn.Parameter]:
+        """Parameters AdamW must not decay: a score bias's (a decayed bias is pulled toward "no preference")."""
+        return list(self.parameters()) if self.has_bias else []
+
+    def position_params(self) -> int:
+        """Parameters that are a table of positions (left out of the model's size, as nanoGPT does)."""
+        return 0
+
+    def crop(self, block_size: int) -> None:
+        """Shrink the training context (GPT-2's 1024 to 256): a table of positions drops its rows."""
 
 
 class Sinusoidal(NoPE):
@@ -120,6 +139,11 @@ class Sinusoidal(NoPE):
         super().__init__(config)
         self.n_embd = config.n_embd
 
+    @classmethod
+    def check(cls, config):
+        if config.n_embd % 2:
+            raise ValueError(f"pos_encoding='sinusoidal' needs an even n_embd (sin/cos pairs), got {config.n_embd}")
+
     def embed(self, pos):
         inv_freq = 10000.0 ** (-torch.arange(0, self.n_embd, 2, device=pos.device, dtype=torch.float32) / self.n_embd)
         angle = pos.float()[:, None] * inv_freq  # (T, C/2)
@@ -132,6 +156,7 @@ class Learned(NoPE):
     past block_size: there is no row for a longer position."""
 
     relative = False
+    extrapolates = False
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -140,6 +165,13 @@ class Learned(NoPE):
 
     def embed(self, pos):
         return F.embedding(pos, self.weight)
+
+    def position_params(self):
+        return self.weight.numel()
+
+    def crop(self, block_size):
+        self.weight = nn.Parameter(self.weight[:block_size].detach().clone())
+        self.max_len = block_size
 
 
 class BiasRPE(NoPE):
@@ -155,38 +187,112 @@ class BiasRPE(NoPE):
         self.bias_span = config.rpe_max_distance - 1  # distances >= r_max - 1 share the clamped entry
         self.weight = nn.Parameter(torch.zeros(config.n_head, 2 * config.rpe_max_distance - 1))  # (nh, 2r-1)
 
-    def bias(self, h, rel):
+    def bias(self, h, i, j):
         r = self.max_distance
-        return self.weight[h, rel.clamp(-(r - 1), r - 1) + (r - 1)].float()
+        return self.weight[h, (i - j).clamp(-(r - 1), r - 1) + (r - 1)].float()
 
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+class T5(NoPE):
+    """T5's relative attention bias (Raffel et al. 2020, §2.1), causal: one trainable scalar per head and bucket of the
+    distance n = i - j, shared by all layers. Buckets 0 … B/2 - 1 hold n exactly; the other B/2 are log-spaced up to
+    max_distance, and every farther distance shares the last (Mesh TensorFlow's `_relative_position_bucket`,
+    bidirectional=False). The "T5 bias" of the ALiBi paper's comparison. Biases start at zero, as bias_rpe's."""
+
+    has_bias = True
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.num_buckets, self.max_distance = config.t5_num_buckets, config.t5_max_distance
+        self.weight = nn.Parameter(torch.zeros(config.n_head, config.t5_num_buckets))  # (nh, buckets)
+        n = torch.arange(max(self.max_distance, self.num_buckets) + 1)
+        self.bias_span = int((self.bucket(n) < self.num_buckets - 1).sum())  # the first distance in the last bucket
+
+    @classmethod
+    def check(cls, config):
+        if config.t5_num_buckets < 2 or config.t5_max_distance <= config.t5_num_buckets // 2:
+            raise ValueError(
+                f"t5_num_buckets={config.t5_num_buckets} and t5_max_distance={config.t5_max_distance}: T5 needs "
+                "at least 2 buckets and a max distance above half of them (defaults: 32 and 128)"
+            )
+
+    def bucket(self, n: torch.Tensor) -> torch.Tensor:
+        exact = self.num_buckets // 2
+        n = n.clamp(min=0)  # the future is masked anyway
+        log_ratio = torch.log(n.clamp(min=exact).float() / exact) / math.log(self.max_distance / exact)
+        far = (exact + (log_ratio * (self.num_buckets - exact)).long()).clamp(max=self.num_buckets - 1)
+        return torch.where(n < exact, n, far)
+
+    def bias(self, h, i, j):
+        return self.weight[h, self.bucket(i - j)].float()
+
+
+class Kerple(NoPE):
+    """KERPLE's logarithmic variant (Chi et al. 2022): bias -r1·log(1 + r2·(i - j)), with r1, r2 > 0 trainable per
+    head (kept positive as exponentials). It grows without bound, like ALiBi, but slower. Initialised as the paper's
+    code: r1 ~ U(0, 2), r2 ~ U(0, 1) (floored at 0.01, so the log stays finite)."""
+
+    has_bias = True
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.log_r1 = nn.Parameter((torch.rand(config.n_head) * 2).clamp(min=0.01).log())  # (nh,)
+        self.log_r2 = nn.Parameter(torch.rand(config.n_head).clamp(min=0.01).log())  # (nh,)
+
+    def bias(self, h, i, j):
+        n = (i - j).clamp(min=0).float()
+        return -self.log_r1.exp()[h] * torch.log1p(self.log_r2.exp()[h] * n)
+
+
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Peng et al. 2023, recommended for LLaMA)
+LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high frequency factors (its rope_scaling, Meta 2024)
 
 
 class RoPE(NoPE):
     """Rotary position embedding (Su et al. 2021, RoFormer): rotate each pair (2k, 2k+1) of q and k by the
     angle p·θ_k, θ_k = base^(-2k/d), so q·k depends on positions only through i - j. Angles in float32.
 
+    rope_fraction < 1 rotates only the fastest pairs, k < round(fraction·d/2), and leaves the slowest unrotated (θ = 0),
+    as p-RoPE does (Barbero et al. 2024: the lowest frequencies carry little position and act as semantic channels);
+    GPT-NeoX's rotary_pct instead rotates its first quarter with the whole range of frequencies squeezed into it.
+
     Scalings stretch the context s = rope_factor times past L0 = rope_original_max_len (see REFERENCES):
     linear (position interpolation, Chen et al. 2023): θ_k / s. ntk (bloc97 2023): base · s^(d/(d-2)).
     dynamic_ntk: base · (s·L/L0 - (s-1))^(d/(d-2)) for the current length L > L0: every key, in every layer, changes
     whenever L does, so past L0 no KV cache can be exact; generate() recomputes there, features() refuses a cache.
     yarn (Peng et al. 2023): θ_k kept for dims that turn more than β=32 times in L0, θ_k / s for those turning less
-    than α=1 time, a linear ramp between; cos and sin scaled by 0.1·ln(s) + 1 (the attention temperature)."""
+    than α=1 time, a linear ramp between (its bounds clamped to [0, d - 1], as the authors' code and Hugging Face);
+    cos and sin scaled by 0.1·ln(s) + 1 (the attention temperature). llama3 (Llama 3.1): θ_k kept where the wavelength
+    2π/θ_k is under L0/4, θ_k / s where it is over L0/1, a blend smooth in L0/wavelength between."""
+
+    rope_scalable = True
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         d = self.head_dim = config.n_embd // config.n_head
         self.base, self.scaling, self.factor = config.rope_base, config.rope_scaling, float(config.rope_factor)
+        self.rotating = round(config.rope_fraction * d / 2)  # pairs that rotate
         self.original = config.rope_original_max_len or config.block_size
         self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
         self.cache_span = self.original if self.scaling == "dynamic_ntk" else None
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
         dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
-        self.low, self.high = math.floor(dim(YARN_BETA)), math.ceil(dim(YARN_ALPHA))
+        self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
         if self.high == self.low:
             self.high += 0.001  # a step, not a division by zero
+
+    @classmethod
+    def check(cls, config):
+        d = config.n_embd // config.n_head
+        if d % 2:
+            raise ValueError(
+                f"pos_encoding='rope' rotates pairs of dims, so the head dim n_embd/n_head={d} must be even; "
+                "change n_embd or n_head"
+            )
+        if config.rope_scaling == "ntk" and d <= 2:
+            raise ValueError("rope_scaling='ntk' needs a head dim > 2 (its exponent is d/(d-2))")
+        if round(config.rope_fraction * d / 2) < 1:
+            raise ValueError(f"rope_fraction={config.rope_fraction} rotates no pair of a head dim of {d}; raise it")
 
     def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
         """θ_k (hs/2,) float32, scaled; length (a 0-d tensor, the sequence length L) matters for dynamic_ntk only."""
@@ -200,10 +306,14 @@ class RoPE(NoPE):
         elif self.scaling == "yarn":  # ramp 0: keep θ_k (high frequency); ramp 1: interpolate θ_k / s
             ramp = ((k - self.low) / (self.high - self.low)).clamp(0, 1)
             theta = theta / s * ramp + theta * (1 - ramp)
+        elif self.scaling == "llama3":  # smooth 1: keep θ_k (short wavelength); smooth 0: interpolate θ_k / s
+            turns = self.original * theta / (2 * math.pi)  # L0 / wavelength
+            smooth = ((turns - LLAMA3_LOW) / (LLAMA3_HIGH - LLAMA3_LOW)).clamp(0, 1)
+            theta = theta / s * (1 - smooth) + theta * smooth
         elif self.scaling == "dynamic_ntk" and length is not None:
             ratio = (s * length.float() / self.original - (s - 1)).clamp(min=1.0)  # 1 up to L0: unscaled
             theta = theta * ratio ** (-2 * k / (d - 2))  # (base · ratio^(d/(d-2)))^(-2k/d)
-        return theta
+        return torch.where(k < self.rotating, theta, 0.0)  # partial RoPE: the slowest pairs do not turn
 
     def rotary(self, pos, window=None):
         # dynamic NTK: L is the span the queries see, the last position + 1 but at most the window
@@ -246,14 +356,16 @@ class ALiBi(NoPE):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
 
-    def bias(self, h, rel):
-        return -self.slopes[h] * rel.float()
+    def bias(self, h, i, j):
+        return -self.slopes[h] * (i - j).float()
 
 
 POS_ENCODINGS = {
     "sinusoidal": Sinusoidal,
     "learned": Learned,
     "bias_rpe": BiasRPE,
+    "t5": T5,
+    "kerple": Kerple,
     "rope": RoPE,
     "alibi": ALiBi,
     "none": NoPE,
@@ -505,27 +617,21 @@ class GPT(nn.Module):
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position table (the token table is tied to lm_head)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and isinstance(self.transformer.wpe, Learned):
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields the tied table once
+        return n - self.transformer.wpe.position_params() if non_embedding else n
 
     def crop_block_size(self, block_size: int) -> None:
-        """Shrink the training context (e.g. GPT-2's 1024 to 256): only a learned table has rows to drop."""
+        """Shrink the training context (e.g. GPT-2's 1024 to 256): a table of positions drops its rows."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        pe = self.transformer.wpe
-        if isinstance(pe, Learned):
-            pe.weight = nn.Parameter(pe.weight[:block_size].detach().clone())
-            pe.max_len = block_size
+        self.transformer.wpe.crop(block_size)
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on matrices and embeddings only: not on biases, norms, or attention-score biases
         (bias-RPE's table is 2-D but a bias)."""
-        pe = self.transformer.wpe
-        score_biases = {id(p) for p in pe.parameters()} if pe.has_bias else set()
+        score_biases = {id(p) for p in self.transformer.wpe.no_decay()}
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p.dim() >= 2 and id(p) not in score_biases for p in params]
         groups = [
@@ -577,14 +683,14 @@ class GPT(nn.Module):
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
                 f"(asked for position {last}); feed at most {pe.max_len} tokens, or use an encoding that "
-                "extrapolates (sinusoidal, bias_rpe, rope, alibi, none)"
+                f"extrapolates ({', '.join(n for n, c in POS_ENCODINGS.items() if c.extrapolates)})"
             )
         span = last + 1 if window is None else min(last + 1, window)
         if cache is not None and pe.cache_span is not None and span > pe.cache_span:
             raise ValueError(
-                f"rope_scaling='dynamic_ntk' changes every key as the length grows past rope_original_max_len="
-                f"{pe.cache_span} (here {span}), so no KV cache can be exact there; run without a cache "
-                "(generate() does so by itself)"
+                f"this encoding changes every key as the length grows past {pe.cache_span} (here {span}; RoPE's "
+                "dynamic_ntk scaling does), so no KV cache can be exact there; run without a cache (generate() does "
+                "so by itself)"
             )
         x = self._features(idx, pos, cache, window)
         if cache is not None:
@@ -637,7 +743,7 @@ class GPT(nn.Module):
             ):
                 # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
                 heads = torch.arange(self.config.n_head, device=q_pos.device)
-                table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None])  # (nh, R + 1)
+                table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None], 0)  # (nh, R + 1)
                 frozen = table.detach()
                 score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
 
@@ -646,11 +752,11 @@ class GPT(nn.Module):
                     return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
                 return attend
-            score_mod = lambda s, b, h, i, j: s + pe.bias(h, q_pos[i] - k_pos[j]).to(s.dtype)
+            score_mod = lambda s, b, h, i, j: s + pe.bias(h, q_pos[i], k_pos[j]).to(s.dtype)
             return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
-        bias = pe.bias(torch.arange(self.config.n_head, device=rel.device)[:, None, None], rel)
+        bias = pe.bias(torch.arange(self.config.n_head, device=rel.device)[:, None, None], q_pos[:, None], k_pos)
         if bias is None:
             return allowed
         bias = bias.masked_fill(~allowed, float("-inf"))
@@ -689,11 +795,11 @@ class GPT(nn.Module):
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
         """Switch RoPE's scaling at inference, no weight changes (e.g. yarn, factor 4: read 4x the training length).
         original_max_len (L0) defaults to the config's, else block_size: the length the model was trained at."""
-        if self.config.pos_encoding != "rope":
-            raise ValueError(f"rope_scaling applies to pos_encoding='rope', not {self.config.pos_encoding!r}")
+        if not self.transformer.wpe.rope_scalable:
+            raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
         L0 = original_max_len or self.config.rope_original_max_len
         self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
-        self.transformer.wpe = RoPE(self.config)  # RoPE holds no weights: rebuilding it loses nothing
+        self.transformer.wpe = type(self.transformer.wpe)(self.config)  # RoPE holds no weights: nothing is lost
         self._compiled_decode = None
 
     # ------------------------------------------------------------------------------------------------------------

@@ -234,6 +234,15 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     if cfg.pos_encoding == "bias_rpe":
         r = cfg.rpe_max_distance
         scores = scores + pe.weight.double()[:, rel.clamp(-(r - 1), r - 1) + r - 1]
+    if cfg.pos_encoding == "t5":  # Raffel et al.: n < B/2 exact, then log-spaced up to max_distance, then the last
+        nb, md, exact = cfg.t5_num_buckets, cfg.t5_max_distance, cfg.t5_num_buckets // 2
+        bucket = lambda n: (
+            n if n < exact else min(nb - 1, exact + int(math.log(n / exact) / math.log(md / exact) * (nb - exact)))
+        )  # noqa: E731,E501
+        scores = scores + pe.weight.double()[:, [[bucket(max(int(n), 0)) for n in row] for row in rel]]
+    if cfg.pos_encoding == "kerple":  # Chi et al.: -r1·log(1 + r2·(i - j))
+        r1, r2 = (p.exp().double()[:, None, None] for p in (pe.log_r1, pe.log_r2))
+        scores = scores - r1 * torch.log(1 + r2 * rel.clamp(min=0))
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
@@ -295,8 +304,8 @@ def test_bias_rpe_clamps_relative_distance():
     rel = torch.arange(-8, 9)[None, :]
     expected = (rel.clamp(-4, 4) + 4).float() + 9 * torch.arange(4.0)[:, None, None]
     heads = torch.arange(4)[:, None, None]
-    close(pe.bias(heads, rel), expected)
-    assert pe.bias(torch.tensor(0), torch.tensor([4, 5, 100])).tolist() == [8.0, 8.0, 8.0]
+    close(pe.bias(heads, rel, 0), expected)
+    assert pe.bias(torch.tensor(0), torch.tensor([4, 5, 100]), 0).tolist() == [8.0, 8.0, 8.0]
 
 
 def test_bias_rpe_starts_at_zero():
@@ -360,7 +369,7 @@ def test_shifting_positions(pe):
 
 def test_config_errors_name_the_field():
     """Invalid configs raise ValueError naming the field and the valid choices."""
-    with pytest.raises(ValueError, match="pos_encoding='xpos'.*sinusoidal, learned, bias_rpe, rope, alibi, none"):
+    with pytest.raises(ValueError, match="pos_encoding='xpos'.*" + ", ".join(POS_ENCODINGS)):
         GPTConfig(pos_encoding="xpos")
     with pytest.raises(ValueError, match="head dim"):
         GPTConfig(n_embd=36, n_head=4, pos_encoding="rope")  # head dim 9
@@ -534,26 +543,28 @@ def math_flex_attention_lse(q, k, v, score_mod, block_mask):
 
 
 @pytest.mark.parametrize(
-    "T, r_max, window, compiled",
+    "pe, kw, T, window, compiled",
     [
-        (16, 5, None, False),
-        (23, 5, None, False),
-        (23, 5, 6, False),
-        (23, 5, 3, False),
-        (40, 64, None, False),
-        (33, 8, None, True),
-        (12, 1, None, False),
+        ("bias_rpe", dict(rpe_max_distance=5), 16, None, False),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, None, False),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, 6, False),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, 3, False),
+        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False),
+        ("bias_rpe", dict(rpe_max_distance=8), 33, None, True),
+        ("bias_rpe", dict(rpe_max_distance=1), 12, None, False),
+        ("t5", dict(t5_num_buckets=8, t5_max_distance=20), 40, None, False),
+        ("t5", dict(t5_num_buckets=8, t5_max_distance=12), 30, 9, True),
     ],
 )
-def test_band_bias_gradient_equals_reference(T, r_max, window, compiled, monkeypatch):
-    """The fused path's bias-RPE table gradient (the kernel reads the table as a constant; BandBiasGrad computes the
-    gradient from the band i - j < r_max - 1 and the rows' zero sum) equals the materialized path's, the clamped entry
-    included, with ragged blocks, T < r_max, windows shorter than r_max, one shared bias, eager and compiled."""
+def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkeypatch):
+    """The fused path's table gradient (the kernel reads the bias as a constant; BandBiasGrad computes the gradient
+    from the band i - j < bias_span and the rows' zero sum) equals the materialized path's, the shared far entry
+    included, for bias-RPE and T5, with ragged blocks, T < span, windows shorter than it, one shared bias, compiled."""
     import model as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
-    model = tiny("bias_rpe", block_size=T, rpe_max_distance=r_max).train()
+    model = tiny(pe, block_size=T, **kw).train()
     idx = tokens(3, T)
     model.fused_attention = False
     ref_logits, ref_grads = grads(model, idx, window=window)
@@ -564,8 +575,9 @@ def test_band_bias_gradient_equals_reference(T, r_max, window, compiled, monkeyp
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
-    if 1 < r_max <= (window or T):  # some key is past the clamp
-        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry has a gradient to match
+    span = model.transformer.wpe.bias_span
+    if 0 < span < (window or T):  # some key is past the span: the shared far entry has a gradient to match
+        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
 
 def test_band_bias_gradient_of_each_entry():
@@ -664,3 +676,39 @@ def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window,
     model.fused_attention = True
     with torch.no_grad():
         close(cached_logits(model, idx, chunks, window=window, extra=extra), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The encodings after ALiBi: T5 buckets, KERPLE
+
+
+def test_t5_buckets_equal_the_reference_implementation():
+    """T5's causal buckets equal Hugging Face's port of Mesh TensorFlow's `_relative_position_bucket`
+    (bidirectional=False) for distances 0 … 2000, at the default 32 buckets / 128 and a smaller 8 / 20; bias_span is
+    the first distance of the last bucket."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    n = torch.arange(2001)
+    for buckets, max_distance in [(32, 128), (8, 20)]:
+        pe = tiny("t5", t5_num_buckets=buckets, t5_max_distance=max_distance).transformer.wpe
+        expected = T5Attention._relative_position_bucket(
+            -n, bidirectional=False, num_buckets=buckets, max_distance=max_distance
+        )
+        assert torch.equal(pe.bucket(n), expected)
+        assert pe.bias_span == int((expected < buckets - 1).sum())
+        with torch.no_grad():
+            pe.weight.copy_(torch.randn_like(pe.weight))
+        close(pe.bias(torch.arange(4)[:, None], n + 7, 7), pe.weight[:, expected])
+    with pytest.raises(ValueError, match="t5_max_distance"):
+        GPTConfig(pos_encoding="t5", t5_num_buckets=32, t5_max_distance=16)
+
+
+def test_kerple_log_bias_matches_the_formula():
+    """KERPLE (log): bias = -r1·log(1 + r2·(i - j)) per head, r1, r2 > 0, a function of i - j alone."""
+    pe = tiny("kerple").transformer.wpe
+    r1, r2 = pe.log_r1.exp().detach(), pe.log_r2.exp().detach()
+    assert (r1 > 0).all() and (r2 > 0).all()
+    n = torch.arange(0, 3000, 7).float()
+    expected = -r1[:, None] * torch.log(1 + r2[:, None] * n)
+    close(pe.bias(torch.arange(4)[:, None], n.long() + 100, 100), expected)
+    close(pe.bias(torch.arange(4)[:, None], n.long() + 5, 5), pe.bias(torch.arange(4)[:, None], n.long(), 0))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_model import cached_logits, close, greedy_reference, tiny, tokens
 
-from model import GPTConfig, KVCache, RoPE
+from model import ROPE_SCALINGS, GPTConfig, KVCache, RoPE
 
-SCALINGS = ["none", "linear", "ntk", "dynamic_ntk", "yarn"]
+SCALINGS = list(ROPE_SCALINGS)
 
 
 def rope(d: int, L0: int, scaling: str, factor: float, base: float = 10000.0) -> RoPE:
@@ -139,5 +139,64 @@ def test_set_rope_scaling_and_errors():
         GPTConfig(pos_encoding="rope", rope_scaling="linear", rope_factor=0.5)
     with pytest.raises(ValueError, match="rope_original_max_len"):
         GPTConfig(pos_encoding="rope", rope_original_max_len=0)
-    with pytest.raises(ValueError, match="pos_encoding='rope', not 'alibi'"):
+    with pytest.raises(ValueError, match="applies to RoPE, not pos_encoding=.alibi."):
         tiny("alibi").set_rope_scaling("yarn", 2.0)
+
+
+def hf_inv_freq(kind: str, d: int, L0: int, factor: float, base: float = 10000.0) -> tuple[torch.Tensor, float]:
+    """Hugging Face's inverse frequencies and attention factor for rope_type `kind` (a Llama config, head dim d)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": kind, "rope_theta": base, "factor": factor, "original_max_position_embeddings": L0}
+    if kind == "llama3":
+        params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = LlamaConfig(hidden_size=d, num_attention_heads=1, max_position_embeddings=L0 * 4, rope_parameters=params)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    return inv_freq.double(), attention_factor
+
+
+@pytest.mark.parametrize("d, L0, factor, base", [(128, 8192, 8.0, 500000.0), (32, 64, 4.0, 10000.0)])
+def test_llama3_equals_hugging_face(d, L0, factor, base):
+    """llama3 scaling gives Hugging Face's `llama3` rope type's frequencies: Llama 3.1's own setting (d = 128,
+    base 500,000, L0 = 8192, s = 8; fast dims kept, slow ones divided by 8, a smooth blend between) and a small one."""
+    expected, attention_factor = hf_inv_freq("llama3", d, L0, factor, base)
+    got = rope(d, L0, "llama3", factor, base).inv_freq("cpu").double()
+    close(got, expected, tol=1e-6)
+    assert attention_factor == 1.0 and rope(d, L0, "llama3", factor, base).mscale == 1.0
+    t = theta(d, base)
+    assert torch.isclose(got[0], t[0]) and torch.isclose(got[-1], t[-1] / factor)  # both ends of the blend
+
+
+@pytest.mark.parametrize("d, L0, factor", [(32, 64, 4.0), (128, 4096, 16.0), (64, 256, 2.0)])
+def test_yarn_equals_hugging_face(d, L0, factor):
+    """yarn gives Hugging Face's frequencies and temperature, also where the ramp's bounds fall outside the pairs
+    (L0 = 64, head dim 32, config/cpu.py's setting: the ramp is clamped to start at pair 0, not at pair -2)."""
+    expected, attention_factor = hf_inv_freq("yarn", d, L0, factor)
+    pe = rope(d, L0, "yarn", factor)
+    close(pe.inv_freq("cpu").double(), expected, tol=1e-6)
+    assert abs(pe.mscale - attention_factor) < 1e-9
+    assert pe.low >= 0
+
+
+@pytest.mark.parametrize("fraction, turning", [(1.0, 16), (0.5, 8), (0.25, 4), (0.05, 1)])
+def test_partial_rope_rotates_the_fastest_pairs(fraction, turning):
+    """rope_fraction rotates the first round(fraction·d/2) pairs, the fastest, with RoPE's own θ_k, and leaves the
+    slowest unrotated (angle 0 at every position), p-RoPE's choice; q·k then depends on i - j only in the turning
+    pairs, and the unrotated dims of q and k pass through unchanged."""
+    pe = RoPE(GPTConfig(n_embd=32, n_head=1, block_size=64, pos_encoding="rope", rope_fraction=fraction))
+    got = pe.inv_freq("cpu").double()
+    close(got[:turning], theta(32)[:turning], tol=1e-7)
+    assert (got[turning:] == 0).all()
+    cos, sin = pe.rotary(torch.arange(10))
+    assert (cos[:, turning:] == 1).all() and (sin[:, turning:] == 0).all()
+
+
+def test_partial_rope_model_has_an_exact_cache():
+    """A partial-RoPE model's KV cache equals its full forward, past block_size and in a rolling window."""
+    model = tiny("rope", block_size=8, rope_fraction=0.5)
+    idx = tokens(2, 20)
+    close(cached_logits(model, idx, [7, 1, 12]), model(idx)[0])
+    close(cached_logits(model, idx, [3, 17], window=6, extra=2), model(idx, window=6)[0])
+    with pytest.raises(ValueError, match="rope_fraction=0.01 rotates no pair"):
+        GPTConfig(n_embd=32, n_head=4, pos_encoding="rope", rope_fraction=0.01)
