@@ -58,10 +58,13 @@ defaults = dict(
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
     # model
-    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | rope | alibi | none
+    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | none
     rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
+    t5_num_buckets=32,  # t5: half exact distances, half log-spaced up to t5_max_distance
+    t5_max_distance=128,  # t5: farther distances share the last bucket
     rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
-    rope_scaling="none",  # rope, to run past block_size: none | linear | ntk | dynamic_ntk | yarn
+    rope_fraction=1.0,  # rope: the fraction of each head's pairs that rotate (the fastest; p-RoPE)
+    rope_scaling="none",  # rope, to run past block_size: none | linear | ntk | dynamic_ntk | yarn | llama3
     rope_factor=1.0,  # rope_scaling's s: the context is stretched s times
     rope_original_max_len=None,  # rope_scaling's L0, the original training length (None: block_size)
     gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
@@ -414,6 +417,8 @@ def main(argv: list[str]) -> None:
         f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {tokens_per_iter:,} tokens per "
         f"iteration on {world_size} process(es), {device}, {cfg['dtype']}{', compiled' if cfg['compile'] else ''}"
     )
+    if (note := model.fused_attention_note(device_type)) and model.transformer.wpe.has_bias:
+        log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
     if cfg["compile"]:
         model = torch.compile(model)
     if ddp:
