@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError
 from datafiles import DATA_DIR, DataError, load_meta
 from model import GPT, ROPE_SCALINGS
+from train import check_device
 
 MODES = ("nonoverlapping", "sliding")
 
@@ -134,13 +136,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.dtype not in (None, "float32", "bfloat16", "float16"):
         p.error(f"--dtype={args.dtype}: choose float32, bfloat16 or float16")
     try:
-        kind = torch.device(args.device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda", "mps"):
-        p.error(f"--device={args.device}: not a device; use cpu, cuda, cuda:1 or mps")
-    if (kind == "cuda" and not torch.cuda.is_available()) or (kind == "mps" and not torch.backends.mps.is_available()):
-        p.error(f"--device={args.device}: not available on this machine; use --device=cpu")
+        check_device(args.device)
+    except ConfigError as e:
+        p.error(str(e))
     for flag in ("out_json", "out_md", "plot"):
         path = getattr(args, flag)
         if path and not Path(path).resolve().parent.is_dir():

@@ -102,7 +102,18 @@ def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
     return model, tok
 
 
+def usage() -> str:
+    """The module docstring and the defaults block of this file, comments and all: every key with its choices."""
+    src = Path(__file__).read_text()
+    block = src[src.index("defaults = dict(\n") : src.index("\n)\n", src.index("defaults = dict(\n"))]
+    keys = "\n".join(line.strip() for line in block.splitlines()[1:])
+    return f"{__doc__.strip()}\n\nOptions (--key=value), with their defaults:\n{keys}"
+
+
 def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
     cfg = configure(defaults, argv)
     check_options(cfg)
     device, dtype = cfg["device"], cfg["dtype"] or default_dtype(cfg["device"])
@@ -116,7 +127,10 @@ def main(argv: list[str]) -> None:
     if cfg["init_from"] == "resume":
         model, tok = load(cfg)
     else:
-        model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
+        try:
+            model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
+        except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers
+            sys.exit(f"error: cannot load GPT-2 weights from init_from={cfg['init_from']!r}: {e}")
     model.eval().to(device)
     if cfg["rope_scaling"]:
         try:

@@ -190,7 +190,7 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
         (["--rope_factor", "0.5"], "--rope_factor=0.5"),
         (["--memory_gb", "-1"], "--memory_gb=-1"),
         (["--dtype", "float8"], "--dtype=float8"),
-        (["--device", "foo"], "--device=foo: not a device"),
+        (["--device", "foo"], "device='foo' is not a device"),
         (["--out_json", "/nowhere/r.json"], "--out_json=/nowhere/r.json: the folder /nowhere does not exist"),
     ],
 )

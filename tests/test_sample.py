@@ -277,3 +277,13 @@ def test_tokenizer_that_disagrees_with_the_vocab_is_an_error(tmp_path):
     save_checkpoint(ckpt, tmp_path / "ckpt.pt")
     with pytest.raises(SystemExit, match="tokenizer has 24 tokens but its model's vocabulary is 27"):
         sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--start=Be", "--max_new_tokens=50"])
+
+
+def test_sample_help_and_unloadable_gpt2_name(capsys):
+    """--help lists every option with its comment (it used to be 'unknown config key'); GPT-2 weights that cannot
+    be loaded (a misspelled name, offline) are one error line, not a traceback."""
+    sample.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"{key}=" in out for key in sample.defaults) and "top_p=None,  # nucleus sampling" in out
+    with pytest.raises(SystemExit, match="cannot load GPT-2 weights from init_from='/nonexistent/gpt2'"):
+        sample.main(["--init_from=/nonexistent/gpt2", "--device=cpu"])
