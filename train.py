@@ -187,6 +187,7 @@ def check_ranges(cfg: dict) -> None:
     need(0 <= cfg["beta1"] < 1, "beta1", "must be in [0, 1) (0.9 is usual)")
     need(0 <= cfg["beta2"] < 1, "beta2", "must be in [0, 1) (0.95 or 0.99 are usual)")
     need(0 <= cfg["dropout"] < 1, "dropout", "must be in [0, 1) (0 for pretraining, 0.1-0.2 for small data)")
+    need(0 <= cfg["seed"] < 2**62, "seed", "must be in [0, 2**62) (torch's generators take 64-bit seeds)")
     need(
         cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
     )

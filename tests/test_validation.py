@@ -62,6 +62,7 @@ def small_data(tmp_path_factory) -> Path:
         (["--weight_decay=-0.1"], "weight_decay=-0.1 must be at least 0"),
         (["--dropout=1"], "dropout=1.0 must be in [0, 1)"),
         (["--backend=mpich"], "backend='mpich': choose nccl"),
+        (["--seed=-1"], "seed=-1 must be in [0, 2**62)"),
         (["--rope_scaling=foo"], "rope_scaling='foo' is not a RoPE scaling"),
         (["--rope_factor=0.5"], "rope_factor=0.5 must be a number >= 1"),
         (["--n_head=5"], "n_embd=384 must be divisible by n_head=5"),
