@@ -13,10 +13,12 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	@if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+	@if [ -f out-rope/ckpt.pt ]; then \
+		echo "out-rope already holds a trained model: sampling it (rm -r out-rope to train again)"; \
+	elif $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) train.py config/rope.py; \
 	else \
-		echo "no GPU: training the CPU-sized model (config/cpu.py)"; \
+		echo "no GPU: training the CPU-sized model (config/rope.py config/cpu.py)"; \
 		$(PY) train.py config/rope.py config/cpu.py; \
 	fi
 	$(PY) sample.py --out_dir=out-rope --num_samples=1 --max_new_tokens=500

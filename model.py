@@ -31,7 +31,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
-    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | none
+    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
     rpe_max_distance: int = 128  # bias_rpe: r_max; distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head
     t5_num_buckets: int = 32  # t5: biases per head, half exact distances, half log-spaced up to t5_max_distance
     t5_max_distance: int = 128  # t5: distances from here on share the last bucket
@@ -98,6 +98,7 @@ class NoPE(nn.Module):
     bias_span = None  # bias: a function of i - j alone that is one constant from this distance on (None: not so)
     cache_span = None  # the longest span of positions a KV cache stays exact for (None: any)
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
+    per_layer = False  # bias: one per layer, h in bias(h, i, j) counting the heads of every layer (layer·n_head + head)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -346,6 +347,42 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(geometric(c) + geometric(2 * c)[0::2][: n_head - c], dtype=torch.float32)
 
 
+class FIRE(NoPE):
+    """FIRE, functional interpolation for relative positions (Li et al. 2023): bias f(ψ(i - j) / ψ(max(L, i))) with
+    ψ(x) = log(c·x + 1), f a small MLP (1 -> 32, ReLU, -> one output per head) of each layer's own, c > 0 and the
+    threshold L trainable. Dividing by ψ of the query's position maps every distance the query can see into [0, 1],
+    so a longer context interpolates between trained inputs instead of reaching new ones (L keeps short contexts
+    from being stretched). The bias depends on i, not only on i - j: the cache and every attention path pass absolute
+    positions. Init: c = 1, L = block_size; f's output layer small, so training starts near NoPE."""
+
+    relative = False  # the query's position matters: past the window, generation crops and restarts as for absolute
+    has_bias = True
+    per_layer = True
+    hidden = 32
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        L, nh, n = config.n_layer, config.n_head, self.hidden
+        self.n_head = nh
+        self.log_c = nn.Parameter(torch.zeros(L))  # (L,) c = exp(log_c) > 0
+        self.threshold = nn.Parameter(torch.full((L,), float(config.block_size)))  # (L,) L, used as |L|
+        self.w1, self.b1 = nn.Parameter(torch.randn(L, n)), nn.Parameter(torch.rand(L, n) * 2 - 1)  # (L, 32)
+        self.w2, self.b2 = nn.Parameter(torch.randn(L, nh, n) * 0.02), nn.Parameter(torch.zeros(L, nh))
+
+    def bias(self, h, i, j):
+        # every parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
+        # of a row read by several heads at once (h // n_head)
+        per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (L, ...) -> (L·nh, ...)
+        c, threshold = per_head(self.log_c).exp()[h], per_head(self.threshold).abs()[h]
+        w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
+        psi = lambda x: torch.log1p(c * x)  # noqa: E731
+        x = psi((i - j).clamp(min=0).float()) / psi(torch.maximum(threshold, i.float()))
+        out = self.b2.flatten()[h]
+        for u in range(self.hidden):  # one hidden unit at a time: memory of one bias, not 32, without a gradient
+            out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
+        return out
+
+
 class ALiBi(NoPE):
     """Attention with linear biases (Press et al. 2021): add -m_h·(i - j) to the score of query i and key j.
     Computed from i - j in float32, never from j alone: that would grow with absolute position."""
@@ -368,6 +405,7 @@ POS_ENCODINGS = {
     "kerple": Kerple,
     "rope": RoPE,
     "alibi": ALiBi,
+    "fire": FIRE,
     "none": NoPE,
 }
 
@@ -706,18 +744,21 @@ class GPT(nn.Module):
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
-        mask = self._attn_mask(pos, k_pos, window, cached=cache is not None)
+        layers = range(self.config.n_layer) if pe.per_layer else [0]
+        masks = [self._attn_mask(pos, k_pos, window, cache is not None, layer) for layer in layers]
         rope = pe.rotary(pos, window)
-        for block in self.transformer.h:
-            x = block(x, rope, mask, cache)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, rope, masks[i % len(masks)], cache)
         return self.transformer.ln_f(x)
 
-    def _attn_mask(self, q_pos, k_pos, window, cached):
+    def _attn_mask(self, q_pos, k_pos, window, cached, layer=0):
         """How attention masks: None for plain causal attention (SDPA's fused path); a function (q, k, v) -> y for a
         fused kernel that applies the bias; else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk). All of
         them compare absolute positions, so cached keys line up whatever Tq and Tk are (and whatever slot holds them).
-        fused_attention=False always takes the reference path (a materialized mask and SDPA)."""
+        fused_attention=False always takes the reference path (a materialized mask and SDPA). layer picks a per-layer
+        bias's heads."""
         pe = self.transformer.wpe
+        h0 = layer * self.config.n_head  # the first of this layer's heads in bias(h, i, j)
         if not pe.has_bias and window is None and not cached:
             return None
         window = KVCache.EMPTY if window is None else window
@@ -742,7 +783,7 @@ class GPT(nn.Module):
                 and any(p.requires_grad for p in pe.parameters())
             ):
                 # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
-                heads = torch.arange(self.config.n_head, device=q_pos.device)
+                heads = torch.arange(self.config.n_head, device=q_pos.device) + h0
                 table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None], 0)  # (nh, R + 1)
                 frozen = table.detach()
                 score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
@@ -752,11 +793,12 @@ class GPT(nn.Module):
                     return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
                 return attend
-            score_mod = lambda s, b, h, i, j: s + pe.bias(h, q_pos[i], k_pos[j]).to(s.dtype)
+            score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
             return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
-        bias = pe.bias(torch.arange(self.config.n_head, device=rel.device)[:, None, None], q_pos[:, None], k_pos)
+        heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0
+        bias = pe.bias(heads, q_pos[:, None], k_pos)
         if bias is None:
             return allowed
         bias = bias.masked_fill(~allowed, float("-inf"))

@@ -243,6 +243,12 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     if cfg.pos_encoding == "kerple":  # Chi et al.: -r1·log(1 + r2·(i - j))
         r1, r2 = (p.exp().double()[:, None, None] for p in (pe.log_r1, pe.log_r2))
         scores = scores - r1 * torch.log(1 + r2 * rel.clamp(min=0))
+    if cfg.pos_encoding == "fire":  # Li et al.: f(ψ(i - j) / ψ(max(L, i))), ψ(x) = log(c·x + 1), layer 0's MLP
+        c, L = pe.log_c[0].exp().double(), pe.threshold[0].abs().double()
+        psi = lambda x: torch.log(c * x + 1)  # noqa: E731
+        x = psi(rel.clamp(min=0).double()) / psi(torch.maximum(L, i[:, None].double()))
+        hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
+        scores = scores + (hidden @ pe.w2[0].double().T + pe.b2[0].double()).permute(2, 0, 1)
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
@@ -356,7 +362,8 @@ def test_shifting_positions(pe):
     ones' (RoPE's relative property, and its absence for sinusoidal and learned)."""
     model = tiny(pe, block_size=64)
     idx = tokens(2, 16)
-    base, shifted = model(idx)[0], model(idx, pos=torch.arange(16) + 37)[0]
+    shift = 237 if POS_ENCODINGS[pe].extrapolates else 37  # past block_size where it can: FIRE is relative below it
+    base, shifted = model(idx)[0], model(idx, pos=torch.arange(16) + shift)[0]
     if POS_ENCODINGS[pe].relative:
         close(shifted, base, tol=1e-4)
     else:
