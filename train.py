@@ -58,7 +58,7 @@ defaults = dict(
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
     # model
-    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | none
+    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
     rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
     t5_num_buckets=32,  # t5: half exact distances, half log-spaced up to t5_max_distance
     t5_max_distance=128,  # t5: farther distances share the last bucket
