@@ -436,6 +436,10 @@ class KVCache:
         self.length = 0  # tokens written so far
         self.slots: torch.Tensor | None = None  # (T,) the slots of the chunk being written
 
+    def advance(self, n: int, last: int) -> None:
+        """Count n tokens written, the last at position last (host-side, after the forward that wrote them)."""
+        self.next_pos, self.length = last + 1, self.length + n
+
     def max_chunk(self, window: int | None) -> int:
         """The most tokens one forward may write without evicting a key that one of its queries needs."""
         return self.size - self.length if window is None else self.size - window + 1
@@ -559,12 +563,13 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
 # The transformer
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float = 0.0) -> torch.Tensor:
-    """Attention of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs) under mask, as GPT._attn_mask made it."""
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal within the chunk (mask None), or under a
+    materialized bool mask or float bias (nh or 1, Tq, Tk)."""
     if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if callable(mask):  # a fused kernel that applies the bias itself: FlexAttention, or BiasAttention on CPUs
-        return mask(q, k, v)
     if mask.dtype == torch.bool or q.dtype == torch.float32:  # reference path: a materialized mask or bias,
         # (nh or 1, Tq, Tk); 4-D, so CPUs take their flash kernel
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
@@ -581,10 +586,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.n_head, self.n_embd = config.n_head, config.n_embd
         self.layer_idx = layer_idx
 
-    def forward(self, x, rope, mask, cache):
+    def forward(self, x, rope, attention, cache):
+        """attention: (q, k, v) -> y, from GPT._attention (the mask, bias and kernel are chosen there, once)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -592,7 +598,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nh, Tk, hs)
-        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -617,8 +623,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, cache):
-        x = x + self.attn(self.ln_1(x), rope, mask, cache)
+    def forward(self, x, rope, attention, cache):
+        x = x + self.attn(self.ln_1(x), rope, attention, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -732,7 +738,7 @@ class GPT(nn.Module):
             )
         x = self._features(idx, pos, cache, window)
         if cache is not None:
-            cache.next_pos, cache.length = last + 1, cache.length + T
+            cache.advance(T, last)
         return x
 
     def _features(self, idx, pos, cache, window):
@@ -745,22 +751,23 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        masks = [self._attn_mask(pos, k_pos, window, cache is not None, layer) for layer in layers]
+        attentions = [self._attention(pos, k_pos, window, cache is not None, layer) for layer in layers]
         rope = pe.rotary(pos, window)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, rope, masks[i % len(masks)], cache)
+            x = block(x, rope, attentions[i % len(attentions)], cache)
         return self.transformer.ln_f(x)
 
-    def _attn_mask(self, q_pos, k_pos, window, cached, layer=0):
-        """How attention masks: None for plain causal attention (SDPA's fused path); a function (q, k, v) -> y for a
-        fused kernel that applies the bias; else a bool mask (Tq, Tk) or a float bias with -inf (nh, Tq, Tk). All of
-        them compare absolute positions, so cached keys line up whatever Tq and Tk are (and whatever slot holds them).
-        fused_attention=False always takes the reference path (a materialized mask and SDPA). layer picks a per-layer
-        bias's heads."""
+    def _attention(self, q_pos, k_pos, window, cached, layer=0):
+        """Attention as one function (q, k, v) -> y, chosen once per forward: SDPA's causal (flash) path where no mask
+        is needed; a fused kernel that applies the bias (FlexAttention, BiasAttention on CPUs); else SDPA under a
+        materialized bool mask (Tq, Tk) or float bias with -inf (nh, Tq, Tk). All of them compare absolute positions,
+        so cached keys line up whatever Tq and Tk are (and whatever slot holds them). fused_attention=False always
+        takes the reference path (a materialized mask and SDPA). layer picks a per-layer bias's heads."""
         pe = self.transformer.wpe
         h0 = layer * self.config.n_head  # the first of this layer's heads in bias(h, i, j)
+        dropout_p = self.config.dropout if self.training else 0.0
         if not pe.has_bias and window is None and not cached:
-            return None
+            return lambda q, k, v: attend(q, k, v, None, dropout_p)
         window = KVCache.EMPTY if window is None else window
         # FlexAttention is fused only when compiled, and has no backward on CPU: by default, compiled on CUDA
         auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
@@ -788,11 +795,11 @@ class GPT(nn.Module):
                 frozen = table.detach()
                 score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
 
-                def attend(q, k, v):
+                def flex_band(q, k, v):
                     y, lse = flex_attention_lse(q, k, v, score_mod, block_mask)
                     return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
-                return attend
+                return flex_band
             score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
             return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
@@ -800,14 +807,14 @@ class GPT(nn.Module):
         heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0
         bias = pe.bias(heads, q_pos[:, None], k_pos)
         if bias is None:
-            return allowed
+            return lambda q, k, v: attend(q, k, v, allowed, dropout_p)
         bias = bias.masked_fill(~allowed, float("-inf"))
         # a trainable bias on a CPU: SDPA's flash kernel gives it no gradient, BiasAttention does (no compile: inductor
         # fuses the math path itself)
         eager_cpu = rel.device.type == "cpu" and not torch.compiler.is_compiling()
         if bias.requires_grad and eager_cpu and no_dropout and self.fused_attention is not False:
             return lambda q, k, v: BiasAttention.apply(q, k, v, bias.to(q.dtype))
-        return bias
+        return lambda q, k, v: attend(q, k, v, bias, dropout_p)
 
     def fused_attention_note(self, device_type: str) -> str | None:
         """Why the fused bias kernel (FlexAttention) cannot take this model's shapes on this device, else None."""
@@ -912,7 +919,7 @@ class GPT(nn.Module):
             else:
                 pos = torch.full((1,), cache.next_pos, device=idx.device)
                 logits = decode(new, pos, cache, window)
-                cache.next_pos, cache.length = cache.next_pos + 1, cache.length + 1
+                cache.advance(1, cache.next_pos)
             new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx

@@ -5,63 +5,22 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    ABSOLUTE,
+    BIASED,
+    ENCODINGS,
+    EXTRAPOLATING,
+    RELATIVE,
+    VOCAB,
+    cached_logits,
+    close,
+    greedy_reference,
+    tiny,
+    tokens,
+)
 from torch.nn.attention.flex_attention import flex_attention
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
-
-ENCODINGS = list(POS_ENCODINGS)
-RELATIVE = [e for e in ENCODINGS if POS_ENCODINGS[e].relative]
-ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]
-EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].max_len is None and e != "learned"]
-VOCAB = 64
-
-
-def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:
-    """A small random model in eval mode, its weights perturbed so every parameter (the bias-RPE table too,
-    which starts at zero) shapes the output and greedy choices are far from ties."""
-    torch.manual_seed(seed)
-    config = GPTConfig(
-        block_size=block_size,
-        vocab_size=VOCAB,
-        n_layer=n_layer,
-        pos_encoding=pe,
-        **{"n_head": 4, "n_embd": 32, "rpe_max_distance": 5, **kw},
-    )
-    model = GPT(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
-
-
-def tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def cached_logits(
-    model: GPT, idx: torch.Tensor, chunks: list[int], window: int | None = None, extra: int = 0
-) -> torch.Tensor:
-    """Logits of idx fed through one KV cache in chunks of the given sizes. The cache has the fewest slots that
-    can work (the window, or every token) plus `extra`: the model splits chunks that would evict needed keys."""
-    size = (idx.size(1) if window is None else window) + extra
-    cache, out, t = KVCache(model.config.n_layer, size), [], 0
-    for n in chunks:
-        out.append(model(idx[:, t : t + n], cache=cache, window=window)[0])
-        t += n
-    assert t == idx.size(1)
-    return torch.cat(out, dim=1)
-
-
-def greedy_reference(model: GPT, idx: torch.Tensor, steps: int, logits_fn) -> torch.Tensor:
-    """Greedy decoding by re-running a full forward each step: logits_fn(model, idx) -> (B, V)."""
-    for _ in range(steps):
-        idx = torch.cat([idx, logits_fn(model, idx).argmax(-1, keepdim=True)], dim=1)
-    return idx
-
-
-def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
-    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # KV cache, case 1: inside the context window
@@ -261,7 +220,7 @@ def test_attention_matches_handwritten_reference(pe):
     x = torch.randn(2, 12, 32)
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
-    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attn_mask(pos, pos, None, cached=False), None)
+    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attention(pos, pos, None, cached=False), None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -450,21 +409,54 @@ def test_checkpoint_model_args_rebuild_the_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_torch_compile_forward_backward(pe):
-    """torch.compile(model) runs forward and backward for every encoding and matches eager."""
+    """torch.compile(model) runs forward and backward for every encoding from its own initialisation, matches eager,
+    and gives every parameter of the encoding a non-zero gradient (a table, MLP or slope it never trains is a bug)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe))
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe))
     idx = tokens(2, 17)
     compiled = torch.compile(model)
     logits, loss = compiled(idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    for name, p in model.transformer.wpe.named_parameters():
+        assert p.grad.abs().sum() > 0, f"{pe}'s {name} gets no gradient, compiled"
     close(logits, model(idx[:, :-1])[0], tol=1e-4)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_every_encoding_parameter_gets_a_gradient(pe):
+    """From its own initialisation, one training step (eager, the default attention path: BiasAttention on a CPU
+    for trainable biases) gives every parameter of the encoding a non-zero gradient, and changes it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe)).train()
+    before = {n: p.detach().clone() for n, p in model.transformer.wpe.named_parameters()}
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
+    idx = tokens(4, 17)
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    for name, p in model.transformer.wpe.named_parameters():
+        assert p.grad.abs().sum() > 0, f"{pe}'s {name} gets no gradient"
+    optimizer.step()
+    for name, p in model.transformer.wpe.named_parameters():
+        assert not torch.equal(p, before[name]), f"{pe}'s {name} did not change"
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_checkpoint_round_trip(pe, tmp_path):
+    """save_checkpoint then load_checkpoint and model_from_checkpoint rebuild every encoding with the same logits,
+    its trained parameters included."""
+    from dataclasses import asdict
+
+    from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+
+    model = tiny(pe)
+    save_checkpoint({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")
+    rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
+    idx = tokens(2, 12)
+    assert torch.equal(rebuilt(idx)[0], model(idx)[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Fused attention (FlexAttention score_mod) against the materialized reference
-
-BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
 
 
 @pytest.mark.parametrize("pe, B", [("rope", 1), ("alibi", 1), ("learned", 2)])

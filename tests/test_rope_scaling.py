@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from test_model import cached_logits, close, greedy_reference, tiny, tokens
+from conftest import cached_logits, close, greedy_reference, tiny, tokens
 
 from model import ROPE_SCALINGS, GPTConfig, KVCache, RoPE
 

@@ -1,0 +1,60 @@
+"""Shared by every test module: the encodings from the registry, a tiny model, and comparisons. Registering an
+encoding in model.POS_ENCODINGS puts it under every test parametrized over these lists."""
+
+import torch
+
+from model import GPT, POS_ENCODINGS, GPTConfig, KVCache
+
+ENCODINGS = list(POS_ENCODINGS)
+RELATIVE = [e for e in ENCODINGS if POS_ENCODINGS[e].relative]
+ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]
+EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].extrapolates]
+BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
+VOCAB = 64
+
+
+def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:
+    """A small random model in eval mode, its weights perturbed so every parameter (the bias-RPE table too,
+    which starts at zero) shapes the output and greedy choices are far from ties."""
+    torch.manual_seed(seed)
+    config = GPTConfig(
+        block_size=block_size,
+        vocab_size=VOCAB,
+        n_layer=n_layer,
+        pos_encoding=pe,
+        **{"n_head": 4, "n_embd": 32, "rpe_max_distance": 5, **kw},
+    )
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def cached_logits(
+    model: GPT, idx: torch.Tensor, chunks: list[int], window: int | None = None, extra: int = 0
+) -> torch.Tensor:
+    """Logits of idx fed through one KV cache in chunks of the given sizes. The cache has the fewest slots that
+    can work (the window, or every token) plus `extra`: the model splits chunks that would evict needed keys."""
+    size = (idx.size(1) if window is None else window) + extra
+    cache, out, t = KVCache(model.config.n_layer, size), [], 0
+    for n in chunks:
+        out.append(model(idx[:, t : t + n], cache=cache, window=window)[0])
+        t += n
+    assert t == idx.size(1)
+    return torch.cat(out, dim=1)
+
+
+def greedy_reference(model: GPT, idx: torch.Tensor, steps: int, logits_fn) -> torch.Tensor:
+    """Greedy decoding by re-running a full forward each step: logits_fn(model, idx) -> (B, V)."""
+    for _ in range(steps):
+        idx = torch.cat([idx, logits_fn(model, idx).argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
