@@ -31,6 +31,8 @@ from checkpoint import (
 from configurator import ConfigError, configure, default_device, default_dtype
 from datafiles import DATA_DIR, SPLITS, DataError, get_batch, load_meta
 from model import GPT, GPTConfig
+from tasks import TaskError, check_tasks, mix_tasks
+from tokenizer import tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
 # Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
@@ -57,6 +59,9 @@ defaults = dict(
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
+    task_fraction=0.0,  # the fraction of training sequences that are retrieval tasks (tasks.py: passkey, recall,
+    # copy; answers-only targets), e.g. 0.05; validation stays text
+    task_seed=None,  # seeds the task sequences with the iteration (default: seed)
     # model
     pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
     rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
@@ -108,6 +113,7 @@ def resolve(cfg: dict) -> dict:
     cfg = dict(cfg)
     cfg["out_dir"] = cfg["out_dir"] or f"out-{cfg['pos_encoding']}"
     cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
+    cfg["task_seed"] = cfg["seed"] if cfg["task_seed"] is None else cfg["task_seed"]
     cfg["wandb_group"] = cfg["wandb_group"] or (
         f"{cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
     )
@@ -188,6 +194,8 @@ def check_ranges(cfg: dict) -> None:
     need(0 <= cfg["beta2"] < 1, "beta2", "must be in [0, 1) (0.95 or 0.99 are usual)")
     need(0 <= cfg["dropout"] < 1, "dropout", "must be in [0, 1) (0 for pretraining, 0.1-0.2 for small data)")
     need(0 <= cfg["seed"] < 2**62, "seed", "must be in [0, 2**62) (torch's generators take 64-bit seeds)")
+    need(0 <= cfg["task_fraction"] < 1, "task_fraction", "must be in [0, 1) (0: text only; 0.05-0.1 is usual)")
+    need(isinstance(cfg["task_seed"], int) and cfg["task_seed"] >= 0, "task_seed", "must be an integer at least 0")
     need(
         cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
     )
@@ -345,6 +353,12 @@ def main(argv: list[str]) -> None:
     data_vocab = meta["vocab_size"]
     # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls); a char vocabulary as it is
     vocab_size = data_vocab if data_vocab < 1024 else -(-data_vocab // 64) * 64
+    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None
+    if task_tok is not None:
+        try:  # the tasks' characters are in the vocabulary and their phrases fit in a block
+            check_tasks(task_tok, T)
+        except TaskError as e:
+            raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
 
     # -------------------------------------------------------------------------------------------------------------
     # model, optimizer and state
@@ -543,6 +557,8 @@ def main(argv: list[str]) -> None:
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(grad_accum):
             X, Y = get_batch(data_dir, "train", B, T, data_rng, vocab_size, device, rank, world_size)
+            # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
+            X, Y = mix_tasks(X, Y, cfg["task_fraction"], task_tok, (cfg["task_seed"], iter_num, micro_step, rank))
             if ddp:
                 model.require_backward_grad_sync = micro_step == grad_accum - 1
             with ctx:
