@@ -185,12 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
         model = model_from_checkpoint(ckpt).to(device).eval()
         enc, T = model.config.pos_encoding, model.config.block_size
         runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
-        for scaling in args.rope_scaling if enc == "rope" else []:
+        for scaling in args.rope_scaling if model.transformer.wpe.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
             if args.rope_factor:
-                name = f"rope+{scaling} (s={args.rope_factor:g})"
+                name = f"{enc}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
-                name = f"rope+{scaling}" if scaling == "dynamic_ntk" else f"rope+{scaling} (s=L/{T})"
+                name = f"{enc}+{scaling}" if scaling == "dynamic_ntk" else f"{enc}+{scaling} (s=L/{T})"
             runs.append(
                 dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T, scaling=scaling)
             )

@@ -38,7 +38,7 @@ defaults = dict(
     device=default_device(),  # cpu, cuda, cuda:1, mps
     dtype="",  # float32 | bfloat16 | float16; empty: bfloat16 where supported on GPU, else float16; CPU float32
     compile=False,  # torch.compile the one-token decode step (a CUDA graph on GPU): slower start, faster tokens
-    rope_scaling="",  # RoPE models, to read past the training length: linear | ntk | dynamic_ntk | yarn
+    rope_scaling="",  # RoPE models, to read past the training length: linear | ntk | dynamic_ntk | yarn | llama3
     rope_factor=0.0,  # rope_scaling's factor s >= 1 (default: max_context / block_size; dynamic_ntk: 1)
 )
 
