@@ -50,9 +50,13 @@ class TaskError(ValueError):
 def encode(tok, text: str, task: str) -> list[int]:
     try:
         return tok.encode(text)
-    except ValueError as e:  # CharTokenizer names the characters it lacks
+    except ValueError as e:  # a character vocabulary without a character the task writes
+        needed = {"passkey": PASS_NEEDLE.format("") + PASS_QUESTION + DIGITS, "recall": ": " + DIGITS + LETTERS}
+        text = FILLER + needed.get(task, COPY_SEPARATOR + LETTERS)
+        missing = ", ".join(repr(c) for c in sorted(set(text) - set(getattr(tok, "stoi", text))))
         raise TaskError(
-            f"the {task} task's text {text[:40]!r} cannot be encoded with this dataset's tokenizer: {e}"
+            f"the {task} task writes characters that this dataset's vocabulary lacks ({missing or e}); "
+            f"leave it out, or use a dataset with them"
         ) from e
 
 
