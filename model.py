@@ -773,7 +773,13 @@ class GPT(nn.Module):
         auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
         fused = auto if self.fused_attention is None else self.fused_attention
         no_dropout = not (self.training and self.config.dropout > 0)  # neither fused kernel has dropout
-        if fused and pe.has_bias and no_dropout and self.fused_attention_note(q_pos.device.type) is None:
+        # FlexAttention's own gradient for a bias parameter adds every (query, key) pair's dS into it with atomics: 19x
+        # RoPE's step for bias-RPE on an H100, or out of shared memory. So a trainable bias is fused only where its
+        # gradient can come from a band (bias_span); others (KERPLE, FIRE) train on the materialized path.
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+        band = trainable and pe.bias_span is not None and not cached
+        fits = self.fused_attention_note(q_pos.device.type) is None
+        if fused and pe.has_bias and no_dropout and fits and (band or not trainable):
             block_mask = create_block_mask(
                 lambda b, h, i, j: (q_pos[i] - k_pos[j] >= 0) & (q_pos[i] - k_pos[j] < window),
                 None,
@@ -783,12 +789,7 @@ class GPT(nn.Module):
                 device=q_pos.device,
             )
             R = pe.bias_span
-            if (
-                R is not None
-                and not cached
-                and torch.is_grad_enabled()
-                and any(p.requires_grad for p in pe.parameters())
-            ):
+            if band:
                 # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
                 heads = torch.arange(self.config.n_head, device=q_pos.device) + h0
                 table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None], 0)  # (nh, R + 1)
