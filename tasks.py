@@ -273,14 +273,19 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
     import matplotlib.pyplot as plt
 
     names = list(report["checkpoints"])
-    fig, axes = plt.subplots(1, len(names), figsize=(1 + 0.6 * len(lengths) * len(names) + 2, 4), squeeze=False)
+    width = (1.5 + 0.5 * len(lengths)) * len(names) + 1.5
+    fig, axes = plt.subplots(1, len(names), figsize=(width, 4), squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names, strict=True):
         grid = report["checkpoints"][name]["passkey_grid"]
         acc = np.array([[np.nan] * len(depths) if grid[L] is None else grid[L] for L in lengths]).T  # (depths, L)
         im = ax.imshow(acc, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
-        ax.set(title=f"{name}: passkey", xlabel="length", ylabel="depth")
+        for j, L in enumerate(lengths):
+            if grid[L] is None:  # no positions there (learned)
+                ax.text(j, (len(depths) - 1) / 2, "n/a", ha="center", va="center")
+        ax.set(title=f"{name}: passkey", xlabel="length")
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], rotation=45)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+    axes[0][0].set_ylabel("depth of the key")
     fig.colorbar(im, ax=axes[0].tolist(), label="exact-match accuracy")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
