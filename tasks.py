@@ -193,6 +193,14 @@ def trials(tok, task: str, length: int, n_trials: int, seed: int = 0, **kw) -> l
     return [TASKS[task](tok, length, rng, **kw) for _ in range(n_trials)]
 
 
+def answer_logits(model, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits (N, V) at the N positions mask (B, L) selects: a GPT projects only those hidden states to the
+    vocabulary (B·L·V logits of GPT-2's vocabulary at 8192 tokens would not fit); any other model is called."""
+    if hasattr(model, "features"):
+        return model.lm_head(model.features(idx)[mask])
+    return model(idx)[0][mask]
+
+
 @torch.no_grad()
 def evaluate_task(
     model, tok, task: str, length: int, n_trials: int, seed: int = 0, batch_size: int = 8, device: str = "cpu", **kw
@@ -205,8 +213,9 @@ def evaluate_task(
         chunk = seqs[i : i + batch_size]
         idx = torch.from_numpy(np.stack([t for t, _ in chunk])).to(device)
         answer = torch.from_numpy(np.stack([a for _, a in chunk])).to(device)
-        logits, _ = model(idx[:, :-1])
-        right = (logits.argmax(-1) == idx[:, 1:]) | ~answer[:, 1:]  # (B, L): True off the answer
+        mask = answer[:, 1:]  # (B, L): the inputs' positions whose next token is an answer token
+        right = torch.ones_like(mask)  # True off the answer
+        right[mask] = answer_logits(model, idx[:, :-1], mask).argmax(-1) == idx[:, 1:][mask]
         for r, a in zip(right.cpu().numpy(), answer[:, 1:].cpu().numpy(), strict=True):
             # each contiguous run of answer tokens is one span
             starts = np.flatnonzero(a & ~np.concatenate([[False], a[:-1]]))

@@ -169,6 +169,15 @@ def test_random_gpt_retrieves_nothing_and_learned_positions_stop_at_block_size()
     assert len(r["passkey_grid"][96]) == 2 and r["copy"][96] is not None
 
 
+def test_answer_logits_equal_the_full_forward():
+    """A GPT's logits at the answer positions alone equal the full forward's there."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(SHAKESPEARE_CHARS), n_layer=1, n_head=2, n_embd=16, block_size=96)).eval()
+    x, a = make("recall", CHAR, 96)
+    idx, mask = torch.from_numpy(x[None, :-1]), torch.from_numpy(a[None, 1:])
+    torch.testing.assert_close(tasks.answer_logits(model, idx, mask), model(idx)[0][mask])
+
+
 def test_k_max_is_the_longest_length_at_20_percent():
     """k_max skips lengths below 20% and n/a cells, and is None when no length reaches it."""
     assert tasks.k_max({64: 1.0, 128: 0.2, 256: 0.1, 512: 0.25, 1024: None}) == 512
