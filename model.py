@@ -671,18 +671,37 @@ class GPT(nn.Module):
         self.transformer.wpe.crop(block_size)
 
     def configure_optimizers(
-        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+        pe_lr_scale: float = 1.0,
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on matrices and embeddings only: not on biases, norms, or attention-score biases
-        (bias-RPE's table is 2-D but a bias)."""
+        (bias-RPE's table is 2-D but a bias). pe_lr_scale != 1 puts the encoding's parameters in groups of their own
+        whose "lr_scale" multiplies the schedule's rate (train.py applies it): Adam moves each parameter by about the
+        learning rate per step, so a bias table that starts at zero can reach only about the sum of the rates."""
         score_biases = {id(p) for p in self.transformer.wpe.no_decay()}
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p.dim() >= 2 and id(p) not in score_biases for p in params]
-        groups = [
-            {"params": [p for p, d in zip(params, decay, strict=True) if d], "weight_decay": weight_decay},
-            {"params": [p for p, d in zip(params, decay, strict=True) if not d], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        encoding = {id(p) for p in self.transformer.wpe.parameters()} if pe_lr_scale != 1.0 else set()
+        groups = {}
+        for p in self.parameters():
+            if p.requires_grad:
+                decay, scaled = p.dim() >= 2 and id(p) not in score_biases, id(p) in encoding
+                groups.setdefault((decay, scaled), []).append(p)
+        return torch.optim.AdamW(
+            [
+                {
+                    "params": ps,
+                    "weight_decay": weight_decay if decay else 0.0,
+                    "lr_scale": pe_lr_scale if scaled else 1.0,
+                }
+                for (decay, scaled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+            ],
+            lr=learning_rate,
+            betas=betas,
+            fused=device_type == "cuda",
+        )
 
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
         """Model FLOPs utilization: achieved FLOP/s over peak_flops, counting 6N per token for the weights plus
@@ -764,7 +783,7 @@ class GPT(nn.Module):
         so cached keys line up whatever Tq and Tk are (and whatever slot holds them). fused_attention=False always
         takes the reference path (a materialized mask and SDPA). layer picks a per-layer bias's heads."""
         pe = self.transformer.wpe
-        h0 = layer * self.config.n_head  # the first of this layer's heads in bias(h, i, j)
+        h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
         dropout_p = self.config.dropout if self.training else 0.0
         if not pe.has_bias and window is None and not cached:
             return lambda q, k, v: attend(q, k, v, None, dropout_p)

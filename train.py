@@ -80,6 +80,8 @@ defaults = dict(
     bias=False,  # biases in Linears and LayerNorms (GPT-2 has them)
     # AdamW
     learning_rate=1e-3,
+    pe_lr_scale=1.0,  # the positional encoding's parameters learn this many times faster (a bias table from zero moves
+    # about learning_rate per step under Adam)
     max_iters=5000,
     weight_decay=1e-1,
     beta1=0.9,
@@ -186,6 +188,7 @@ def check_ranges(cfg: dict) -> None:
         "evaluate without training",
     )
     need(cfg["learning_rate"] > 0, "learning_rate", "must be positive (1e-3 for small models, 6e-4 for GPT-2)")
+    need(cfg["pe_lr_scale"] > 0, "pe_lr_scale", "must be positive (1: the same rate as the rest)")
     need(cfg["min_lr"] >= 0, "min_lr", "must be at least 0 (about learning_rate / 10)")
     need(cfg["warmup_iters"] >= 0, "warmup_iters", "must be at least 0 (0: no warmup)")
     need(cfg["lr_decay_iters"] >= 0, "lr_decay_iters", "must be at least 0 (about max_iters)")
@@ -413,11 +416,17 @@ def main(argv: list[str]) -> None:
     model.to(device)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg["dtype"] == "float16")
     optimizer = model.configure_optimizers(
-        cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]), device_type
+        cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]), device_type, cfg["pe_lr_scale"]
     )
     data_rng = torch.Generator().manual_seed(cfg["seed"])  # the training sampler; its state is saved
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except ValueError as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
+            raise TrainError(
+                f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale="
+                f"{ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
+            ) from e
         if ckpt.get("scaler") and scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
             scaler.load_state_dict(ckpt["scaler"])
         if "data_rng" in ckpt:
@@ -532,7 +541,7 @@ def main(argv: list[str]) -> None:
             break
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         if iter_num % cfg["eval_interval"] == 0 or iter_num >= max_iters or cfg["eval_only"]:
             te = time.time()
             losses = estimate_loss()

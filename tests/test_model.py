@@ -440,6 +440,30 @@ def test_every_encoding_parameter_gets_a_gradient(pe):
         assert not torch.equal(p, before[name]), f"{pe}'s {name} did not change"
 
 
+def test_pe_lr_scale_moves_the_encoding_faster():
+    """pe_lr_scale puts the encoding's parameters in groups whose lr_scale multiplies the rate: Adam's first step moves
+    each table entry with a gradient by lr·scale, and every other parameter by at most lr. At 1 the groups are the two
+    of before (decay or not), so older checkpoints' optimizer states still load."""
+    model = tiny("bias_rpe").train()
+    assert len(model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu").param_groups) == 2
+    opt = model.configure_optimizers(0.0, 1e-3, (0.9, 0.99), "cpu", pe_lr_scale=10.0)
+    for group in opt.param_groups:
+        group["lr"] = 1e-3 * group["lr_scale"]  # as train.py does
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx = tokens(2, 16)
+    model(idx, targets=torch.roll(idx, -1, 1))[1].backward()
+    table_grad = model.transformer.wpe.weight.grad.clone()
+    opt.step()
+    for name, p in model.named_parameters():
+        step = (p.detach() - before[name]).abs()
+        if name == "transformer.wpe.weight":
+            moved = table_grad.abs() > 1e-5
+            assert moved.sum() > 0
+            close(step[moved], torch.full_like(step[moved], 1e-2), tol=1e-4)
+        else:
+            assert step.max() <= 1e-3 * (1 + 1e-4), name
+
+
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_checkpoint_round_trip(pe, tmp_path):
     """save_checkpoint then load_checkpoint and model_from_checkpoint rebuild every encoding with the same logits,

@@ -50,6 +50,7 @@ def small_data(tmp_path_factory) -> Path:
     "args, message",
     [
         (["--grad_clip=-1"], "grad_clip=-1.0 must be at least 0 (0 disables clipping"),
+        (["--pe_lr_scale=0"], "pe_lr_scale=0.0 must be positive"),
         (["--learning_rate=-1"], "learning_rate=-1.0 must be positive"),
         (["--learning_rate=0"], "learning_rate=0.0 must be positive"),
         (["--device=foo"], "device='foo' is not a device; choose cpu, cuda"),
