@@ -278,6 +278,14 @@ def markdown_table(report: dict) -> str:
     return "\n".join(out)
 
 
+def line_styles():
+    """Ten colours, solid then dashed: a line each for up to 20 rows (the default cycle repeats after 10)."""
+    import matplotlib.pyplot as plt
+    from cycler import cycler
+
+    return cycler(linestyle=["-", "--"]) * cycler(color=plt.get_cmap("tab10").colors)
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -285,6 +293,8 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax in axes:
+        ax.set_prop_cycle(line_styles())
     mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
     for r in report["runs"]:
         pts = [(L, res["ppl"]) for L, res in r["results"][mode].items() if res is not None]

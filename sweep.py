@@ -175,6 +175,7 @@ def plot_report(agg: dict, report: dict, out_dir: Path) -> None:
     train_len = report["runs"][0]["train_len"]
     fig, axes = plt.subplots(1, len(report["modes"]), figsize=(6.5 * len(report["modes"]), 4.8), squeeze=False)
     for ax, mode in zip(axes[0], report["modes"], strict=True):
+        ax.set_prop_cycle(eval_length.line_styles())
         for name, by_mode in agg.items():
             pts = [(L, v) for L, v in sorted(by_mode[mode].items()) if v]
             xs = [L for L, _ in pts]
