@@ -21,11 +21,11 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from configurator import autocast
 from model import GPT, POS_ENCODINGS, GPTConfig
 from train import GPU_PEAK_FLOPS
 
@@ -101,7 +101,7 @@ def train_step_fn(model, cfg: dict, args, device: str):
     x = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     y = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
+    ctx = autocast(device, torch.bfloat16 if device == "cuda" else torch.float32)
     fwd = torch.compile(model) if args.compile else model
 
     def step():

@@ -9,6 +9,7 @@ float; a default of None takes anything). A bare `--flag` means `--flag=True` (f
 import ast
 import difflib
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 
@@ -90,6 +91,13 @@ def default_device() -> str:
     if torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def autocast(device: str, dtype: str | torch.dtype):
+    """The mixed-precision context for device ("cuda:1", "cpu", ...) and dtype: none for float32, else autocast (on
+    CPUs too, so the bf16 and fp16 paths run in CI). The one place that rule lives."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=dtype)
 
 
 def default_dtype(device: str) -> str:

@@ -21,6 +21,11 @@ class DataError(Exception):
     pass
 
 
+def dataset_dir(name: str | Path) -> Path:
+    """A dataset's folder: a path as given (it has a slash), else data/<name>."""
+    return Path(name) if "/" in str(name) or os.sep in str(name) else DATA_DIR / name
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # writing
 

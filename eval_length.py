@@ -24,7 +24,6 @@ import json
 import math
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +32,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError
-from datafiles import DATA_DIR, DataError, load_meta
+from configurator import ConfigError, autocast
+from datafiles import DataError, dataset_dir, load_meta
 from model import GPT, ROPE_SCALINGS
 from train import check_device
 
@@ -115,7 +114,7 @@ def evaluate(
 
 def load_val(ckpt: dict, data_dir: str | None) -> tuple[np.ndarray, str]:
     dataset = ckpt.get("config", {}).get("dataset", "shakespeare_char")
-    path = Path(data_dir) if data_dir else (Path(dataset) if "/" in dataset else DATA_DIR / dataset)
+    path = Path(data_dir) if data_dir else dataset_dir(dataset)
     load_meta(path)  # names a missing or unprepared dataset and how to prepare it
     return np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
 
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = sorted(set(args.lengths))
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-    ctx = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
+    ctx = autocast(device, dtype)
     if args.memory_gb is None:
         args.memory_gb = torch.cuda.mem_get_info()[0] / 2**31 if device.startswith("cuda") else 2.0
     budget = args.memory_gb * 2**30

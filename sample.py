@@ -10,13 +10,12 @@ Sample from a trained model, rebuilt (with its tokenizer) from the checkpoint al
 import math
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, configure, default_device, default_dtype
+from configurator import ConfigError, autocast, configure, default_device, default_dtype
 from model import GPT, ROPE_SCALINGS
 from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 from train import check_device
@@ -143,7 +142,7 @@ def main(argv: list[str]) -> None:
         except ValueError as e:
             sys.exit(f"error: {e}")
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=ptdtype)
+    ctx = autocast(device, ptdtype)
 
     # -------------------------------------------------------------------------------------------------------------
     # prompt

@@ -13,7 +13,6 @@ import runpy
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
-from configurator import ConfigError, configure, default_device, default_dtype
-from datafiles import DATA_DIR, SPLITS, DataError, get_batch, load_meta
+from configurator import ConfigError, autocast, configure, default_device, default_dtype
+from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from model import GPT, GPTConfig
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
@@ -339,13 +338,12 @@ def main(argv: list[str]) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
-    # mixed precision on any device (CPU autocast too, so the bf16 and fp16 + GradScaler paths run in CI)
-    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, ptdtype)
+    ctx = autocast(device, ptdtype)
     out_dir = Path(cfg["out_dir"])
 
     # -------------------------------------------------------------------------------------------------------------
     # data
-    data_dir = Path(cfg["dataset"]) if os.sep in cfg["dataset"] else DATA_DIR / cfg["dataset"]
+    data_dir = dataset_dir(cfg["dataset"])
     if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
         if master:
             log(f"preparing the {cfg['dataset']} dataset (first run only)")

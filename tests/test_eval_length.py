@@ -3,6 +3,7 @@ learned past its block size, RoPE scaling rows, the plot, wandb offline."""
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_losses_equal_direct_computation(ckpts):
     with torch.no_grad():
         for mode, stride in [("nonoverlapping", 8), ("sliding", 8), ("sliding", 3)]:
             L = 24  # past the block size of 16: ALiBi extrapolates
-            res = eval_length.evaluate(model, data, L, mode, stride, 1e9, "cpu", eval_length.nullcontext(), bar)
+            res = eval_length.evaluate(model, data, L, mode, stride, 1e9, "cpu", nullcontext(), bar)
             expected = [
                 direct_loss(model, data, s, L, j)
                 for s, first in eval_length.windows(300, L, mode, stride)
@@ -90,10 +91,10 @@ def test_losses_equal_direct_computation(ckpts):
             assert res["tokens"] == len(expected)
             assert abs(res["loss"] - sum(expected) / len(expected)) < 1e-5
             assert abs(res["ppl"] - math.exp(res["loss"])) < 1e-9
-            tiny_batch = eval_length.evaluate(model, data, L, mode, stride, 1.0, "cpu", eval_length.nullcontext(), bar)
+            tiny_batch = eval_length.evaluate(model, data, L, mode, stride, 1.0, "cpu", nullcontext(), bar)
             assert abs(tiny_batch["loss"] - res["loss"]) < 1e-6  # one window per forward: same numbers
         # the per-position curve: the mean over windows of the loss at each offset
-        res = eval_length.evaluate(model, data, 24, "nonoverlapping", 24, 1e9, "cpu", eval_length.nullcontext(), bar)
+        res = eval_length.evaluate(model, data, 24, "nonoverlapping", 24, 1e9, "cpu", nullcontext(), bar)
         starts = [s for s, _ in eval_length.windows(300, 24, "nonoverlapping", 24)]
         for j in (0, 23):
             assert abs(res["per_position"][j] - np.mean([direct_loss(model, data, s, 24, j) for s in starts])) < 1e-5
