@@ -84,6 +84,24 @@ def _set(config: dict, defaults: dict, key: str, value, source: str) -> None:
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
 
+def check_device(device: str) -> None:
+    """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
+    try:
+        kind, index = torch.device(device).type, torch.device(device).index
+    except RuntimeError:
+        kind, index = None, None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device!r} is not a device; choose cpu, cuda, cuda:N (the Nth GPU) or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device={device!r} but CUDA is not available here (no GPU, or a CPU-only PyTorch); use --device=cpu"
+        )
+    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device!r} but this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={device!r} but MPS (Apple GPUs) is not available here; use --device=cpu")
+
+
 def default_device() -> str:
     """The best device here: cuda, then mps, then cpu."""
     if torch.cuda.is_available():

@@ -32,10 +32,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, autocast
+from configurator import ConfigError, autocast, check_device
 from datafiles import DataError, dataset_dir, load_meta
 from model import GPT, ROPE_SCALINGS
-from train import check_device
 
 MODES = ("nonoverlapping", "sliding")
 

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, autocast, configure, default_device, default_dtype
+from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype
 from model import GPT, ROPE_SCALINGS
 from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
-from train import check_device
 
 # -----------------------------------------------------------------------------------------------------------------
 defaults = dict(

@@ -13,7 +13,7 @@ import runpy
 import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
-from configurator import ConfigError, autocast, configure, default_device, default_dtype
+from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from model import GPT, GPTConfig
 from tasks import TaskError, check_tasks, mix_tasks
@@ -144,24 +144,6 @@ def resolve(cfg: dict) -> dict:
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     return cfg
-
-
-def check_device(device: str) -> None:
-    """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
-    try:
-        kind, index = torch.device(device).type, torch.device(device).index
-    except RuntimeError:
-        kind, index = None, None
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"device={device!r} is not a device; choose cpu, cuda, cuda:N (the Nth GPU) or mps")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"device={device!r} but CUDA is not available here (no GPU, or a CPU-only PyTorch); use --device=cpu"
-        )
-    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
-        raise ConfigError(f"device={device!r} but this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device={device!r} but MPS (Apple GPUs) is not available here; use --device=cpu")
 
 
 def check_ranges(cfg: dict) -> None:
@@ -302,317 +284,469 @@ def usage() -> str:
     return f"{__doc__.strip()}\n\nOptions (--key=value, or key = value in a config file), with their defaults:\n{keys}"
 
 
-def main(argv: list[str]) -> None:
-    if "--help" in argv or "-h" in argv:
-        print(usage())
-        return
-    cfg = resolve(configure(defaults, argv))
-    master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
-    if master and not cfg["eval_only"]:  # eval_only writes nothing
-        for tmp in prepare_out_dir(cfg):
-            print(f"removed {tmp.name}, left by a save that was killed mid-write")
-    if master:
-        for note in odd_values(cfg):
-            print(f"note: {note}")
+# -----------------------------------------------------------------------------------------------------------------
+# The run's pieces: its processes, its data, its model and state. main() puts them together and runs the loop.
 
-    # -------------------------------------------------------------------------------------------------------------
-    # processes and devices
+
+@dataclass
+class Processes:
+    """This process's place in the run: alone, or one of torchrun's processes (DDP)."""
+
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str  # cuda:<local_rank> for each of torchrun's GPU processes
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0  # the one that logs and writes checkpoints
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else self.device.split(":")[0]
+
+    def log(self, *args) -> None:
+        if self.master:
+            print(*args, flush=True)
+
+
+def start_processes(cfg: dict) -> Processes:
+    """Join torchrun's process group if there is one (a GPU each), seed this process, allow TF32 matmuls."""
     ddp = int(os.environ.get("RANK", -1)) != -1
-    device = cfg["device"]
+    device, rank, local_rank, world_size = cfg["device"], 0, 0, 1
     if ddp:
-        backend = cfg["backend"] or ("nccl" if device.startswith("cuda") else "gloo")
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=cfg["backend"] or ("nccl" if device.startswith("cuda") else "gloo"))
         rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-    else:
-        rank, world_size = 0, 1
-    log = print if master else (lambda *a, **k: None)
-    grad_accum = cfg["gradient_accumulation_steps"] // world_size
-    B, T = cfg["batch_size"], cfg["block_size"]
-    tokens_per_iter = grad_accum * world_size * B * T
-    device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
     torch.manual_seed(cfg["seed"] + rank)
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
-    ctx = autocast(device, ptdtype)
-    out_dir = Path(cfg["out_dir"])
+    return Processes(ddp, rank, local_rank, world_size, device)
 
-    # -------------------------------------------------------------------------------------------------------------
-    # data
+
+@dataclass
+class Data:
+    dir: Path
+    meta: dict  # meta.json: the dataset's vocab_size and tokenizer
+    vocab_size: int  # the model's: GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls), a char one as is
+    task_tok: object | None  # the tokenizer that writes the task sequences (task_fraction > 0)
+
+
+def load_data(cfg: dict, procs: Processes) -> Data:
+    """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
+    training; the tasks checked against its vocabulary and the block size."""
     data_dir = dataset_dir(cfg["dataset"])
     if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
-        if master:
-            log(f"preparing the {cfg['dataset']} dataset (first run only)")
+        if procs.master:
+            procs.log(f"preparing the {cfg['dataset']} dataset (first run only)")
             runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
-        if ddp:
+        if procs.ddp:
             dist.barrier()
-    meta = load_meta(data_dir, block_size=T)  # checks meta.json and the token files before any training
-    data_vocab = meta["vocab_size"]
-    # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls); a char vocabulary as it is
-    vocab_size = data_vocab if data_vocab < 1024 else -(-data_vocab // 64) * 64
+    meta = load_meta(data_dir, block_size=cfg["block_size"])
+    n = meta["vocab_size"]
     task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None
     if task_tok is not None:
-        try:  # the tasks' characters are in the vocabulary and their phrases fit in a block
-            check_tasks(task_tok, T)
+        try:
+            check_tasks(task_tok, cfg["block_size"])
         except TaskError as e:
             raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
+    return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
-    # -------------------------------------------------------------------------------------------------------------
-    # model, optimizer and state
+
+def build_model(cfg: dict, data: Data, log) -> tuple[GPT, dict | None]:
+    """The model from scratch, from out_dir/ckpt.pt (also returned, to restore the rest of the run), or from GPT-2's
+    weights. The checkpoint or GPT-2 decides the architecture: cfg follows it, with a note where it disagreed."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
-    eval_setup = {k: cfg[k] for k in EVAL_SETUP_KEYS if k in cfg} | {"world_size": world_size}
-    iter_num, best_val_loss, ckpt, wandb_run_id = 0, float("inf"), None, None
+    ckpt = None
     if cfg["init_from"] == "scratch":
         try:
-            model = GPT(GPTConfig(vocab_size=vocab_size, block_size=T, **{k: cfg[k] for k in model_keys}))
+            model = GPT(
+                GPTConfig(vocab_size=data.vocab_size, block_size=cfg["block_size"], **{k: cfg[k] for k in model_keys})
+            )
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     elif cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(out_dir / "ckpt.pt")
+        ckpt = load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt")
         model = model_from_checkpoint(ckpt)
-        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        wandb_run_id = ckpt.get("wandb_run_id")
-        log(f"resuming from {out_dir / 'ckpt.pt'} at iteration {iter_num}")
-        changed = changed_eval_setup(ckpt, eval_setup)
-        if changed and best_val_loss < float("inf"):
-            log(
-                f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
-                f"{best_val_loss:.4f} does not compare; ckpt_best.pt goes to this run's best evaluation"
-            )
-            best_val_loss = float("inf")
-        if iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
-            log(
-                f"the run in {out_dir} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
-                "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
-            )
-            if ddp:
-                dist.destroy_process_group()
-            return
     else:
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
         except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers
             raise TrainError(f"cannot load GPT-2 weights from {cfg['init_from']!r}: {e}") from e
-        if T < model.config.block_size:
-            model.crop_block_size(T)
-    model_args = asdict(model.config)
-    for k in model_keys:  # the checkpoint or GPT-2 decides the architecture; say so where the config disagrees
-        if model_args[k] != cfg[k]:
-            log(f"note: {k}={model_args[k]!r} from {cfg['init_from']} (config says {cfg[k]!r})")
-            cfg[k] = model_args[k]
-    if data_vocab > model.config.vocab_size:
+        if cfg["block_size"] < model.config.block_size:
+            model.crop_block_size(cfg["block_size"])
+    for k in model_keys:
+        if getattr(model.config, k) != cfg[k]:
+            log(f"note: {k}={getattr(model.config, k)!r} from {cfg['init_from']} (config says {cfg[k]!r})")
+            cfg[k] = getattr(model.config, k)
+    if data.meta["vocab_size"] > model.config.vocab_size:
         raise TrainError(
-            f"dataset {cfg['dataset']!r} has {data_vocab} tokens but the model only {model.config.vocab_size}"
+            f"dataset {cfg['dataset']!r} has {data.meta['vocab_size']} tokens but the model only "
+            f"{model.config.vocab_size}"
         )
-    if T > model.config.block_size:
-        raise TrainError(f"block_size={T} is longer than the model's {model.config.block_size}")
-    model.to(device)
-    scaler = torch.amp.GradScaler(device_type, enabled=cfg["dtype"] == "float16")
-    optimizer = model.configure_optimizers(
-        cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]), device_type, cfg["pe_lr_scale"]
+    if cfg["block_size"] > model.config.block_size:
+        raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
+    return model, ckpt
+
+
+@dataclass
+class Run:
+    """A training run: what the loop reads and updates, and what a checkpoint saves."""
+
+    cfg: dict
+    procs: Processes
+    data: Data
+    model: GPT  # the module itself, whose state_dict is saved
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    data_rng: torch.Generator  # the training batches' sampler; its state is saved
+    net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped in DDP
+    iter_num: int = 0
+    best_val_loss: float = float("inf")
+    wandb_run_id: str | None = None
+
+    @property
+    def eval_setup(self) -> dict:
+        return {k: self.cfg[k] for k in EVAL_SETUP_KEYS if k in self.cfg} | {"world_size": self.procs.world_size}
+
+    @property
+    def tokens_per_iter(self) -> int:
+        return self.cfg["gradient_accumulation_steps"] * self.cfg["batch_size"] * self.cfg["block_size"]
+
+    def autocast(self):
+        return autocast(self.procs.device, self.cfg["dtype"])
+
+    def batch(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's share of a batch x, y (B, T)."""
+        p, B, T = self.procs, self.cfg["batch_size"], self.cfg["block_size"]
+        return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
+
+
+def restore(run: Run, ckpt: dict) -> None:
+    """Continue a checkpoint's run exactly: iteration, best loss (if it still compares), optimizer, grad scaler, data
+    sampler, RNG states and wandb run."""
+    log = run.procs.log
+    run.iter_num, run.best_val_loss, run.wandb_run_id = (
+        ckpt["iter_num"],
+        ckpt["best_val_loss"],
+        ckpt.get("wandb_run_id"),
     )
-    data_rng = torch.Generator().manual_seed(cfg["seed"])  # the training sampler; its state is saved
-    if ckpt is not None:
-        try:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except ValueError as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
-            raise TrainError(
-                f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale="
-                f"{ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
-            ) from e
-        if ckpt.get("scaler") and scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
-            scaler.load_state_dict(ckpt["scaler"])
-        if "data_rng" in ckpt:
-            data_rng.set_state(ckpt["data_rng"])
-        if len(ckpt.get("rng", [])) == world_size:
-            set_rng_state(ckpt["rng"][rank])
-        else:
-            log("note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly")
-        del ckpt
-    raw_model = model
-    log(
-        f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {tokens_per_iter:,} tokens per "
-        f"iteration on {world_size} process(es), {device}, {cfg['dtype']}{', compiled' if cfg['compile'] else ''}"
-    )
-    if (note := model.fused_attention_note(device_type)) and model.transformer.wpe.has_bias:
-        log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
-    if cfg["compile"]:
-        model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-    peak_flops = (
-        next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
-        if device_type == "cuda"
-        else None
-    )
-
-    @torch.no_grad()
-    def estimate_loss() -> dict[str, float]:
-        """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks."""
-        out = {}
-        model.eval()
-        for split in SPLITS:
-            g = torch.Generator().manual_seed(cfg["seed"] + 1)
-            losses = torch.zeros(cfg["eval_iters"], device=device)
-            for k in range(cfg["eval_iters"]):
-                X, Y = get_batch(data_dir, split, B, T, g, vocab_size, device, rank, world_size)
-                with ctx:
-                    losses[k] = model(X, Y)[1]
-            mean = losses.mean()
-            if ddp:
-                dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-            out[split] = mean.item()
-        model.train()
-        return out
-
-    def save(best: bool) -> None:
-        """Every process calls this (its RNG state is gathered); the first one writes."""
-        states = [None] * world_size
-        if ddp:
-            dist.all_gather_object(states, rng_state(device))
-        else:
-            states = [rng_state(device)]
-        if not master:
-            return
-        ckpt = {
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "model_args": model_args,
-            "iter_num": iter_num,
-            "best_val_loss": best_val_loss,
-            "config": cfg,
-            "tokenizer": meta["tokenizer"],
-            "eval_setup": eval_setup,
-            "rng": states,
-            "data_rng": data_rng.get_state(),
-            "scaler": scaler.state_dict(),
-            "wandb_run_id": wandb_run_id,
-        }
-        save_checkpoint(ckpt, out_dir / "ckpt.pt")
-        if best:
-            save_checkpoint(ckpt, out_dir / "ckpt_best.pt")
-
-    # -------------------------------------------------------------------------------------------------------------
-    # logging and stopping
-    wandb = None
-    if cfg["wandb_log"] and master:
-        import wandb
-
-        run = wandb.init(
-            project=cfg["wandb_project"],
-            name=cfg["wandb_run_name"],
-            group=cfg["wandb_group"],
-            config=cfg,
-            id=wandb_run_id,
-            resume="allow",
+    log(f"resuming from {Path(run.cfg['out_dir']) / 'ckpt.pt'} at iteration {run.iter_num}")
+    changed = changed_eval_setup(ckpt, run.eval_setup)
+    if changed and run.best_val_loss < float("inf"):
+        log(
+            f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
+            f"{run.best_val_loss:.4f} does not compare; ckpt_best.pt goes to this run's best evaluation"
         )
-        wandb_run_id = run.id
-        wandb.define_metric("*", step_metric="iter")
-    stop_requested = torch.zeros(1, device=device if ddp and device_type == "cuda" else "cpu")
+        run.best_val_loss = float("inf")
+    try:
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except ValueError as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
+        raise TrainError(
+            f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale="
+            f"{ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
+        ) from e
+    if ckpt.get("scaler") and run.scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
+        run.scaler.load_state_dict(ckpt["scaler"])
+    if "data_rng" in ckpt:
+        run.data_rng.set_state(ckpt["data_rng"])
+    if len(ckpt.get("rng", [])) == run.procs.world_size:
+        set_rng_state(ckpt["rng"][run.procs.rank])
+    else:
+        log("note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly")
+
+
+def wrap(run: Run) -> torch.nn.Module:
+    """The module the loop calls: compiled (cfg compile) and in DDP (under torchrun)."""
+    net = torch.compile(run.model) if run.cfg["compile"] else run.model
+    if run.procs.ddp:
+        net = DDP(net, device_ids=[run.procs.local_rank] if run.procs.device_type == "cuda" else None)
+    return net
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# What the loop does: evaluate, save, one iteration of training
+
+
+@torch.no_grad()
+def estimate_loss(run: Run) -> dict[str, float]:
+    """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks."""
+    out = {}
+    run.net.eval()
+    for split in SPLITS:
+        g = torch.Generator().manual_seed(run.cfg["seed"] + 1)
+        losses = torch.zeros(run.cfg["eval_iters"], device=run.procs.device)
+        for k in range(run.cfg["eval_iters"]):
+            X, Y = run.batch(split, g)
+            with run.autocast():
+                losses[k] = run.net(X, Y)[1]
+        mean = losses.mean()
+        if run.procs.ddp:
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        out[split] = mean.item()
+    run.net.train()
+    return out
+
+
+def save(run: Run, best: bool) -> None:
+    """Every process calls this (its RNG state is gathered); the first one writes ckpt.pt, and ckpt_best.pt if best."""
+    procs = run.procs
+    states = [None] * procs.world_size
+    if procs.ddp:
+        dist.all_gather_object(states, rng_state(procs.device))
+    else:
+        states = [rng_state(procs.device)]
+    if not procs.master:
+        return
+    ckpt = {
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "model_args": asdict(run.model.config),
+        "iter_num": run.iter_num,
+        "best_val_loss": run.best_val_loss,
+        "config": run.cfg,
+        "tokenizer": run.data.meta["tokenizer"],
+        "eval_setup": run.eval_setup,
+        "rng": states,
+        "data_rng": run.data_rng.get_state(),
+        "scaler": run.scaler.state_dict(),
+        "wandb_run_id": run.wandb_run_id,
+    }
+    out_dir = Path(run.cfg["out_dir"])
+    save_checkpoint(ckpt, out_dir / "ckpt.pt")
+    if best:
+        save_checkpoint(ckpt, out_dir / "ckpt_best.pt")
+
+
+def train_iteration(run: Run) -> torch.Tensor:
+    """One optimizer step over gradient_accumulation_steps micro-batches (gradients synchronized on the last);
+    returns the loss (a 0-d tensor: reading it would wait for the GPU)."""
+    cfg, procs = run.cfg, run.procs
+    grad_accum = cfg["gradient_accumulation_steps"] // procs.world_size
+    loss_sum = torch.zeros((), device=procs.device)
+    for micro_step in range(grad_accum):
+        X, Y = run.batch("train", run.data_rng)
+        # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
+        seed = (cfg["task_seed"], run.iter_num, micro_step, procs.rank)
+        X, Y = mix_tasks(X, Y, cfg["task_fraction"], run.data.task_tok, seed)
+        if procs.ddp:
+            run.net.require_backward_grad_sync = micro_step == grad_accum - 1
+        with run.autocast():
+            loss = run.net(X, Y)[1] / grad_accum
+        loss_sum += loss.detach()
+        run.scaler.scale(loss).backward()
+    run.scaler.unscale_(run.optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"] or float("inf"))
+    # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
+    bad = non_finite(loss_sum, norm, check_norm=not run.scaler.is_enabled(), ddp=procs.ddp)
+    if bad:
+        raise TrainError(
+            f"non-finite {bad} at iteration {run.iter_num}: stopped before the optimizer step; the last good "
+            f"checkpoint is in {cfg['out_dir']} (try a lower learning_rate, grad_clip, or dtype=bfloat16)"
+        )
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum
+
+
+def compiler_failure(e: BaseException | None) -> bool:
+    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor, Triton): a kernel that
+    could not be built for these shapes on this GPU, not a mistake in the model or its inputs."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    kinds = (BackendCompilerFailed, getattr(torch._inductor.exc, "InductorError", BackendCompilerFailed))
+    while e is not None:
+        name = f"{type(e).__module__}.{type(e).__name__}"
+        if isinstance(e, kinds) or name.startswith("triton.") or name.endswith("NoTritonConfigsError"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def with_fallback(run: Run, step):
+    """step(), and if the fused attention kernel cannot be compiled for this model on this GPU (Triton's shared
+    memory, an unsupported shape), step() again on the materialized path, with one log line: slower, never a crash.
+    The training sampler and the gradients are put back first, so the retried step is the step that failed."""
+    model = run.model
+    can_fall_back = run.cfg["compile"] and model.fused_attention is None and model.transformer.wpe.has_bias
+    sampler = run.data_rng.get_state()
+    try:
+        return step()
+    except Exception as e:
+        if not (can_fall_back and compiler_failure(e)):
+            raise
+        first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
+        run.procs.log(
+            f"note: the fused attention kernel (FlexAttention) failed to compile ({first_line}); attention adds a "
+            "materialized bias instead (slower, memory quadratic in the context)"
+        )
+        model.fused_attention = False
+        run.optimizer.zero_grad(set_to_none=True)
+        run.data_rng.set_state(sampler)
+        run.net = wrap(run)
+        return step()
+
+
+def start_wandb(run: Run):
+    """wandb, logging this run (resumed where the checkpoint's left off), or None when wandb_log is off."""
+    if not (run.cfg["wandb_log"] and run.procs.master):
+        return None
+    import wandb
+
+    cfg = run.cfg
+    wrun = wandb.init(
+        project=cfg["wandb_project"],
+        name=cfg["wandb_run_name"],
+        group=cfg["wandb_group"],
+        config=cfg,
+        id=run.wandb_run_id,
+        resume="allow",
+    )
+    run.wandb_run_id = wrun.id
+    wandb.define_metric("*", step_metric="iter")
+    return wandb
+
+
+def stop_on_signals(procs: Processes) -> torch.Tensor:
+    """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops); a second signal quits at once."""
+    stop = torch.zeros(1, device=procs.device if procs.ddp and procs.device_type == "cuda" else "cpu")
 
     def on_signal(signum, frame):
-        if stop_requested.item():
+        if stop.item():
             raise KeyboardInterrupt
-        stop_requested.fill_(1)
-        log(f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration (again to quit at once)")
+        stop.fill_(1)
+        procs.log(f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration (again to quit at once)")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    return stop
 
-    # -------------------------------------------------------------------------------------------------------------
-    # training loop
-    model.train()
-    max_iters = cfg["max_iters"]
-    dt_avg, eval_dt, start_iter = None, 0.0, iter_num
+
+def peak_flops(procs: Processes) -> float | None:
+    """The GPU's dense bf16 peak, for MFU; None where it is not known (CPUs, unlisted GPUs)."""
+    if procs.device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(procs.device)
+    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# main: set up, then the loop
+
+
+def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
+    cfg = resolve(configure(defaults, argv))
+    if int(os.environ.get("RANK", 0)) == 0:  # known before the process group: errors come before any work
+        if not cfg["eval_only"]:  # eval_only writes nothing
+            for tmp in prepare_out_dir(cfg):
+                print(f"removed {tmp.name}, left by a save that was killed mid-write")
+        for note in odd_values(cfg):
+            print(f"note: {note}")
+    procs = start_processes(cfg)
+    log = procs.log
+    data = load_data(cfg, procs)
+    model, ckpt = build_model(cfg, data, log)
+    if ckpt is not None and ckpt["iter_num"] >= cfg["max_iters"] and not cfg["eval_only"]:
+        log(
+            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
+            "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
+        )
+        if procs.ddp:
+            dist.destroy_process_group()
+        return
+    model.to(procs.device)
+    betas = (cfg["beta1"], cfg["beta2"])
+    run = Run(
+        cfg,
+        procs,
+        data,
+        model,
+        optimizer=model.configure_optimizers(
+            cfg["weight_decay"], cfg["learning_rate"], betas, procs.device_type, cfg["pe_lr_scale"]
+        ),
+        scaler=torch.amp.GradScaler(procs.device_type, enabled=cfg["dtype"] == "float16"),
+        data_rng=torch.Generator().manual_seed(cfg["seed"]),
+    )
+    if ckpt is not None:
+        restore(run, ckpt)
+        del ckpt
+    log(
+        f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {run.tokens_per_iter:,} tokens "
+        f"per iteration on {procs.world_size} process(es), {procs.device}, {cfg['dtype']}"
+        + (", compiled" if cfg["compile"] else "")
+    )
+    if (note := model.fused_attention_note(procs.device_type)) and model.transformer.wpe.has_bias:
+        log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
+    run.net = wrap(run)
+    wandb = start_wandb(run)
+    stop = stop_on_signals(procs)
+    flops = peak_flops(procs)
+
+    max_iters, out_dir = cfg["max_iters"], cfg["out_dir"]
+    dt_avg, eval_dt, start_iter = None, 0.0, run.iter_num
     t0 = time.time()
     while True:
-        if ddp:
-            dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)  # every process stops at the same iteration
-        if stop_requested.item():
-            save(best=False)
-            log(f"stopped at iteration {iter_num}; resume with --init_from=resume --out_dir={out_dir}")
+        if procs.ddp:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every process stops at the same iteration
+        if stop.item():
+            save(run, best=False)
+            log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={out_dir}")
             break
-        lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
+        lr = get_lr(run.iter_num, cfg)
+        for group in run.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
-        if iter_num % cfg["eval_interval"] == 0 or iter_num >= max_iters or cfg["eval_only"]:
+        if run.iter_num % cfg["eval_interval"] == 0 or run.iter_num >= max_iters or cfg["eval_only"]:
             te = time.time()
-            losses = estimate_loss()
+            losses = with_fallback(run, lambda: estimate_loss(run))
             eval_dt = time.time() - te
-            improved = losses["val"] < best_val_loss
-            best_val_loss = min(best_val_loss, losses["val"])
+            improved = losses["val"] < run.best_val_loss
+            run.best_val_loss = min(run.best_val_loss, losses["val"])
             log(
-                f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                f"(best {best_val_loss:.4f}), eval {eval_dt:.1f}s"
+                f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                f"(best {run.best_val_loss:.4f}), eval {eval_dt:.1f}s"
             )
             if wandb:
-                wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                wandb.log({"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
             if cfg["eval_only"]:
                 break
-            if cfg["always_save_checkpoint"] or improved or iter_num >= max_iters:
-                save(best=improved)
+            if cfg["always_save_checkpoint"] or improved or run.iter_num >= max_iters:
+                save(run, best=improved)
             t0 = time.time()
-        if iter_num >= max_iters:
+        if run.iter_num >= max_iters:
             break
 
-        # one iteration: grad_accum micro-steps, gradients synchronized on the last
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum):
-            X, Y = get_batch(data_dir, "train", B, T, data_rng, vocab_size, device, rank, world_size)
-            # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
-            X, Y = mix_tasks(X, Y, cfg["task_fraction"], task_tok, (cfg["task_seed"], iter_num, micro_step, rank))
-            if ddp:
-                model.require_backward_grad_sync = micro_step == grad_accum - 1
-            with ctx:
-                _, loss = model(X, Y)
-                loss = loss / grad_accum
-            loss_sum += loss.detach()
-            scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"] or float("inf"))
-        # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
-        bad = non_finite(loss_sum, norm, check_norm=not scaler.is_enabled(), ddp=ddp)
-        if bad:
-            raise TrainError(
-                f"non-finite {bad} at iteration {iter_num}: "
-                f"stopped before the optimizer step; the last good checkpoint is in {out_dir} "
-                "(try a lower learning_rate, grad_clip, or dtype=bfloat16)"
-            )
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
+        loss = with_fallback(run, lambda: train_iteration(run))
         t1 = time.time()
         dt, t0 = t1 - t0, t1
-        if iter_num > start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
+        if run.iter_num > start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
             dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-        if iter_num % cfg["log_interval"] == 0 and master:
-            lossf = loss_sum.item()
-            left = max_iters - iter_num - 1
+        if run.iter_num % cfg["log_interval"] == 0 and procs.master:
+            left = max_iters - run.iter_num - 1
             eta = (dt_avg or dt) * left + eval_dt * (left // cfg["eval_interval"] + 1)
-            mfu = (
-                raw_model.estimate_mfu(tokens_per_iter // world_size, dt_avg or dt, peak_flops) if peak_flops else None
-            )
+            tok_s = run.tokens_per_iter / dt
+            mfu = model.estimate_mfu(run.tokens_per_iter // procs.world_size, dt_avg or dt, flops) if flops else None
             log(
-                f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, {tokens_per_iter / dt:,.0f} tok/s"
+                f"iter {run.iter_num}: loss {loss.item():.4f}, time {dt * 1000:.1f}ms, {tok_s:,.0f} tok/s"
                 + (f", mfu {mfu * 100:.1f}%" if mfu is not None else "")
                 + f", eta {format_duration(eta)}"
             )
             if wandb:
-                wandb.log(
-                    {"iter": iter_num, "train/loss_step": lossf, "lr": lr, "tokens_per_sec": tokens_per_iter / dt}
-                    | ({"mfu": mfu} if mfu is not None else {})
-                )
-        iter_num += 1
+                metrics = {"iter": run.iter_num, "train/loss_step": loss.item(), "lr": lr, "tokens_per_sec": tok_s}
+                wandb.log(metrics | ({"mfu": mfu} if mfu is not None else {}))
+        run.iter_num += 1
 
     if wandb:
         wandb.finish()
-    if ddp:
+    if procs.ddp:
         # wait for every process (rank 0 may still be writing the checkpoint) before tearing gloo/NCCL down: a rank
         # that destroys its group while a peer still talks to it can abort in gloo's worker threads
         dist.barrier()

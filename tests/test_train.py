@@ -135,6 +135,61 @@ def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     )
 
 
+class CompiledFlexFails(torch.nn.Module):
+    """Stands in for torch.compile on a GPU whose Triton cannot build the fused attention kernel: the training step
+    fails as bias-RPE's did on an H100 while the model uses FlexAttention; on the materialized path it runs."""
+
+    error = None  # set per test: what the failing step raises
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.model.fused_attention is not False:
+            raise self.error
+        return self.model(*args, **kwargs)
+
+
+def test_fused_kernel_compile_failure_falls_back(tiny_data, tmp_path, monkeypatch, capsys):
+    """A fused kernel Triton cannot compile costs one log line and a retry of the same step on the materialized path:
+    the run finishes with the weights of an uncompiled run (same batches), not a crash."""
+    from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
+
+    common = [f"--dataset={tiny_data}", "--pos_encoding=alibi", "--max_iters=10"]
+    train_here(*common, f"--out_dir={tmp_path / 'eager'}")
+    triton = NoTritonConfigsError("No valid triton configs. OutOfMemoryError: out of resource: Required: 245760")
+    monkeypatch.setattr(CompiledFlexFails, "error", RuntimeError("the compiled step failed"))
+    CompiledFlexFails.error.__cause__ = triton
+    monkeypatch.setattr(torch, "compile", CompiledFlexFails)
+    capsys.readouterr()
+    train_here(*common, "--compile=True", f"--out_dir={tmp_path / 'fallback'}")
+    log = capsys.readouterr().out
+    assert log.count("failed to compile (the compiled step failed)") == 1
+    assert "attention adds a materialized bias instead" in log
+    a, b = load_checkpoint(tmp_path / "eager" / "ckpt.pt"), load_checkpoint(tmp_path / "fallback" / "ckpt.pt")
+    assert b["iter_num"] == 10
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "enc, error",
+    [("alibi", ValueError("a bug in the model, not the compiler")), ("rope", RuntimeError("no valid triton configs"))],
+)
+def test_other_failures_are_not_retried(tiny_data, tmp_path, monkeypatch, enc, error):
+    """Only the compiler's failures, and only where a fused bias kernel is in play, fall back: a model's own error, or
+    any error of a model without a bias, stops the run as it is."""
+    if enc == "rope":  # the compiler's error, but RoPE has no fused bias kernel to leave
+        from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
+
+        error = NoTritonConfigsError(str(error))
+    monkeypatch.setattr(CompiledFlexFails, "error", error)
+    monkeypatch.setattr(torch, "compile", CompiledFlexFails)
+    with pytest.raises(type(error)):
+        train_here(f"--dataset={tiny_data}", f"--pos_encoding={enc}", "--compile=True", f"--out_dir={tmp_path}")
+
+
 def test_non_finite_loss_stops_before_the_step(tiny_data, tmp_path):
     """A diverging run stops with a message before the optimizer step; the last good checkpoint stays."""
     r = train(
