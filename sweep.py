@@ -4,15 +4,19 @@ evaluate each at several lengths (eval_length.py), and write a report (markdown 
 
     python sweep.py --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~20 minutes
     python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
+    python sweep.py --size=cpu-tasks --seeds 1337 1338 1339 --jobs 2   # with retrieval tasks (tasks.py), 2 at a time
     python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
-mean ± standard deviation over seeds: a difference smaller than that is noise.
+mean ± standard deviation over seeds: a difference smaller than that is noise. Runs trained with retrieval tasks
+(task_fraction > 0: the cpu-tasks size, or --train --task_fraction=0.1) are also scored on them (passkey, recall,
+copy at every evaluation length), and the report opens with a summary: one row per encoding.
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -20,17 +24,33 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import eval_length
+import tasks
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
+from tokenizer import tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parent
 SIZES = {  # train.py arguments and evaluation lengths per size; the training length is the block size
     "cpu": dict(
         train=["config/cpu.py", "--max_iters=1200", "--lr_decay_iters=1200", "--eval_interval=400"],
         lengths=[64, 128, 256, 512, 1024],
+        eval_tokens=16384,
+    ),
+    # the retrieval study: passkey's phrases need ~80 tokens, so block 128; tasks in 10% of the training rows
+    "cpu-tasks": dict(
+        train=[
+            "config/cpu.py",
+            "--block_size=128",
+            "--max_iters=4000",
+            "--lr_decay_iters=4000",
+            "--eval_interval=1000",
+            "--task_fraction=0.1",
+        ],
+        lengths=[128, 256, 512, 1024, 2048],
         eval_tokens=16384,
     ),
     "gpu": dict(train=[], lengths=[256, 512, 1024, 2048, 4096], eval_tokens=65536),
@@ -55,11 +75,12 @@ def finished(d: Path) -> bool | None:
     return max_iters is None or ckpt.get("iter_num", 0) >= max_iters
 
 
-def train(enc: str, seed: int, d: Path, args) -> float:
+def train_command(enc: str, seed: int, d: Path, args) -> list[str] | None:
+    """train.py's command for one run (resuming an unfinished one), or None if the run is finished."""
     state = finished(d)
     if state:
         print(f"[sweep] {d.name}: finished earlier, not trained again", flush=True)
-        return 0.0
+        return None
     cmd = [
         sys.executable,
         "train.py",
@@ -71,16 +92,72 @@ def train(enc: str, seed: int, d: Path, args) -> float:
         f"--wandb_run_name={enc}-seed{seed}",
         *args.train,
     ]
-    if state is False:
-        cmd.append("--init_from=resume")
-    print(f"[sweep] {d.name}: {' '.join(cmd[1:])}", flush=True)
+    return cmd + ["--init_from=resume"] if state is False else cmd
+
+
+def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
+    """Run the training commands, n_parallel at a time. One at a time, a run prints as it goes; side by side, each
+    writes <run>/train.log and the CPU threads are shared out. Finished runs record their wall-clock seconds."""
+    threads = max(1, (os.cpu_count() or 1) // n_parallel)
+    env = os.environ | ({"OMP_NUM_THREADS": str(threads)} if n_parallel > 1 else {})
+    running: list[tuple[Path, subprocess.Popen, float, object]] = []
+    t0, done, total = time.time(), 0, len(jobs)
+    queue = list(jobs)
+    while queue or running:
+        while queue and len(running) < n_parallel:
+            d, cmd = queue.pop(0)
+            d.mkdir(parents=True, exist_ok=True)
+            print(f"[sweep] {d.name}: {' '.join(cmd[1:])}", flush=True)
+            log = open(d / "train.log", "a") if n_parallel > 1 else None
+            running.append((d, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), time.time(), log))
+        time.sleep(0.2)
+        for item in list(running):
+            d, proc, start, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if log:
+                log.close()
+            if proc.returncode != 0:
+                for _, other, _, _ in running:
+                    other.terminate()  # SIGTERM: each saves a checkpoint, and the next sweep resumes it
+                    other.wait()
+                where = f"; its log: {d / 'train.log'}" if log else ""
+                sys.exit(
+                    f"[sweep] training {d.name} failed (exit {proc.returncode}){where}; fix it and re-run: finished "
+                    "runs are kept"
+                )
+            (d / "sweep.json").write_text(json.dumps({"seconds": time.time() - start, "parallel": n_parallel}))
+            done += 1
+            elapsed = time.time() - t0
+            print(
+                f"[sweep] {d.name}: trained ({done}/{total}, ETA {elapsed / done * (total - done) / 60:.0f} min)",
+                flush=True,
+            )
+
+
+def evaluate_tasks(runs: list[dict], lengths: list[int], args) -> dict:
+    """Retrieval accuracy of every run at every length (tasks.py): passkey over a grid of depths, recall and copy;
+    the same sequences for every run."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    depths = np.linspace(0, 1, args.task_depths).round(3).tolist()
+    out = {"lengths": lengths, "depths": depths, "trials": args.task_trials, "runs": {}}
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=ROOT)
-    if r.returncode != 0:
-        sys.exit(f"[sweep] training {d.name} failed (exit {r.returncode}); fix it and re-run: finished runs are kept")
-    seconds = time.time() - t0
-    (d / "sweep.json").write_text(json.dumps({"seconds": seconds}))
-    return seconds
+    for i, r in enumerate(runs):
+        ckpt = load_checkpoint(Path(r["dir"]) / "ckpt.pt")
+        model = model_from_checkpoint(ckpt).to(device).eval()
+        tok = tokenizer_from_meta(ckpt["tokenizer"])
+        try:
+            out["runs"][r["dir"]] = tasks.evaluate_checkpoint(
+                model, tok, lengths, depths, args.task_trials, 0, list(tasks.TASKS), 8, device
+            )
+        except tasks.TaskError as e:
+            sys.exit(f"[sweep] {r['dir']}: {e}")
+        eta = (time.time() - t0) / (i + 1) * (len(runs) - i - 1) / 60
+        print(
+            f"[sweep] retrieval tasks: {Path(r['dir']).name} done ({i + 1}/{len(runs)}, ETA {eta:.0f} min)", flush=True
+        )
+    return out
 
 
 def mean_spread(xs: list[float], digits: int = 2) -> str:
@@ -125,6 +202,79 @@ def aggregate(report: dict) -> dict:
     return out
 
 
+def pct(xs: list[float | None]) -> str:
+    """Accuracies over seeds as a percentage, mean ± std; n/a where the model has no positions there (learned)."""
+    xs = [100 * x for x in xs if x is not None]
+    return mean_spread(xs, 0) + "%" if xs else "n/a"
+
+
+def summary_lines(report: dict, runs: list[dict], agg: dict) -> list[str]:
+    """One row per encoding, mean ± std over seeds: what to compare first."""
+    train_len, lengths, tk = report["runs"][0]["train_len"], report["lengths"], report.get("tasks")
+    mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
+    far = [k for k in (4, 16) if k * train_len in lengths]
+    L4 = 4 * train_len if tk and 4 * train_len in tk["lengths"] else None
+    cols = ["val loss"] + [f"perplexity {k}×" for k in far]
+    cols += (["passkey k_max"] if tk else []) + ([f"recall {L4}", f"copy {L4} (chars)"] if L4 else [])
+    lines = [
+        f"## Summary: mean ± std over seeds (perplexity with {mode} windows; accuracy is exact match, copy's per "
+        "character; k_max: the longest length with passkey accuracy >= 20%, 0 if none)",
+        "",
+        "| encoding | " + " | ".join(cols) + " | training k tokens/s |",
+        "|---|" + "---:|" * (len(cols) + 1),
+    ]
+    for enc in dict.fromkeys(r["enc"] for r in runs):
+        rs = [r for r in runs if r["enc"] == enc]
+        cells = [mean_spread([r["val"] for r in rs], 3)]
+        cells += [mean_spread(v) if (v := agg[enc][mode][k * train_len]) else "n/a" for k in far]
+        if tk:
+            res = [tk["runs"][r["dir"]] for r in rs]
+            k_max = [x["k_max"] or 0 for x in res]
+            cells.append(mean_spread(k_max, 0) if any(k_max) else "0")
+            if L4:
+                cells += [pct([x["recall"][L4] for x in res]), pct([x["copy_tokens"][L4] for x in res])]
+        speed = [r["tokens"] / r["seconds"] / 1000 for r in rs if r["seconds"]]
+        cells.append(mean_spread(speed, 1) if speed else "-")
+        lines.append(f"| {enc} | " + " | ".join(cells) + " |")
+    parallel = max(r["parallel"] for r in runs)
+    lines += [
+        "",
+        "Training speed is wall clock (start-up and evaluations included)"
+        + (f", with {parallel} runs side by side" if parallel > 1 else "")
+        + ": compare it only within one sweep on an otherwise idle machine.",
+    ]
+    return lines
+
+
+def retrieval_lines(report: dict, runs: list[dict], out_dir: Path) -> list[str]:
+    """Accuracy by length for each task (mean ± std over seeds) and the passkey heatmaps (averaged over seeds)."""
+    tk = report["tasks"]
+    lengths, depths = tk["lengths"], tk["depths"]
+    lines = [
+        "## Retrieval tasks (tasks.py), mean ± std over seeds",
+        "",
+        f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} depths. Exact match of "
+        "each answer (5-digit key, 2-digit value), and for copy also the share of right characters.",
+    ]
+    heat = {}
+    for task, title in (
+        ("passkey", "passkey"),
+        ("recall", "recall (exact)"),
+        ("copy", "copy (exact)"),
+        ("copy_tokens", "copy (characters)"),
+    ):
+        lines += ["", f"| {title} | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---:|" * len(lengths)]
+        for enc in dict.fromkeys(r["enc"] for r in runs):
+            res = [tk["runs"][r["dir"]] for r in runs if r["enc"] == enc]
+            lines.append(f"| {enc} | " + " | ".join(pct([x[task][L] for x in res]) for L in lengths) + " |")
+            grids = [x["passkey_grid"] for x in res]
+            heat[enc] = {
+                "passkey_grid": {L: None if grids[0][L] is None else np.mean([g[L] for g in grids], 0) for L in lengths}
+            }
+    tasks.plot_heatmaps({"checkpoints": heat}, lengths, depths, str(out_dir / "passkey.png"))
+    return lines + ["", "![passkey accuracy by length and depth, mean over seeds](passkey.png)", ""]
+
+
 def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str]) -> Path:
     agg = aggregate(report)
     lengths, train_len = report["lengths"], report["runs"][0]["train_len"]
@@ -135,6 +285,8 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str])
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
         f"Training length {train_len}; seeds {sorted({r['seed'] for r in runs})}; training "
         f"{sum(r['seconds'] for r in runs) / 60:.1f} min, evaluation {report['seconds'] / 60:.1f} min.",
+        "",
+        *summary_lines(report, runs, agg),
         "",
         "## Validation loss at the training length (train.py's estimate, best of its evaluations)",
         "",
@@ -160,6 +312,8 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str])
             cells = [mean_spread(v) if v else "n/a" for v in (by_mode[mode][L] for L in lengths)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "![perplexity by length](length.png)", "", "![loss by position](position.png)", ""]
+    if report.get("tasks"):
+        lines += retrieval_lines(report, runs, out_dir)
     plot_report(agg, report, out_dir)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
@@ -215,6 +369,9 @@ def main(argv: list[str]) -> None:
     )
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
     p.add_argument("--wandb_log", action="store_true")
+    p.add_argument("--jobs", type=int, default=1, help="training runs side by side (they share the CPU cores or GPU)")
+    p.add_argument("--task_trials", type=int, default=5, help="retrieval tasks: sequences per length (and depth)")
+    p.add_argument("--task_depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1")
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
     for name in ("encodings", "seeds"):
@@ -223,6 +380,8 @@ def main(argv: list[str]) -> None:
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds) < 0:
         p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
+    if args.jobs < 1 or args.task_trials < 1 or args.task_depths < 2:
+        p.error("--jobs and --task_trials must be at least 1, --task_depths at least 2")
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     out_dir = Path(args.out_dir or f"sweep-{args.size}")
@@ -233,22 +392,33 @@ def main(argv: list[str]) -> None:
     except OSError as e:
         p.error(f"--out_dir={out_dir}: cannot create it: {e.strerror}")
     size = SIZES[args.size]
-    t0 = time.time()
+    pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
+    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args))]
+    train_all(jobs, args.jobs)
     runs = []
-    n = len(args.encodings) * len(args.seeds)
-    for i, (seed, enc) in enumerate((s, e) for s in args.seeds for e in args.encodings):
-        d = run_dir(out_dir, enc, seed)
-        done = time.time() - t0
-        eta = f", ETA {done / i * (n - i) / 60:.0f} min for training" if i else ""
-        print(f"[sweep] run {i + 1}/{n}{eta}", flush=True)
-        train(enc, seed, d, args)
+    for enc, seed, d in pairs:
         try:
             ckpt = load_checkpoint(d / "ckpt.pt")
         except CheckpointError as e:
             sys.exit(f"[sweep] {e}")
-        seconds = json.loads((d / "sweep.json").read_text())["seconds"] if (d / "sweep.json").exists() else 0.0
-        n_params = model_from_checkpoint(ckpt).get_num_params()  # the tied wte/lm_head once; no wpe table
-        runs.append(dict(enc=enc, seed=seed, dir=str(d), val=ckpt["best_val_loss"], params=n_params, seconds=seconds))
+        timing = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").exists() else {}
+        cfg = ckpt.get("config", {})
+        runs.append(
+            dict(
+                enc=enc,
+                seed=seed,
+                dir=str(d),
+                val=ckpt["best_val_loss"],
+                params=model_from_checkpoint(ckpt).get_num_params(),  # the tied wte/lm_head once; no wpe table
+                seconds=timing.get("seconds", 0.0),
+                parallel=timing.get("parallel", 1),
+                tokens=ckpt.get("iter_num", 0)
+                * cfg.get("batch_size", 0)
+                * cfg.get("block_size", 0)
+                * cfg.get("gradient_accumulation_steps", 1),
+                task_fraction=cfg.get("task_fraction", 0.0),
+            )
+        )
     (out_dir / "runs.json").write_text(json.dumps(runs, indent=1))
     lengths = args.lengths or size["lengths"]
     eval_args = [r["dir"] for r in runs] + [
@@ -266,6 +436,9 @@ def main(argv: list[str]) -> None:
     if args.wandb_log:
         eval_args += ["--wandb_log", "--wandb_run_name", f"sweep-{args.size}-eval"]
     report = eval_length.main(eval_args)
+    if any(r["task_fraction"] > 0 for r in runs):
+        report["tasks"] = evaluate_tasks(runs, lengths, args)
+        (out_dir / "tasks.json").write_text(json.dumps(report["tasks"], indent=1))
     path = write_report(out_dir, report, runs, argv)
     print(f"[sweep] report: {path}")
 

@@ -240,7 +240,9 @@ def k_max(accuracy: dict[int, float | None]) -> int | None:
 
 
 def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batch_size, device) -> dict:
-    """Passkey accuracy per length and depth (grid), its mean per length and k_max; recall and copy per length."""
+    """Passkey accuracy per length and depth (grid), its mean per length and k_max; recall and copy per length, exact
+    match and per token (<task>_tokens: a long copy is rarely all right, but its share of right characters shows
+    how far back the model still reads)."""
     out = {"passkey_grid": {}, "passkey": {}}
     for L in lengths:
         if "passkey" in tasks:
@@ -255,10 +257,9 @@ def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batc
             out["passkey_grid"][L] = grid
             out["passkey"][L] = None if grid is None else float(np.mean(grid))
         for task in (t for t in tasks if t != "passkey"):
-            ok = can_read(model, L)
-            out.setdefault(task, {})[L] = (
-                evaluate_task(model, tok, task, L, n_trials, seed, batch_size, device)["accuracy"] if ok else None
-            )
+            r = evaluate_task(model, tok, task, L, n_trials, seed, batch_size, device) if can_read(model, L) else None
+            out.setdefault(task, {})[L] = r and r["accuracy"]
+            out.setdefault(f"{task}_tokens", {})[L] = r and r["token_accuracy"]
     if "passkey" in tasks:
         out["k_max"] = k_max(out["passkey"])
     return out

@@ -13,8 +13,9 @@ from test_train import ENV, ROOT, TINY, tiny_data  # noqa: F401 (a fixture)
 
 import sweep
 from checkpoint import save_checkpoint
-from datafiles import load_meta
+from datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
+from tasks import DIGITS
 
 
 def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
@@ -56,6 +57,42 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     assert (out / "length.png").stat().st_size > 10_000 and (out / "position.png").stat().st_size > 10_000
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 6
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    """A character-level dataset from the first 50k characters of the embedded corpus, and the digits (which that
+    part lacks, and the passkey and recall tasks write)."""
+    d = tmp_path_factory.mktemp("data") / "tasks"
+    prepare_text(read_embedded_corpus()[:50_000] + DIGITS, d, "char")
+    return d
+
+
+def test_sweep_with_tasks_side_by_side(task_data, tmp_path):
+    """Runs trained with retrieval tasks, two at a time (--jobs 2, each with its own log), are scored on passkey,
+    recall and copy at every length: a summary row per encoding, the task tables and the passkey heatmaps."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "sweep.py", "--size=cpu", "--encodings", "alibi", "learned", "--seeds", "3"]
+    cmd += ["--lengths", "96", "384", "--jobs", "2", "--task_trials", "2", "--task_depths", "3", f"--out_dir={out}"]
+    cmd += ["--train", *TINY, "--max_iters=2", "--eval_interval=2", "--block_size=96", "--task_fraction=0.5"]
+    r = subprocess.run([*cmd, f"--dataset={task_data}"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for enc in ("alibi", "learned"):
+        assert (
+            "retrieval tasks (passkey, recall, copy) in 50% of the training rows"
+            in (out / f"{enc}-seed3" / "train.log").read_text()
+        )
+        assert json.loads((out / f"{enc}-seed3" / "sweep.json").read_text())["parallel"] == 2
+    results = json.loads((out / "tasks.json").read_text())
+    alibi = results["runs"][str(out / "alibi-seed3")]
+    assert len(alibi["passkey_grid"]["384"]) == 3 and 0 <= alibi["copy_tokens"]["384"] <= 1
+    assert results["runs"][str(out / "learned-seed3")]["recall"]["384"] is None  # no positions past 96
+    report = (out / "report.md").read_text()
+    summary = report[report.index("## Summary") : report.index("## Validation loss")]
+    assert "passkey k_max | recall 384 | copy 384 (chars)" in summary
+    assert "| learned | " in summary and "| n/a | n/a |" in summary.split("| learned | ")[1].splitlines()[0]
+    assert "## Retrieval tasks" in report and "| copy (characters) | 96 | 384 |" in report
+    assert (out / "passkey.png").stat().st_size > 10_000
 
 
 def finished_run(out_dir: Path, enc: str, seed: int, data: Path) -> GPT:
