@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from configurator import autocast
 from model import GPT, POS_ENCODINGS, GPTConfig
@@ -197,9 +198,7 @@ def bench_decode(args, device: str, nanogpt) -> None:
     print(f"\n### Decode, batch 1, {n} new tokens after an 8-token prompt, {dtype} ({cfg})\n")
     prompt = torch.randint(0, cfg["vocab_size"], (1, 8), device=device)
 
-    def rate(fn, warm: bool = False) -> float:
-        if warm:  # compile first
-            fn()
+    def rate(fn) -> float:
         sync(device)
         t0 = time.perf_counter()
         fn()
@@ -214,7 +213,13 @@ def bench_decode(args, device: str, nanogpt) -> None:
         def gen(model=model, **kw):
             return model.generate(prompt, n, temperature=0, **kw)
 
-        rows.append([enc, rate(gen), rate(lambda: gen(compile=True), warm=True), rate(lambda: gen(use_cache=False))])
+        skips = counters["inductor"]["cudagraph_skips"]
+        first = n / rate(lambda: gen(compile=True))  # seconds: compiles (and records the CUDA graph)
+        compiled = rate(lambda: gen(compile=True))
+        # a CUDA graph that inductor declined to record (and says why under TORCH_LOGS=perf_hints) runs kernel by
+        # kernel: the usual reason a compiled decode step is slow on a GPU
+        skipped = counters["inductor"]["cudagraph_skips"] - skips
+        rows.append([enc, rate(gen), compiled, rate(lambda: gen(use_cache=False)), first - n / compiled, skipped])
     ng = None
     if nanogpt is not None:
         torch.manual_seed(0)
@@ -227,13 +232,16 @@ def bench_decode(args, device: str, nanogpt) -> None:
         n_params = GPT(GPTConfig(**cfg, pos_encoding="rope")).get_num_params(non_embedding=False)
         kv = 2 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"] / 2  # mean cache length, in elements
         bound = bw / ((n_params + kv) * 2) if bw else None  # bf16: 2 bytes a weight, all read once per token
-    print("| encoding | cache, tokens/s | cache + compiled step | no cache (window re-run) | compiled vs nanoGPT |")
-    print("|---|---:|---:|---:|---:|")
-    for enc, cached, compiled, plain in rows:
+    print(
+        "| encoding | cache, tokens/s | cache + compiled step | no cache (window re-run) | compiled vs nanoGPT "
+        "| compile s (first call - warm call) | CUDA graphs skipped |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for enc, cached, compiled, plain, compile_s, skipped in rows:
         vs = f"{compiled / ng:.1f}x" if ng else "n/a"
-        print(f"| {enc} | {cached:,.0f} | {compiled:,.0f} | {plain:,.0f} | {vs} |")
+        print(f"| {enc} | {cached:,.0f} | {compiled:,.0f} | {plain:,.0f} | {vs} | {compile_s:.1f} | {skipped} |")
     if ng:
-        print(f"| nanoGPT generate | | | {ng:,.0f} | 1.0x |")
+        print(f"| nanoGPT generate | | | {ng:,.0f} | 1.0x | | |")
     if bound:
         best = max(r[2] for r in rows)
         print(

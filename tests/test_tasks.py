@@ -78,6 +78,19 @@ def test_copy_answer_repeats_the_string(kind, n_chars):
     assert tok.decode(x.tolist()).endswith(copy + tasks.COPY_SEPARATOR + copy)
 
 
+def test_training_copies_vary_in_length():
+    """Training's copies (vary=True) take many lengths up to the longest that fits, so the copy sits at many distances
+    back and cannot be learned by position alone; each is still the string before the separator."""
+    lengths = set()
+    for seed in range(40):
+        x, a = make("copy", CHAR, 101, seed=seed, vary=True)
+        copy = CHAR.decode(x[a].tolist())
+        assert len(x) == 102 and CHAR.decode(x.tolist()).endswith(copy + tasks.COPY_SEPARATOR + copy)
+        lengths.add(len(copy))
+    longest = (102 - len(tasks.COPY_SEPARATOR)) // 2
+    assert len(lengths) >= 20 and max(lengths) <= longest and min(lengths) >= 1
+
+
 @pytest.mark.parametrize("task", tasks.TASKS)
 def test_generators_are_reproducible_and_seeds_differ(task):
     """The same seed gives the same sequence; another seed another one."""
