@@ -4,13 +4,13 @@ evaluate each at several lengths (eval_length.py), and write a report (markdown 
 
     python sweep.py --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~20 minutes
     python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
-    python sweep.py --size=cpu-tasks --seeds 1337 1338 1339 --jobs 2   # with retrieval tasks (tasks.py), 2 at a time
+    python sweep.py --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1   # with retrieval tasks
     python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
 mean ± standard deviation over seeds: a difference smaller than that is noise. Runs trained with retrieval tasks
-(task_fraction > 0: the cpu-tasks size, or --train --task_fraction=0.1) are also scored on them (passkey, recall,
+(--train --task_fraction=0.1) are also scored on them (passkey, recall,
 copy at every evaluation length), and the report opens with a summary: one row per encoding.
 """
 
@@ -38,19 +38,6 @@ SIZES = {  # train.py arguments and evaluation lengths per size; the training le
     "cpu": dict(
         train=["config/cpu.py", "--max_iters=1200", "--lr_decay_iters=1200", "--eval_interval=400"],
         lengths=[64, 128, 256, 512, 1024],
-        eval_tokens=16384,
-    ),
-    # the retrieval study: passkey's phrases need ~80 tokens, so block 128; tasks in 10% of the training rows
-    "cpu-tasks": dict(
-        train=[
-            "config/cpu.py",
-            "--block_size=128",
-            "--max_iters=4000",
-            "--lr_decay_iters=4000",
-            "--eval_interval=1000",
-            "--task_fraction=0.1",
-        ],
-        lengths=[128, 256, 512, 1024, 2048],
         eval_tokens=16384,
     ),
     "gpu": dict(train=[], lengths=[256, 512, 1024, 2048, 4096], eval_tokens=65536),
