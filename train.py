@@ -686,7 +686,8 @@ def main(argv: list[str]) -> None:
     )
     if cfg["task_fraction"]:
         log(
-            f"retrieval tasks (passkey, recall, copy) in {cfg['task_fraction']:.0%} of the training rows, seed {cfg['task_seed']}"
+            f"retrieval tasks (passkey, recall, copy) in {cfg['task_fraction']:.0%} of the training rows, "
+            f"seed {cfg['task_seed']}"
         )
     if (note := model.fused_attention_note(procs.device_type)) and model.transformer.wpe.has_bias:
         log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash

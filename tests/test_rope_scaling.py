@@ -145,6 +145,7 @@ def test_set_rope_scaling_and_errors():
 
 def hf_inv_freq(kind: str, d: int, L0: int, factor: float, base: float = 10000.0) -> tuple[torch.Tensor, float]:
     """Hugging Face's inverse frequencies and attention factor for rope_type `kind` (a Llama config, head dim d)."""
+    pytest.importorskip("transformers")  # CI has it; a bare GPU machine may not
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
