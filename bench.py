@@ -5,7 +5,7 @@ Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test:
 
     python bench.py                                  # every table this device can run (CPU: a few minutes)
     python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
-    python bench.py --only=decode                    # one table: train, encodings, decode, attention
+    python bench.py --only=decode                    # one table: train, encodings, decode, attention, shapes
 
 CPU sizes follow issue 5: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
 against nanoGPT; block 256 for the encodings; 6 layers, 384 dims, block 256, batch 1, 512 tokens for decode. On a GPU:
@@ -33,6 +33,16 @@ from train import GPU_PEAK_FLOPS
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
 # HBM bandwidth in bytes/s: the bound for batch-1 decode, which reads every weight once per token
+# train.py options per shape for --only=shapes: the comparison config as it is, GPT-2 124M at 1024 and 4096 tokens,
+# and the head dims at the ends of FlexAttention's range (Triton's minimum is 16)
+GPT2_124M = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--dropout=0.0"]
+SHAPES = {
+    "config": [],
+    "124M-1024": [*GPT2_124M, "--block_size=1024", "--batch_size=16"],
+    "124M-4096": [*GPT2_124M, "--block_size=4096", "--batch_size=4"],
+    "head_dim-8": ["--n_layer=2", "--n_head=8", "--n_embd=64", "--dropout=0.0"],
+    "head_dim-128": ["--n_layer=2", "--n_head=2", "--n_embd=256", "--dropout=0.0"],
+}
 GPU_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
 
@@ -292,17 +302,48 @@ def bench_attention(args, device: str) -> None:
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
+def bench_shapes(args, device: str) -> None:
+    """Does `train.py config/<encoding>.py` train at each shape (compiled in bf16 on a GPU), and on which attention
+    path? Each cell is a fresh train.py process of a few iterations, so a crash is a cell, not the end of the table."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent
+    print(f"\n### train.py at every shape, {args.shape_iters} iterations each ({device})\n")
+    print("| encoding | shape | result | ms/iteration (last) | notes |")
+    print("|---|---|---|---:|---|")
+    for enc in args.shape_encodings:
+        for shape in args.shapes:
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, "train.py", f"config/{enc}.py", *SHAPES[shape], f"--device={device}"]
+                cmd += [f"--max_iters={args.shape_iters}", f"--eval_interval={args.shape_iters}", "--eval_iters=1"]
+                cmd += ["--log_interval=1", "--warmup_iters=0", f"--out_dir={out}"]
+                r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+            times = re.findall(r"^iter \d+: .*?time ([\d.]+)ms", r.stdout, re.M)
+            notes = [ln[6:].split(";")[0] for ln in r.stdout.splitlines() if ln.startswith("note: ")]
+            if r.returncode == 0:
+                result = "trains"
+            else:
+                lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+                result = "FAILS: " + (lines[-1][:120] if lines else f"exit {r.returncode}")
+            cell = times[-1] if times else "-"
+            print(f"| {enc} | {shape} | {result} | {cell} | {'; '.join(notes)[:200]} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
-    p.add_argument("--only", choices=["train", "encodings", "decode", "attention"], default=None)
+    p.add_argument("--only", choices=["train", "encodings", "decode", "attention", "shapes"], default=None)
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median is reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the nanoGPT comparison")
     p.add_argument("--decode_tokens", type=int, default=512)
     p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
     p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="--only=shapes: which")
+    p.add_argument("--shape_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
+    p.add_argument("--shape_iters", type=int, default=6, help="--only=shapes: iterations per cell")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
     args = p.parse_args()
     device = args.device
@@ -322,9 +363,10 @@ def main() -> None:
         "encodings": lambda: bench_encodings(args, device),
         "decode": lambda: bench_decode(args, device, nanogpt),
         "attention": lambda: bench_attention(args, device),
+        "shapes": lambda: bench_shapes(args, device),
     }
-    for key, fn in tables.items():
-        if args.only in (None, key):
+    for key, fn in tables.items():  # shapes is a check of train.py, not a speed table: only when asked
+        if args.only == key or (args.only is None and key != "shapes"):
             fn()
 
 
