@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.9 (return_lse is deprecated there)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -825,7 +826,12 @@ class GPT(nn.Module):
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
         heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0
-        bias = pe.bias(heads, q_pos[:, None], k_pos)
+        if trainable and pe.has_bias:
+            # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
+            # (FIRE's MLP kept ~100 of them per layer: 60 GB at 124M and block 1024)
+            bias = checkpoint(pe.bias, heads, q_pos[:, None], k_pos, use_reentrant=False)
+        else:
+            bias = pe.bias(heads, q_pos[:, None], k_pos)
         if bias is None:
             return lambda q, k, v: attend(q, k, v, allowed, dropout_p)
         bias = bias.masked_fill(~allowed, float("-inf"))

@@ -684,6 +684,28 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
 
 
+@pytest.mark.parametrize("pe", BIASED)
+def test_training_keeps_about_one_bias_per_layer(pe):
+    """A training forward on the materialized path keeps few (Tq, Tk)-sized tensors for the backward, at most two
+    biases' worth per layer: the bias's formula is recomputed in the backward, not stored (FIRE's MLP once stored
+    about 100 biases' worth per layer, which would be 60 GB at GPT-2 124M and block 1024)."""
+    T, n_layer = 64, 3
+    model = tiny(pe, block_size=T, n_layer=n_layer).train()
+    saved = []
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-2:] == (T, T):
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens(2, T), tokens(2, T))[1]
+    loss.backward()
+    one_bias = model.config.n_head * T * T * 4  # (nh, T, T) float32
+    assert sum(saved) <= 2 * n_layer * one_bias, sum(saved) / one_bias
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.transformer.wpe.parameters())
+
+
 def test_reference_attention_adds_a_float32_bias_to_half_precision():
     """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does: ALiBi's bias at
     distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to bf16) weighs the keys exactly, so the
