@@ -378,10 +378,39 @@ class FIRE(NoPE):
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
         psi = lambda x: torch.log1p(c * x)  # noqa: E731
         x = psi((i - j).clamp(min=0).float()) / psi(torch.maximum(threshold, i.float()))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2)):
+            return self.b2.flatten()[h] + ScalarMLP.apply(x, w1, b1, w2)
         out = self.b2.flatten()[h]
-        for u in range(self.hidden):  # one hidden unit at a time: memory of one bias, not 32, without a gradient
+        for u in range(self.hidden):  # one hidden unit at a time: memory of one bias, not 32
             out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
         return out
+
+
+class ScalarMLP(torch.autograd.Function):
+    """Σ_u relu(x·w1_u + b1_u)·w2_u of a scalar input x at every (head, query, key), over the hidden units u (the last
+    dim of w1, b1, w2; their other dims broadcast against x's). Autograd would keep each unit's pre-activation, 32
+    bias-sized tensors; this keeps x and recomputes them one unit at a time in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2):
+        ctx.save_for_backward(x, w1, b1, w2)
+        out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
+        for u in range(1, w1.size(-1)):
+            out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, w2 = ctx.saved_tensors
+        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for u in range(w1.size(-1)):
+            a = x * w1[..., u] + b1[..., u]
+            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
+            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
+            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
+            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
+            gx = gx + ga * w1[..., u]
+        return gx.sum_to_size(x.shape), gw1, gb1, gw2
 
 
 class ALiBi(NoPE):

@@ -706,6 +706,38 @@ def test_training_keeps_about_one_bias_per_layer(pe):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.transformer.wpe.parameters())
 
 
+def test_scalar_mlp_gradients_equal_autograd():
+    """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's gradients for x and every
+    weight, with the weights broadcast per head against x (heads, queries, keys), in float64."""
+    from model import ScalarMLP
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(3, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    w1, b1, w2 = (torch.randn(3, 1, 1, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    torch.autograd.gradcheck(ScalarMLP.apply, (x, w1, b1, w2))
+    plain = sum(torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u] for u in range(4))
+    torch.testing.assert_close(ScalarMLP.apply(x, w1, b1, w2), plain)
+
+
+def test_fire_bias_keeps_few_tensors_for_its_gradient():
+    """FIRE's bias with a gradient keeps a few bias-sized tensors for the backward, not one per hidden unit (32): the
+    checkpointed bias is recomputed in the backward, and this is what that recomputation holds."""
+    T = 64
+    pe = tiny("fire", block_size=T, n_layer=2).train().transformer.wpe
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() if t.shape[-2:] == (T, T) else 0)
+        return t
+
+    heads = torch.arange(4)[:, None, None]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bias = pe.bias(heads, torch.arange(T)[:, None], torch.arange(T))
+    bias.sum().backward()
+    assert sum(saved) <= 6 * 4 * T * T, sum(saved) / (4 * T * T)
+    assert all(p.grad is not None for p in pe.parameters())
+
+
 def test_reference_attention_adds_a_float32_bias_to_half_precision():
     """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does: ALiBi's bias at
     distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to bf16) weighs the keys exactly, so the
