@@ -10,8 +10,8 @@ evaluate each at several lengths (eval_length.py), and write a report (markdown 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
 mean ± standard deviation over seeds: a difference smaller than that is noise. Runs trained with retrieval tasks
-(--train --task_fraction=0.1) are also scored on them (passkey, recall,
-copy at every evaluation length), and the report opens with a summary: one row per encoding.
+(--train --task_fraction=0.1) are also scored on them (passkey, recall, copy at every evaluation length). The
+report opens with a summary: one row per encoding.
 """
 
 import argparse
