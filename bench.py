@@ -32,7 +32,6 @@ from train import GPU_PEAK_FLOPS
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
-# HBM bandwidth in bytes/s: the bound for batch-1 decode, which reads every weight once per token
 # train.py options per shape for --only=shapes: the comparison config as it is, GPT-2 124M at 1024 and 4096 tokens,
 # and the head dims at the ends of FlexAttention's range (Triton's minimum is 16)
 GPT2_124M = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--dropout=0.0"]
@@ -43,6 +42,7 @@ SHAPES = {
     "head_dim-8": ["--n_layer=2", "--n_head=8", "--n_embd=64", "--dropout=0.0"],
     "head_dim-128": ["--n_layer=2", "--n_head=2", "--n_embd=256", "--dropout=0.0"],
 }
+# HBM bandwidth in bytes/s: the bound for batch-1 decode, which reads every weight once per token
 GPU_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
 

@@ -378,26 +378,29 @@ class FIRE(NoPE):
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
         psi = lambda x: torch.log1p(c * x)  # noqa: E731
         x = psi((i - j).clamp(min=0).float()) / psi(torch.maximum(threshold, i.float()))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2)):
-            return self.b2.flatten()[h] + ScalarMLP.apply(x, w1, b1, w2)
-        out = self.b2.flatten()[h]
-        for u in range(self.hidden):  # one hidden unit at a time: memory of one bias, not 32
-            out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
-        return out
+        # with a gradient, ScalarMLP keeps x alone for the backward; without (and in FlexAttention's score_mod), the
+        # plain units
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
+        return self.b2.flatten()[h] + (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
+
+
+def scalar_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Σ_u relu(x·w1_u + b1_u)·w2_u over the hidden units u (the last dim of w1, b1, w2; their other dims broadcast
+    against x's), one unit at a time: the memory of one output, not one per unit."""
+    out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
+    for u in range(1, w1.size(-1)):
+        out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
+    return out
 
 
 class ScalarMLP(torch.autograd.Function):
-    """Σ_u relu(x·w1_u + b1_u)·w2_u of a scalar input x at every (head, query, key), over the hidden units u (the last
-    dim of w1, b1, w2; their other dims broadcast against x's). Autograd would keep each unit's pre-activation, 32
-    bias-sized tensors; this keeps x and recomputes them one unit at a time in the backward."""
+    """scalar_mlp with a gradient. Autograd would keep each unit's pre-activation, 32 bias-sized tensors; this keeps x
+    and recomputes them one unit at a time in the backward."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2):
         ctx.save_for_backward(x, w1, b1, w2)
-        out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
-        for u in range(1, w1.size(-1)):
-            out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
-        return out
+        return scalar_mlp(x, w1, b1, w2)
 
     @staticmethod
     def backward(ctx, g):

@@ -141,8 +141,9 @@ def copy(
     """A random string of n_chars letters (default: as long as fits twice; vary: a uniform draw from 1 to that), the
     separator, the string again; filler pads the start."""
     sep = encode(tok, COPY_SEPARATOR, "copy")
-    longest = (length + 1 - len(sep)) // 2
-    n_chars = (int(rng.integers(1, longest + 1)) if vary and longest >= 1 else longest) if n_chars is None else n_chars
+    if n_chars is None:
+        longest = (length + 1 - len(sep)) // 2
+        n_chars = int(rng.integers(1, longest + 1)) if vary and longest >= 1 else longest
     if n_chars < 1 or 2 * n_chars + len(sep) > length + 1:
         raise too_short("copy", length, 2 * max(n_chars, 1) + len(sep) - 1)
     s = symbols(tok, "".join(rng.choice(list(LETTERS), n_chars)), "copy")

@@ -559,8 +559,9 @@ def compiler_failure(e: BaseException | None) -> bool:
     """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor, Triton): a kernel that
     could not be built for these shapes on this GPU, not a mistake in the model or its inputs."""
     from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor import exc as inductor_exc  # imported here: torch does not load inductor until it compiles
 
-    kinds = (BackendCompilerFailed, getattr(torch._inductor.exc, "InductorError", BackendCompilerFailed))
+    kinds = (BackendCompilerFailed, getattr(inductor_exc, "InductorError", BackendCompilerFailed))
     while e is not None:
         name = f"{type(e).__module__}.{type(e).__name__}"
         if isinstance(e, kinds) or name.startswith("triton.") or name.endswith("NoTritonConfigsError"):
