@@ -534,11 +534,12 @@ class BiasAttention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
-def flex_attention_lse(q, k, v, score_mod, block_mask):
+def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
     """FlexAttention's output (B, nh, T, hs) and its natural-log log-sum-exp (B, nh, T), float32."""
+    kw = dict(score_mod=score_mod, block_mask=block_mask, kernel_options=kernel_options)
     if AuxRequest is None:  # pragma: no cover (torch < 2.9)
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    y, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+        return flex_attention(q, k, v, return_lse=True, **kw)
+    y, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kw)
     return y, aux.lse
 
 
@@ -678,6 +679,8 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
         # score biases (alibi, bias_rpe) through FlexAttention: True, False, or None for "when compiled"
         self.fused_attention: bool | None = None
+        # FlexAttention's Triton options (e.g. {"num_stages": 1}: less shared memory per block), None for its defaults
+        self.flex_kernel_options: dict | None = None
         self._compiled_decode = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
@@ -840,7 +843,7 @@ class GPT(nn.Module):
                 len(k_pos),
                 device=q_pos.device,
             )
-            R = pe.bias_span
+            R, options = pe.bias_span, self.flex_kernel_options
             if band:
                 # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
                 heads = torch.arange(self.config.n_head, device=q_pos.device) + h0
@@ -849,12 +852,14 @@ class GPT(nn.Module):
                 score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
 
                 def flex_band(q, k, v):
-                    y, lse = flex_attention_lse(q, k, v, score_mod, block_mask)
+                    y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
                     return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
                 return flex_band
             score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
-            return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+            return lambda q, k, v: flex_attention(
+                q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options
+            )
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
         heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0

@@ -570,28 +570,44 @@ def compiler_failure(e: BaseException | None) -> bool:
     return False
 
 
+# What a training step falls back to, in order, when the compiler cannot build the fused attention kernel: first the
+# same kernel with one pipeline stage (less shared memory per block: on an H100 bias-RPE's first backward needed
+# 245,760 bytes of 232,448 with the defaults and compiled with this), then a materialized bias (always compiles).
+KERNEL_FALLBACKS = [
+    (
+        "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
+        {"flex_kernel_options": {"num_stages": 1}},
+    ),
+    (
+        "attention adds a materialized bias instead (slower, memory quadratic in the context)",
+        {"fused_attention": False},
+    ),
+]
+
+
 def with_fallback(run: Run, step):
     """step(), and if the fused attention kernel cannot be compiled for this model on this GPU (Triton's shared
-    memory, an unsupported shape), step() again on the materialized path, with one log line: slower, never a crash.
-    The training sampler and the gradients are put back first, so the retried step is the step that failed."""
+    memory, an unsupported shape), step() again with each of KERNEL_FALLBACKS in turn, one log line each: slower,
+    never a crash. The training sampler and the gradients are put back first, so the retried step is the step that
+    failed. A fallback that worked stays for the rest of the run."""
     model = run.model
     can_fall_back = run.cfg["compile"] and model.fused_attention is None and model.transformer.wpe.has_bias
     sampler = run.data_rng.get_state()
-    try:
-        return step()
-    except Exception as e:
-        if not (can_fall_back and compiler_failure(e)):
-            raise
-        first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
-        run.procs.log(
-            f"note: the fused attention kernel (FlexAttention) failed to compile ({first_line}); attention adds a "
-            "materialized bias instead (slower, memory quadratic in the context)"
-        )
-        model.fused_attention = False
-        run.optimizer.zero_grad(set_to_none=True)
-        run.data_rng.set_state(sampler)
-        run.net = wrap(run)
-        return step()
+    fallbacks = [f for f in KERNEL_FALLBACKS if any(getattr(model, k) != v for k, v in f[1].items())]
+    while True:
+        try:
+            return step()
+        except Exception as e:
+            if not (can_fall_back and fallbacks and compiler_failure(e)):
+                raise
+            what, settings = fallbacks.pop(0)
+            first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
+            run.procs.log(f"note: the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}")
+            for k, v in settings.items():
+                setattr(model, k, v)
+            run.optimizer.zero_grad(set_to_none=True)
+            run.data_rng.set_state(sampler)
+            run.net = wrap(run)
 
 
 def start_wandb(run: Run):

@@ -684,6 +684,21 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
+@pytest.mark.parametrize("pe", ["alibi", "bias_rpe"])
+def test_fused_attention_with_smaller_kernel_options_on_cuda(pe):
+    """train.py's first fallback when Triton runs out of shared memory, FlexAttention with num_stages=1, compiles and
+    gives the eager materialized path's logits and gradients. Runs on the GPU machine."""
+    model = tiny(pe, block_size=256, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()
+    idx = tokens(2, 256).cuda()
+    ref_logits, ref_grads = grads(model, idx)
+    model.flex_kernel_options = {"num_stages": 1}
+    logits, fused_grads = grads(torch.compile(model), idx)
+    close(logits, ref_logits, tol=1e-4)
+    for name in ref_grads:
+        close(fused_grads[name], ref_grads[name], tol=1e-4)
+
+
 @pytest.mark.parametrize("pe", BIASED)
 def test_training_keeps_about_one_bias_per_layer(pe):
     """A training forward on the materialized path keeps few (Tq, Tk)-sized tensors for the backward, at most two

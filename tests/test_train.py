@@ -140,20 +140,24 @@ class CompiledFlexFails(torch.nn.Module):
     fails as bias-RPE's did on an H100 while the model uses FlexAttention; on the materialized path it runs."""
 
     error = None  # set per test: what the failing step raises
+    options_help = False  # whether the kernel compiles with FlexAttention's smaller kernel options
 
     def __init__(self, model, **kwargs):
         super().__init__()
         self.model = model
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self.model.fused_attention is not False:
+        fused = self.model.fused_attention is not False and not (self.options_help and self.model.flex_kernel_options)
+        if torch.is_grad_enabled() and fused:
             raise self.error
         return self.model(*args, **kwargs)
 
 
-def test_fused_kernel_compile_failure_falls_back(tiny_data, tmp_path, monkeypatch, capsys):
-    """A fused kernel Triton cannot compile costs one log line and a retry of the same step on the materialized path:
-    the run finishes with the weights of an uncompiled run (same batches), not a crash."""
+@pytest.mark.parametrize("options_help", [True, False])
+def test_fused_kernel_compile_failure_falls_back(tiny_data, tmp_path, monkeypatch, capsys, options_help):
+    """A fused kernel Triton cannot compile costs one log line and a retry of the same step with smaller kernel
+    options, and if that fails too, another on the materialized path: the run finishes with the weights of an
+    uncompiled run (same batches), not a crash."""
     from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
 
     common = [f"--dataset={tiny_data}", "--pos_encoding=alibi", "--max_iters=10"]
@@ -161,12 +165,14 @@ def test_fused_kernel_compile_failure_falls_back(tiny_data, tmp_path, monkeypatc
     triton = NoTritonConfigsError("No valid triton configs. OutOfMemoryError: out of resource: Required: 245760")
     monkeypatch.setattr(CompiledFlexFails, "error", RuntimeError("the compiled step failed"))
     CompiledFlexFails.error.__cause__ = triton
+    monkeypatch.setattr(CompiledFlexFails, "options_help", options_help)
     monkeypatch.setattr(torch, "compile", CompiledFlexFails)
     capsys.readouterr()
     train_here(*common, "--compile=True", f"--out_dir={tmp_path / 'fallback'}")
     log = capsys.readouterr().out
-    assert log.count("failed to compile (the compiled step failed)") == 1
-    assert "attention adds a materialized bias instead" in log
+    assert log.count("failed to compile (the compiled step failed)") == (1 if options_help else 2)
+    assert log.count("retries with kernel_options num_stages=1") == 1
+    assert log.count("attention adds a materialized bias instead") == (0 if options_help else 1)
     a, b = load_checkpoint(tmp_path / "eager" / "ckpt.pt"), load_checkpoint(tmp_path / "fallback" / "ckpt.pt")
     assert b["iter_num"] == 10
     for k in a["model"]:
