@@ -1,0 +1,177 @@
+"""
+Look inside checkpoints: the score bias each head adds by distance, and how far back each head attends.
+
+    python probe.py out-bias_rpe out-alibi --length 1024 --plot probe.png
+
+- **bias by distance**: what each head adds to a score at distance d = i - j, for encodings with a bias (alibi,
+  bias_rpe, t5, kerple, fire), for the last query of a window of --length tokens (FIRE's bias also depends on the
+  query's position); the training length is marked.
+- **attention past the training length**: over windows of --length validation tokens, for the queries in the last
+  quarter of each window, the share of each head's attention on keys at least block_size tokens back (distances the
+  model never saw in training). ALiBi's heads near 0 are the ones that keep to the training range; a head near 1
+  spreads its attention over keys it was never trained to weigh.
+
+Writes a markdown table (stdout), the numbers (--out_json) and a plot (--plot).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from datafiles import DataError
+from eval_length import load_val
+from model import GPT
+from tasks import can_read
+
+
+@torch.no_grad()
+def attention_probs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's attention probabilities (B, nh, T, T) for idx (B, T), from the model's own attention: run with
+    V = the identity, attention's output is its probability matrix P (P @ I = P), whatever the encoding and kernel."""
+    probs, choose = [], model._attention
+
+    def recording(*args, **kwargs):
+        attention = choose(*args, **kwargs)
+
+        def both(q, k, v):
+            eye = torch.eye(k.size(2), dtype=q.dtype, device=q.device).expand(*k.shape[:2], -1, -1)
+            probs.append(attention(q, k, eye))
+            return attention(q, k, v)
+
+        return both
+
+    model._attention = recording  # this instance only: the class's method is untouched
+    try:
+        model(idx)
+    finally:
+        del model._attention
+    return probs
+
+
+def far_share(p: torch.Tensor, far: int, first_query: int) -> torch.Tensor:
+    """The share of attention (nh,) on keys at distance >= far, of queries first_query … T - 1, averaged over the
+    batch and those queries. p (B, nh, T, T)."""
+    T = p.size(-1)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = (i - j >= far).to(p.dtype)  # (T, T)
+    return (p[:, :, first_query:] * mask[first_query:]).sum(-1).mean((0, 2))
+
+
+@torch.no_grad()
+def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
+    """(heads, length): the bias each head adds at distances 0 … length - 1, for the query at position length - 1;
+    None for an encoding without a bias. Per-layer encodings (FIRE) give n_layer · n_head rows, layer by layer."""
+    pe = model.transformer.wpe
+    if not pe.has_bias:
+        return None
+    n = model.config.n_head * (model.config.n_layer if pe.per_layer else 1)
+    heads = torch.arange(n)[:, None]
+    d = torch.arange(length)
+    return pe.bias(heads, torch.full_like(d, length - 1)[None], (length - 1 - d)[None]).float().numpy()
+
+
+def probe(model: GPT, data: np.ndarray, length: int, windows: int) -> dict:
+    """Far-attention shares (n_layer, n_head) over `windows` windows of `length` tokens, and the bias curves."""
+    far, first = model.config.block_size, length - length // 4
+    if length <= far:
+        raise ValueError(f"--length {length} must exceed the training length {far}: no key is past it before")
+    starts = np.linspace(0, len(data) - length - 1, windows).astype(int)
+    shares = []
+    for s in starts:  # one window at a time: a probability matrix per layer is (nh, L, L)
+        idx = torch.from_numpy(data[s : s + length].astype(np.int64))[None]
+        shares.append(torch.stack([far_share(p.float(), far, first) for p in attention_probs(model, idx)]))
+    bias = bias_by_distance(model, length)
+    return {
+        "train_len": far,
+        "far_share": torch.stack(shares).mean(0).tolist(),  # (n_layer, n_head)
+        "bias": None if bias is None else bias.tolist(),
+    }
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| checkpoint | layer | share of attention past the training length, by head | mean |",
+        "|---|---:|---|---:|",
+    ]
+    for name, r in report["checkpoints"].items():
+        for layer, heads in enumerate(r["far_share"]):
+            cells = " ".join(f"{h:.2f}" for h in heads)
+            lines.append(f"| {name} | {layer} | {cells} | {np.mean(heads):.2f} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["checkpoints"])
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 2.6 * len(names)), squeeze=False, layout="constrained")
+    for (ax_b, ax_a), name in zip(axes, names, strict=True):
+        r = report["checkpoints"][name]
+        if r["bias"] is None:
+            ax_b.text(0.5, 0.5, "no bias (positions enter elsewhere)", ha="center", va="center")
+            ax_b.set_axis_off()
+        else:
+            for h, curve in enumerate(r["bias"]):
+                ax_b.plot(curve, lw=1, label=f"head {h}")
+            ax_b.axvline(r["train_len"], color="gray", ls=":", lw=1)
+            ax_b.set(xscale="symlog", xlabel="distance i - j", ylabel="bias (logits)", title=f"{name}: bias")
+            ax_b.grid(alpha=0.3)
+            if len(r["bias"]) <= 8:
+                ax_b.legend(fontsize=7)
+        share = np.array(r["far_share"])  # (n_layer, n_head)
+        im = ax_a.imshow(share, vmin=0, vmax=1, cmap="magma", aspect="auto")
+        for (layer, h), v in np.ndenumerate(share):
+            ax_a.text(h, layer, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
+        ax_a.set(xlabel="head", ylabel="layer", title=f"{name}: attention past {r['train_len']} tokens")
+        ax_a.set_xticks(range(share.shape[1]))
+        ax_a.set_yticks(range(share.shape[0]))
+    fig.colorbar(im, ax=axes[:, 1].tolist(), label="share of attention")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
+    p.add_argument("--length", type=int, default=1024, help="window length, past the training length")
+    p.add_argument("--windows", type=int, default=8, help="validation windows averaged over")
+    p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
+    p.add_argument("--out_json", default="probe.json")
+    p.add_argument("--plot", default="probe.png")
+    args = p.parse_args(argv)
+    if args.windows < 1:
+        p.error("--windows must be at least 1")
+    report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
+    for out_dir in args.out_dirs:
+        try:
+            ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+            data, _ = load_val(ckpt, args.data_dir)
+        except (CheckpointError, DataError) as e:
+            sys.exit(f"error: {e}")
+        model = model_from_checkpoint(ckpt).eval()
+        model.fused_attention = False  # the reference path: every encoding, any length, on a CPU
+        if not can_read(model, args.length):
+            sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")
+        if len(data) < args.length + 1:
+            sys.exit(f"error: the validation split has {len(data)} tokens, fewer than --length {args.length} + 1")
+        try:
+            report["checkpoints"][Path(out_dir).name] = probe(model, data, args.length, args.windows)
+        except ValueError as e:
+            sys.exit(f"error: {out_dir}: {e}")
+        print(f"{out_dir}: done", file=sys.stderr)
+    print(markdown_table(report))
+    Path(args.out_json).write_text(json.dumps(report))
+    plot(report, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

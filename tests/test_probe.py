@@ -1,0 +1,119 @@
+"""Tests for probe.py: the attention probabilities it reads equal a softmax computed by hand, the far-attention share
+equals its formula, the bias curves equal the published ALiBi slopes, and the CLI writes its table, JSON and plot."""
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import torch
+from conftest import close, tiny, tokens
+
+import probe
+import train as train_py
+from datafiles import prepare_text, read_embedded_corpus
+from model import POS_ENCODINGS, alibi_slopes, apply_rotary
+
+
+def by_hand(model, idx: torch.Tensor) -> torch.Tensor:
+    """Layer 0's attention probabilities (B, nh, T, T) from the weights: scores, bias, causal mask, softmax."""
+    c, B, T = model.config, *idx.shape
+    hs = c.n_embd // c.n_head
+    pos = torch.arange(T)
+    x = model.transformer.wte(idx)
+    emb = model.transformer.wpe.embed(pos)
+    x = x if emb is None else x + emb
+    block = model.transformer.h[0]
+    q, k, _ = block.attn.c_attn(block.ln_1(x)).split(c.n_embd, dim=2)
+    q, k = (t.view(B, T, c.n_head, hs).transpose(1, 2) for t in (q, k))
+    rope = model.transformer.wpe.rotary(pos)
+    if rope is not None:
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    s = q @ k.transpose(-2, -1) / hs**0.5
+    bias = model.transformer.wpe.bias(torch.arange(c.n_head)[:, None, None], pos[:, None], pos[None, :])
+    s = s if bias is None else s + bias
+    return s.masked_fill(pos[:, None] < pos[None, :], float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("pe", ["alibi", "bias_rpe", "rope", "sinusoidal", "none"])
+def test_attention_probs_equal_a_softmax_by_hand(pe):
+    """What probe reads through the model's own attention (V = I) is layer 0's softmax(q·kᵀ/√hs + bias), causal."""
+    model = tiny(pe, block_size=32).eval()
+    if pe == "bias_rpe":  # a table that is not all zero
+        torch.nn.init.normal_(model.transformer.wpe.weight)
+    idx = tokens(2, 48)
+    probs = probe.attention_probs(model, idx)
+    assert len(probs) == model.config.n_layer and probs[0].shape == (2, model.config.n_head, 48, 48)
+    close(probs[0], by_hand(model, idx))
+    for p in probs:
+        close(p.sum(-1), torch.ones(p.shape[:-1]))
+    assert "_attention" not in vars(model)  # the instance is left as it was
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_probing_leaves_the_forward_unchanged(pe):
+    """Every encoding's probabilities are causal rows summing to 1, and probing does not change the logits."""
+    model = tiny(pe, block_size=32).eval()
+    idx = tokens(1, 32)
+    with torch.no_grad():
+        expected = model(idx)[0]
+    probs = probe.attention_probs(model, idx)
+    for p in probs:
+        close(p.sum(-1), torch.ones(p.shape[:-1]))
+        assert p.triu(1).abs().max() == 0
+    with torch.no_grad():
+        close(model(idx)[0], expected)
+
+
+def test_far_share_of_uniform_attention():
+    """Uniform attention over keys 0 … i puts (i - far + 1) / (i + 1) of query i's attention at distance >= far."""
+    T, far, first = 20, 6, 15
+    p = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    share = probe.far_share(p[None, None].expand(2, 3, T, T), far, first)
+    i = torch.arange(first, T, dtype=torch.float32)
+    close(share, ((i - far + 1) / (i + 1)).mean().expand(3))
+
+
+def test_bias_curves_are_alibi_slopes_times_distance():
+    """ALiBi's curves are -m_h·d with m_h = 2^(-8h/n) (Press et al. 2021): for 4 heads 1/4, 1/16, 1/64, 1/256."""
+    model = tiny("alibi", n_head=4, n_embd=32)
+    curves = probe.bias_by_distance(model, 100)
+    close(alibi_slopes(4), torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256]))
+    expected = -alibi_slopes(4)[:, None] * torch.arange(100.0)[None]
+    close(torch.from_numpy(curves), expected)
+    assert probe.bias_by_distance(tiny("rope"), 100) is None
+    fire = tiny("fire", n_layer=3)  # per layer: a row per layer and head
+    assert probe.bias_by_distance(fire, 50).shape == (3 * fire.config.n_head, 50)
+
+
+def test_cli_writes_table_json_and_plot(tmp_path, capsys):
+    """probe.py on trained checkpoints: a row per layer, shares in [0, 1], bias curves for a bias encoding only; a
+    length within the training length and learned positions past their block are one-line errors."""
+    data = tmp_path / "tiny"
+    prepare_text(read_embedded_corpus()[:50_000], data, "char")
+    common = ["--device=cpu", "--compile=False", f"--dataset={data}", "--block_size=32", "--batch_size=4"]
+    common += ["--n_layer=2", "--n_head=2", "--n_embd=32", "--max_iters=3", "--eval_iters=1", "--eval_interval=3"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for pe in ("alibi", "rope", "learned"):
+            train_py.main([*common, f"--pos_encoding={pe}", f"--out_dir={tmp_path / pe}"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    capsys.readouterr()
+    out = tmp_path / "probe.json"
+    argv = [str(tmp_path / "alibi"), str(tmp_path / "rope"), "--length=128", "--windows=2"]
+    probe.main([*argv, f"--out_json={out}", f"--plot={tmp_path / 'probe.png'}"])
+    table = capsys.readouterr().out
+    assert table.count("| alibi | ") == 2 and table.count("| rope | ") == 2
+    report = json.loads(out.read_text())
+    shares = np.array([report["checkpoints"][n]["far_share"] for n in ("alibi", "rope")])
+    assert shares.shape == (2, 2, 2) and (shares >= 0).all() and (shares <= 1).all()
+    assert len(report["checkpoints"]["alibi"]["bias"]) == 2 and report["checkpoints"]["rope"]["bias"] is None
+    assert (tmp_path / "probe.png").stat().st_size > 1000
+    for argv, message in [
+        ([str(tmp_path / "alibi"), "--length=32"], "must exceed the training length 32"),
+        ([str(tmp_path / "learned"), "--length=64"], "learned has no positions past its block size"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            probe.main([*argv, f"--out_json={out}", f"--plot={tmp_path / 'p.png'}"])
