@@ -125,6 +125,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--lengths {L}: every length must be >= 2")
     if args.stride is not None and not 1 <= args.stride <= min(args.lengths):
         p.error(f"--stride={args.stride}: must be between 1 and the shortest length, {min(args.lengths)}")
+    if args.names is not None and len(args.names) != len(args.out_dirs):
+        p.error(f"--names: {len(args.names)} labels for {len(args.out_dirs)} checkpoints; give one per checkpoint")
     if args.eval_tokens < 1:
         p.error(f"--eval_tokens={args.eval_tokens}: must be >= 1")
     if args.rope_factor is not None and not args.rope_factor >= 1:
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--names", nargs="+", default=None, help="a label per checkpoint (default: its encoding)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--stride", type=int, default=None, help="sliding stride (default: a quarter of the length)")
     p.add_argument("--eval_tokens", type=int, default=32768, help="validation tokens scored at every length")
@@ -174,14 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     # every checkpoint, and a scaled copy of each RoPE one per --rope_scaling
     runs = []
-    for out_dir in args.out_dirs:
+    for n, out_dir in enumerate(args.out_dirs):
         try:
             ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
             data, dataset = load_val(ckpt, args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         model = model_from_checkpoint(ckpt).to(device).eval()
-        enc, T = model.config.pos_encoding, model.config.block_size
+        enc, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
         runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if model.transformer.wpe.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()

@@ -116,13 +116,14 @@ def plot(report: dict, path: str) -> None:
     for (ax_b, ax_a), name in zip(axes, names, strict=True):
         r = report["checkpoints"][name]
         if r["bias"] is None:
-            ax_b.text(0.5, 0.5, "no bias (positions enter elsewhere)", ha="center", va="center")
+            ax_b.text(0.5, 0.5, f"{name}: no bias (positions enter elsewhere)", ha="center", va="center")
             ax_b.set_axis_off()
         else:
             for h, curve in enumerate(r["bias"]):
                 ax_b.plot(curve, lw=1, label=f"head {h}")
             ax_b.axvline(r["train_len"], color="gray", ls=":", lw=1)
-            ax_b.set(xscale="symlog", xlabel="distance i - j", ylabel="bias (logits)", title=f"{name}: bias")
+            ax_b.set_xscale("symlog", linthresh=1)
+            ax_b.set(xlim=(0, len(r["bias"][0])), xlabel="distance i - j", ylabel="bias (logits)", title=name)
             ax_b.grid(alpha=0.3)
             if len(r["bias"]) <= 8:
                 ax_b.legend(fontsize=7)
@@ -130,7 +131,7 @@ def plot(report: dict, path: str) -> None:
         im = ax_a.imshow(share, vmin=0, vmax=1, cmap="magma", aspect="auto")
         for (layer, h), v in np.ndenumerate(share):
             ax_a.text(h, layer, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
-        ax_a.set(xlabel="head", ylabel="layer", title=f"{name}: attention past {r['train_len']} tokens")
+        ax_a.set(xlabel="head", ylabel="layer", title=f"attention past {r['train_len']} tokens (training length)")
         ax_a.set_xticks(range(share.shape[1]))
         ax_a.set_yticks(range(share.shape[0]))
     fig.colorbar(im, ax=axes[:, 1].tolist(), label="share of attention")
@@ -141,6 +142,7 @@ def plot(report: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
+    p.add_argument("--names", nargs="+", default=None, help="a label per checkpoint (default: its folder's name)")
     p.add_argument("--length", type=int, default=1024, help="window length, past the training length")
     p.add_argument("--windows", type=int, default=8, help="validation windows averaged over")
     p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
@@ -149,8 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.windows < 1:
         p.error("--windows must be at least 1")
+    names = args.names or [Path(d).name for d in args.out_dirs]
+    if len(names) != len(args.out_dirs) or len(set(names)) != len(names):
+        p.error("--names: one distinct label per checkpoint (folders with the same name need --names)")
     report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
-    for out_dir in args.out_dirs:
+    for name, out_dir in zip(names, args.out_dirs, strict=True):
         try:
             ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
             data, _ = load_val(ckpt, args.data_dir)
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(data) < args.length + 1:
             sys.exit(f"error: the validation split has {len(data)} tokens, fewer than --length {args.length} + 1")
         try:
-            report["checkpoints"][Path(out_dir).name] = probe(model, data, args.length, args.windows)
+            report["checkpoints"][name] = probe(model, data, args.length, args.windows)
         except ValueError as e:
             sys.exit(f"error: {out_dir}: {e}")
         print(f"{out_dir}: done", file=sys.stderr)
