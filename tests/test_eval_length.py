@@ -149,6 +149,15 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
     assert rope[16]["loss"] == yarn[16]["loss"] and rope[8]["loss"] == yarn[8]["loss"]
 
 
+def test_names_label_the_rows(ckpts, tmp_path, capsys):
+    """--names labels each checkpoint's rows (two runs of one encoding, e.g. bias-RPE with two r_max), scalings too."""
+    argv = [str(ckpts["rope"]), str(ckpts["alibi"]), "--names", "rope A", "alibi B", "--lengths", "8", "16"]
+    argv += ["--eval_tokens", "200", "--rope_scaling", "yarn", "--plot", "", "--out_json", str(tmp_path / "r.json")]
+    report = eval_length.main(argv)
+    assert [r["name"] for r in report["runs"]] == ["rope A", "rope A+yarn (s=L/16)", "alibi B"]
+    assert "| alibi B [16] |" in capsys.readouterr().out
+
+
 def test_errors_name_the_problem(ckpts, tmp_path):
     with pytest.raises(SystemExit, match="ckpt.pt"):
         eval_length.main([str(tmp_path / "nowhere"), "--lengths", "8"])
@@ -193,6 +202,7 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
         (["--dtype", "float8"], "--dtype=float8"),
         (["--device", "foo"], "device='foo' is not a device"),
         (["--out_json", "/nowhere/r.json"], "--out_json=/nowhere/r.json: the folder /nowhere does not exist"),
+        (["--names", "a", "b"], "--names: 2 labels for 1 checkpoints"),
     ],
 )
 def test_bad_options_are_one_line_errors(ckpts, capsys, args, message):

@@ -117,3 +117,7 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     ]:
         with pytest.raises(SystemExit, match=message):
             probe.main([*argv, f"--out_json={out}", f"--plot={tmp_path / 'p.png'}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # two folders of one name (sweeps' <enc>-seed<seed>) need --names
+        probe.main([str(tmp_path / "alibi"), str(tmp_path / "rope"), "--names", "x", "x"])
+    assert "one distinct label per checkpoint" in capsys.readouterr().err
