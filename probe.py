@@ -30,9 +30,10 @@ from tasks import can_read
 
 
 @torch.no_grad()
-def attention_probs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
+def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
     """Each layer's attention probabilities (B, nh, T, T) for idx (B, T), from the model's own attention: run with
-    V = the identity, attention's output is its probability matrix P (P @ I = P), whatever the encoding and kernel."""
+    V = the identity, attention's output is its probability matrix P (P @ I = P), whatever the encoding and kernel.
+    reduce(P), if given, is kept instead of P (a 124M model at 4096 tokens has 10 GB of them)."""
     probs, choose = [], model._attention
 
     def recording(*args, **kwargs):
@@ -40,7 +41,8 @@ def attention_probs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
 
         def both(q, k, v):
             eye = torch.eye(k.size(2), dtype=q.dtype, device=q.device).expand(*k.shape[:2], -1, -1)
-            probs.append(attention(q, k, eye))
+            p = attention(q, k, eye)
+            probs.append(p if reduce is None else reduce(p))
             return attention(q, k, v)
 
         return both
@@ -84,7 +86,7 @@ def probe(model: GPT, data: np.ndarray, length: int, windows: int) -> dict:
     shares = []
     for s in starts:  # one window at a time: a probability matrix per layer is (nh, L, L)
         idx = torch.from_numpy(data[s : s + length].astype(np.int64))[None]
-        shares.append(torch.stack([far_share(p.float(), far, first) for p in attention_probs(model, idx)]))
+        shares.append(torch.stack(attention_probs(model, idx, lambda p: far_share(p.float(), far, first))))
     bias = bias_by_distance(model, length)
     return {
         "train_len": far,
