@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError, check_device
 from datafiles import DataError
 from eval_length import load_val
 from model import GPT
@@ -59,7 +60,7 @@ def far_share(p: torch.Tensor, far: int, first_query: int) -> torch.Tensor:
     """The share of attention (nh,) on keys at distance >= far, of queries first_query … T - 1, averaged over the
     batch and those queries. p (B, nh, T, T)."""
     T = p.size(-1)
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    i, j = torch.arange(T, device=p.device)[:, None], torch.arange(T, device=p.device)[None, :]
     mask = (i - j >= far).to(p.dtype)  # (T, T)
     return (p[:, :, first_query:] * mask[first_query:]).sum(-1).mean((0, 2))
 
@@ -73,11 +74,12 @@ def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
         return None
     n = model.config.n_head * (model.config.n_layer if pe.per_layer else 1)
     heads = torch.arange(n)[:, None]
-    d = torch.arange(length)
-    return pe.bias(heads, torch.full_like(d, length - 1)[None], (length - 1 - d)[None]).float().numpy()
+    d = torch.arange(length, device=model.lm_head.weight.device)
+    bias = pe.bias(heads.to(d.device), torch.full_like(d, length - 1)[None], (length - 1 - d)[None])
+    return bias.float().cpu().numpy()
 
 
-def probe(model: GPT, data: np.ndarray, length: int, windows: int) -> dict:
+def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str = "cpu") -> dict:
     """Far-attention shares (n_layer, n_head) over `windows` windows of `length` tokens, and the bias curves."""
     far, first = model.config.block_size, length - length // 4
     if length <= far:
@@ -85,12 +87,12 @@ def probe(model: GPT, data: np.ndarray, length: int, windows: int) -> dict:
     starts = np.linspace(0, len(data) - length - 1, windows).astype(int)
     shares = []
     for s in starts:  # one window at a time: a probability matrix per layer is (nh, L, L)
-        idx = torch.from_numpy(data[s : s + length].astype(np.int64))[None]
+        idx = torch.from_numpy(data[s : s + length].astype(np.int64))[None].to(device)
         shares.append(torch.stack(attention_probs(model, idx, lambda p: far_share(p.float(), far, first))))
     bias = bias_by_distance(model, length)
     return {
         "train_len": far,
-        "far_share": torch.stack(shares).mean(0).tolist(),  # (n_layer, n_head)
+        "far_share": torch.stack(shares).mean(0).cpu().tolist(),  # (n_layer, n_head)
         "bias": None if bias is None else bias.tolist(),
     }
 
@@ -147,12 +149,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--names", nargs="+", default=None, help="a label per checkpoint (default: its folder's name)")
     p.add_argument("--length", type=int, default=1024, help="window length, past the training length")
     p.add_argument("--windows", type=int, default=8, help="validation windows averaged over")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
     p.add_argument("--out_json", default="probe.json")
     p.add_argument("--plot", default="probe.png")
     args = p.parse_args(argv)
     if args.windows < 1:
         p.error("--windows must be at least 1")
+    try:
+        check_device(args.device)
+    except ConfigError as e:
+        p.error(str(e))
     names = args.names or [Path(d).name for d in args.out_dirs]
     if len(names) != len(args.out_dirs) or len(set(names)) != len(names):
         p.error("--names: one distinct label per checkpoint (folders with the same name need --names)")
@@ -163,14 +170,14 @@ def main(argv: list[str] | None = None) -> dict:
             data, _ = load_val(ckpt, args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        model = model_from_checkpoint(ckpt).eval()
+        model = model_from_checkpoint(ckpt).to(args.device).eval()
         model.fused_attention = False  # the reference path: every encoding, any length, on a CPU
         if not can_read(model, args.length):
             sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")
         if len(data) < args.length + 1:
             sys.exit(f"error: the validation split has {len(data)} tokens, fewer than --length {args.length} + 1")
         try:
-            report["checkpoints"][name] = probe(model, data, args.length, args.windows)
+            report["checkpoints"][name] = probe(model, data, args.length, args.windows, args.device)
         except ValueError as e:
             sys.exit(f"error: {out_dir}: {e}")
         print(f"{out_dir}: done", file=sys.stderr)

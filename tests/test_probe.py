@@ -121,3 +121,6 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     with pytest.raises(SystemExit):  # two folders of one name (sweeps' <enc>-seed<seed>) need --names
         probe.main([str(tmp_path / "alibi"), str(tmp_path / "rope"), "--names", "x", "x"])
     assert "one distinct label per checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main([str(tmp_path / "alibi"), "--device=foo"])
+    assert "device='foo' is not a device" in capsys.readouterr().err
