@@ -556,9 +556,10 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, m
     assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
 
 
-def math_flex_attention_lse(q, k, v, score_mod, block_mask):
+def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
     """FlexAttention's semantics by the textbook formula (score_mod and mask_mod on broadcast index tensors), with a
-    backward on CPUs: a stand-in for the CUDA kernel, so the code around it can be tested here."""
+    backward on CPUs: a stand-in for the CUDA kernel, so the code around it can be tested here (kernel_options tune
+    Triton's kernel, not the result: ignored)."""
     h, i, j = (torch.arange(n)[:, None, None] for n in (q.size(1), q.size(2), k.size(2)))
     s = score_mod((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, 0, h, i.transpose(0, 1), j.transpose(0, 2))
     s = s.masked_fill(~block_mask.mask_mod(0, h, i.transpose(0, 1), j.transpose(0, 2)), float("-inf"))
