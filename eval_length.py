@@ -184,14 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         model = model_from_checkpoint(ckpt).to(device).eval()
-        enc, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
-        runs.append(dict(name=enc, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
+        label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
+        runs.append(dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if model.transformer.wpe.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
             if args.rope_factor:
-                name = f"{enc}+{scaling} (s={args.rope_factor:g})"
+                name = f"{label}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
-                name = f"{enc}+{scaling}" if scaling == "dynamic_ntk" else f"{enc}+{scaling} (s=L/{T})"
+                name = f"{label}+{scaling}" if scaling == "dynamic_ntk" else f"{label}+{scaling} (s=L/{T})"
             runs.append(
                 dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T, scaling=scaling)
             )

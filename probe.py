@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         model = model_from_checkpoint(ckpt).to(args.device).eval()
-        model.fused_attention = False  # the reference path: every encoding, any length, on a CPU
+        model.fused_attention = False  # the reference path: every encoding, any length, any device
         if not can_read(model, args.length):
             sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")
         if len(data) < args.length + 1:

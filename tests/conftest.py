@@ -1,6 +1,8 @@
 """Shared by every test module: the encodings from the registry, a tiny model, and comparisons. Registering an
 encoding in model.POS_ENCODINGS puts it under every test parametrized over these lists."""
 
+import signal
+
 import torch
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache
@@ -11,6 +13,18 @@ ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]
 EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].extrapolates]
 BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
 VOCAB = 64
+
+
+def train_in_process(argv: list[str]) -> None:
+    """train.py's main in this process (no interpreter start-up), with the signal handlers it installs put back."""
+    import train
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        train.main(argv)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:

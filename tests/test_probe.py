@@ -2,15 +2,13 @@
 equals its formula, the bias curves equal the published ALiBi slopes, and the CLI writes its table, JSON and plot."""
 
 import json
-import signal
 
 import numpy as np
 import pytest
 import torch
-from conftest import close, tiny, tokens
+from conftest import close, tiny, tokens, train_in_process
 
 import probe
-import train as train_py
 from datafiles import prepare_text, read_embedded_corpus
 from model import POS_ENCODINGS, alibi_slopes, apply_rotary
 
@@ -93,13 +91,8 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     prepare_text(read_embedded_corpus()[:50_000], data, "char")
     common = ["--device=cpu", "--compile=False", f"--dataset={data}", "--block_size=32", "--batch_size=4"]
     common += ["--n_layer=2", "--n_head=2", "--n_embd=32", "--max_iters=3", "--eval_iters=1", "--eval_interval=3"]
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for pe in ("alibi", "rope", "learned"):
-            train_py.main([*common, f"--pos_encoding={pe}", f"--out_dir={tmp_path / pe}"])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    for pe in ("alibi", "rope", "learned"):
+        train_in_process([*common, f"--pos_encoding={pe}", f"--out_dir={tmp_path / pe}"])
     capsys.readouterr()
     out = tmp_path / "probe.json"
     argv = [str(tmp_path / "alibi"), str(tmp_path / "rope"), "--length=128", "--windows=2"]

@@ -3,12 +3,12 @@ context scores chance), task rows in training batches, and the CLI."""
 
 import json
 import re
-import signal
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import train_in_process
 
 import tasks
 import train as train_py
@@ -258,12 +258,7 @@ def tiny_data(tmp_path_factory):
 
 
 def train_here(*args: str) -> None:
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_py.main([*TINY, *args])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    train_in_process([*TINY, *args])
 
 
 def test_training_with_tasks_resumes_exactly(tiny_data, tmp_path):

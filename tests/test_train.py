@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import train_in_process
 
-import train as train_py
 from checkpoint import load_checkpoint
 from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
 from model import POS_ENCODINGS
@@ -56,13 +56,7 @@ def train(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.C
 
 
 def train_here(*args: str) -> None:
-    """train.py's main in this process (no interpreter start-up), with the signal handlers it installs put back."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_py.main([*TINY, *args])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    train_in_process([*TINY, *args])
 
 
 def assert_ok(r: subprocess.CompletedProcess) -> None:

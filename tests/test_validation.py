@@ -4,13 +4,13 @@ config files, dataset files, the out_dir. These call the checks directly (no tra
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import train_in_process
 
 import train
 from checkpoint import CheckpointError
@@ -24,14 +24,9 @@ def resolved(*args: str) -> dict:
 
 def main(*args: str) -> None:
     """train.main in this process, with the signal handlers it installs put back."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train.main(
-            ["--device=cpu", "--n_layer=1", "--n_head=2", "--n_embd=16", "--eval_iters=1", "--max_iters=2", *args]
-        )
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    train_in_process(
+        ["--device=cpu", "--n_layer=1", "--n_head=2", "--n_embd=16", "--eval_iters=1", "--max_iters=2", *args]
+    )
 
 
 @pytest.fixture(scope="module")
