@@ -6,12 +6,18 @@ evaluate each at several lengths (eval_length.py), and write a report (markdown 
     python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
     python sweep.py --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1   # with retrieval tasks
     python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
+    python sweep.py --synthetic --seeds 1337 1338 1339 --jobs 2   # the synthetic tasks (synthetic.py), on a CPU
 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
 mean ± standard deviation over seeds: a difference smaller than that is noise. Runs trained with retrieval tasks
 (--train --task_fraction=0.1) are also scored on them (passkey, recall, copy at every evaluation length). The
 report opens with a summary: one row per encoding.
+
+--synthetic [TASK ...] runs the token-level suite instead: every encoding trained on each task (config/<task>.py,
+default all of them) and scored at 1x to 16x its training length, 400 sequences per cell. Runs go to
+<out_dir>/<task>/<encoding>-seed<seed>; the report gives, per task, how many seeds learned it at the training length
+and their accuracy by length, a plot per task, and what it cost.
 """
 
 import argparse
@@ -28,6 +34,7 @@ import numpy as np
 import torch
 
 import eval_length
+import synthetic
 import tasks
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
@@ -62,17 +69,17 @@ def finished(d: Path) -> bool | None:
     return max_iters is None or ckpt.get("iter_num", 0) >= max_iters
 
 
-def train_command(enc: str, seed: int, d: Path, args) -> list[str] | None:
+def train_command(enc: str, seed: int, d: Path, args, configs: list[str]) -> list[str] | None:
     """train.py's command for one run (resuming an unfinished one), or None if the run is finished."""
     state = finished(d)
     if state:
-        print(f"[sweep] {d.name}: finished earlier, not trained again", flush=True)
+        print(f"[sweep] {d.parent.name}/{d.name}: finished earlier, not trained again", flush=True)
         return None
     cmd = [
         sys.executable,
         "train.py",
         f"config/{enc}.py",
-        *SIZES[args.size]["train"],
+        *configs,
         f"--out_dir={d}",
         f"--seed={seed}",
         f"--wandb_log={args.wandb_log}",
@@ -94,7 +101,7 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
         while queue and len(running) < n_parallel:
             d, cmd = queue.pop(0)
             d.mkdir(parents=True, exist_ok=True)
-            print(f"[sweep] {d.name}: {' '.join(cmd[1:])}", flush=True)
+            print(f"[sweep] {d.parent.name}/{d.name}: {' '.join(cmd[1:])}", flush=True)
             log = open(d / "train.log", "a") if n_parallel > 1 else None
             running.append((d, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), time.time(), log))
         time.sleep(0.2)
@@ -111,14 +118,15 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
                     other.wait()
                 where = f"; its log: {d / 'train.log'}" if log else ""
                 sys.exit(
-                    f"[sweep] training {d.name} failed (exit {proc.returncode}){where}; fix it and re-run: finished "
-                    "runs are kept"
+                    f"[sweep] training {d.parent.name}/{d.name} failed (exit {proc.returncode}){where}; fix it and "
+                    "re-run: finished runs are kept"
                 )
             (d / "sweep.json").write_text(json.dumps({"seconds": time.time() - start, "parallel": n_parallel}))
             done += 1
             elapsed = time.time() - t0
             print(
-                f"[sweep] {d.name}: trained ({done}/{total}, ETA {elapsed / done * (total - done) / 60:.0f} min)",
+                f"[sweep] {d.parent.name}/{d.name}: trained ({done}/{total}, ETA "
+                f"{elapsed / done * (total - done) / 60:.0f} min)",
                 flush=True,
             )
 
@@ -341,6 +349,159 @@ def plot_report(agg: dict, report: dict, out_dir: Path) -> None:
     eval_length.plot(dict(report, runs=runs), str(out_dir / "position.png"))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The synthetic suite: every encoding on each token-level task (synthetic.py), scored past the training length
+
+SYNTHETIC_FACTORS = (1, 2, 4, 8, 16)  # evaluation lengths, in training lengths
+
+
+def evaluate_synthetic(d: Path, factors, trials: int) -> dict:
+    """A run's accuracy at each length (cached in <run>/synthetic.json, for these lengths and trials), whether and when
+    it learned its task, and its training seconds."""
+    ckpt = load_checkpoint(d / "ckpt.pt")
+    cfg = ckpt["config"]
+    lengths = [cfg["block_size"] * k for k in factors]
+    cache = d / "synthetic.json"
+    key = {"lengths": lengths, "trials": trials, "iter": ckpt["iter_num"]}
+    if cache.exists() and (old := json.loads(cache.read_text())).get("key") == key:
+        return old
+    t0 = time.time()
+    model = model_from_checkpoint(ckpt).eval()
+    acc = synthetic.evaluate_checkpoint(model, cfg, lengths, trials)
+    history = ckpt.get("history", [])
+    timing = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").exists() else {}
+    out = {
+        "key": key,
+        "task": cfg["task"],
+        "accuracy": {str(L): a for L, a in acc.items()},
+        "learned_at": synthetic.learned_at(history),
+        "final_val_acc": history[-1]["acc"] if history else None,
+        "iters": ckpt["iter_num"],
+        "params": model.get_num_params(),
+        "seconds": timing.get("seconds", 0.0),
+        "eval_seconds": time.time() - t0,
+    }
+    cache.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def synthetic_cell(rs: list[dict], L: int, train_len: int) -> str:
+    """Accuracy at L over the seeds that learned the task (mean ± std); where none did, the mean over all seeds in
+    parentheses, at the training length only."""
+    learned = [r for r in rs if r["learned_at"] is not None]
+    xs = [r["accuracy"][str(L)] for r in learned]
+    if any(x is None for x in xs) or (not learned and rs[0]["accuracy"][str(L)] is None):
+        return "n/a"
+    if learned:
+        return pct(xs)
+    return f"({pct([r['accuracy'][str(L)] for r in rs])})" if L == train_len else "-"
+
+
+def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float) -> Path:
+    """report.md: per task, seeds learned and accuracy by length per encoding; a plot per task; the cost."""
+    first = next(iter(next(iter(results.values())).values()))[0]
+    train_len = int(next(iter(first["accuracy"])))
+    lengths = [int(L) for L in first["accuracy"]]
+    runs = [r for by_enc in results.values() for rs in by_enc.values() for r in rs]
+    train_min, eval_min = sum(r["seconds"] for r in runs) / 60, sum(r["eval_seconds"] for r in runs) / 60
+    seeds = max(len(rs) for by_enc in results.values() for rs in by_enc.values())
+    lines = [
+        "# Synthetic tasks: retrieval past the training length",
+        "",
+        f"Command: `python sweep.py {' '.join(argv)}`  ",
+        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
+        f"{len(runs)} runs ({first['params']:,} parameters each, trained at {train_len} tokens); training "
+        f"{train_min:.0f} CPU-minutes (each run's wall clock, one thread each when side by side), evaluation "
+        f"{eval_min:.0f} minutes; this invocation {wall / 60:.0f} minutes of wall clock.",
+        "",
+        f"A run *learned* its task when its validation accuracy at the training length reached "
+        f"{synthetic.LEARNED:.0%} at some evaluation; **learned** counts those seeds and gives the step (the first "
+        "evaluation at or above it, mean over them). Accuracy is exact match per answer token over "
+        f"{first['key']['trials']} sequences per length, the same sequences for every run, averaged over the seeds "
+        "that learned (mean ± std). Where no seed learned, the training-length cell gives the mean over all seeds in "
+        "parentheses.",
+    ]
+    for task, by_enc in results.items():
+        lines += [
+            "",
+            f"## {task}",
+            "",
+            "| encoding | learned | at step | " + " | ".join(f"{L} ({L // train_len}×)" for L in lengths) + " |",
+            "|---|---:|---:|" + "---:|" * len(lengths),
+        ]
+        for enc, rs in by_enc.items():
+            steps = [r["learned_at"] for r in rs if r["learned_at"] is not None]
+            at = f"{statistics.mean(steps):,.0f}" if steps else "-"
+            cells = [synthetic_cell(rs, L, train_len) for L in lengths]
+            lines.append(f"| {enc} | {len(steps)} of {len(rs)} | {at} | " + " | ".join(cells) + " |")
+    lines += ["", "![accuracy by length, per task](synthetic.png)", ""]
+    plot_synthetic(results, lengths, train_len, out_dir / "synthetic.png")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    (out_dir / "results.json").write_text(json.dumps({"seeds": seeds, "results": results}, indent=1))
+    return path
+
+
+def plot_synthetic(results: dict, lengths: list[int], train_len: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False, sharey=True)
+    for ax, (task, by_enc) in zip(axes[0], results.items(), strict=True):
+        ax.set_prop_cycle(eval_length.line_styles())
+        for enc, rs in by_enc.items():
+            learned = [r for r in rs if r["learned_at"] is not None]
+            pts = [(L, [r["accuracy"][str(L)] for r in learned]) for L in lengths]
+            pts = [(L, xs) for L, xs in pts if xs and None not in xs]
+            label = f"{enc} ({len(learned)}/{len(rs)})"
+            if not pts:
+                ax.plot([], [], label=label)  # keeps its colour and legend entry: learned by no seed
+                continue
+            ax.errorbar(
+                [L for L, _ in pts],
+                [100 * statistics.mean(xs) for _, xs in pts],
+                yerr=[100 * statistics.stdev(xs) if len(xs) > 1 else 0 for _, xs in pts],
+                marker="o",
+                capsize=3,
+                label=label,
+            )
+        ax.axvline(train_len, color="gray", ls=":", lw=1)
+        ax.set(xscale="log", xlabel="evaluation length (tokens)", title=task, ylim=(-3, 103))
+        ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="encoding (seeds learned)", title_fontsize=7)
+    axes[0][0].set_ylabel("accuracy (%), seeds that learned")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def synthetic_suite(args, argv: list[str]) -> None:
+    """Train every encoding on each task and seed (resuming, skipping finished runs), score, report."""
+    t0 = time.time()
+    out_dir = Path(args.out_dir or "sweep-synthetic")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    triples = [(t, e, s) for t in args.synthetic for s in args.seeds for e in args.encodings]
+    dirs = {x: out_dir / x[0] / f"{x[1]}-seed{x[2]}" for x in triples}
+    jobs = [
+        (dirs[t, e, s], cmd)
+        for t, e, s in triples
+        if (cmd := train_command(e, s, dirs[t, e, s], args, [f"config/{t}.py"]))
+    ]
+    train_all(jobs, args.jobs)
+    results: dict = {}
+    for i, (t, e, s) in enumerate(triples):
+        try:
+            r = evaluate_synthetic(dirs[t, e, s], SYNTHETIC_FACTORS, args.task_trials or 400)
+        except (CheckpointError, synthetic.SyntheticError) as err:
+            sys.exit(f"[sweep] {err}")
+        results.setdefault(t, {}).setdefault(e, []).append(r)
+        print(f"[sweep] evaluated {t}/{e}-seed{s} ({i + 1}/{len(triples)})", flush=True)
+    print(f"[sweep] report: {synthetic_report(out_dir, results, argv, time.time() - t0)}")
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default="cpu" if not torch.cuda.is_available() else "gpu")
@@ -357,20 +518,34 @@ def main(argv: list[str]) -> None:
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--jobs", type=int, default=1, help="training runs side by side (they share the CPU cores or GPU)")
-    p.add_argument("--task_trials", type=int, default=5, help="retrieval tasks: sequences per length (and depth)")
+    p.add_argument(
+        "--task_trials", type=int, default=None, help="sequences per length (and depth): default 5, synthetic 400"
+    )
     p.add_argument("--task_depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1")
+    p.add_argument(
+        "--synthetic",
+        nargs="*",
+        default=None,
+        choices=list(synthetic.TASKS),
+        help="run the synthetic suite: these tasks (none named: all), config/<task>.py each",
+    )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
+    if args.synthetic is not None:
+        args.synthetic = args.synthetic or list(synthetic.TASKS)
     for name in ("encodings", "seeds"):
         xs = getattr(args, name)
         if len(set(xs)) != len(xs):
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds) < 0:
         p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
-    if args.jobs < 1 or args.task_trials < 1 or args.task_depths < 2:
+    if args.jobs < 1 or (args.task_trials or 1) < 1 or args.task_depths < 2:
         p.error("--jobs and --task_trials must be at least 1, --task_depths at least 2")
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
+    if args.synthetic is not None:
+        return synthetic_suite(args, argv)
+    args.task_trials = args.task_trials or 5
     out_dir = Path(args.out_dir or f"sweep-{args.size}")
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out_dir={out_dir} is a file, not a folder")
@@ -380,7 +555,7 @@ def main(argv: list[str]) -> None:
         p.error(f"--out_dir={out_dir}: cannot create it: {e.strerror}")
     size = SIZES[args.size]
     pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
-    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args))]
+    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args, size["train"]))]
     train_all(jobs, args.jobs)
     runs = []
     for enc, seed, d in pairs:

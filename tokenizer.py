@@ -3,6 +3,7 @@ Tokenizers rebuilt from a small JSON description, the `tokenizer` entry of a dat
 checkpoint, so sample.py needs nothing but the checkpoint:
     {"kind": "char", "chars": "\\n !…z"}   one token per character, ids in sorted character order
     {"kind": "gpt2"}                      GPT-2's byte-level BPE via tiktoken, from the vendored ranks file
+    {"kind": "ids", "vocab_size": 128}    token ids written as numbers ("0 17 5"), for the synthetic tasks
 """
 
 import base64
@@ -56,6 +57,30 @@ class GPT2Tokenizer:
         return self.enc.decode(ids)
 
 
+class IdsTokenizer:
+    """The synthetic tasks' tokens (synthetic.py) as text: ids separated by spaces, "0 17 5"."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.meta = {"kind": "ids", "vocab_size": vocab_size}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(w) for w in text.split()]
+        except ValueError as e:
+            raise ValueError(f"this model reads token ids, numbers separated by spaces like '0 17 5' ({e})") from e
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is outside this model's vocabulary of {self.vocab_size} (0 to "
+                f"{self.vocab_size - 1})"
+            )
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
 @cache
 def _gpt2_encoding():
     import tiktoken
@@ -70,10 +95,12 @@ def _gpt2_encoding():
     )
 
 
-def tokenizer_from_meta(meta: dict) -> CharTokenizer | GPT2Tokenizer:
+def tokenizer_from_meta(meta: dict) -> CharTokenizer | GPT2Tokenizer | IdsTokenizer:
     kind = meta.get("kind") if isinstance(meta, dict) else None
     if kind == "char":
         return CharTokenizer(meta["chars"])
     if kind == "gpt2":
         return GPT2Tokenizer()
-    raise ValueError(f"unknown tokenizer description {meta!r}; expected kind 'char' or 'gpt2'")
+    if kind == "ids":
+        return IdsTokenizer(int(meta["vocab_size"]))
+    raise ValueError(f"unknown tokenizer description {meta!r}; expected kind 'char', 'gpt2' or 'ids'")

@@ -2,6 +2,7 @@
 Train a GPT with any positional encoding, with nanoGPT's config keys.
     python train.py config/rope.py                        # one GPU (bf16 + torch.compile), or the CPU
     python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
+    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (synthetic.py), on a CPU
     python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py
 Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to quit at once.
@@ -13,13 +14,15 @@ import runpy
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import synthetic
 from checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -53,19 +56,26 @@ defaults = dict(
     wandb_run_name="",  # default: <pos_encoding>
     wandb_group="",  # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit together
     # data
-    dataset="shakespeare_char",  # a folder of data/, or a path to a prepared one (shakespeare_char and shakespeare
-    # are prepared automatically the first time)
+    dataset="",  # a folder of data/, or a path to a prepared one; default shakespeare_char (it and shakespeare are
+    # prepared automatically the first time)
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
     task_fraction=0.0,  # the fraction of training sequences that are retrieval tasks (tasks.py: passkey, recall,
     # copy; answers-only targets), e.g. 0.05; validation stays text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
+    # synthetic token-level tasks instead of text (synthetic.py; config/<task>.py have their recipes)
+    task="",  # needle | passkey | mqar | copy: train on the task's sequences, loss on the answers only
+    task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
+    task_pairs=8,  # mqar: key-value pairs per sequence
+    task_queries=4,  # mqar: keys asked per sequence, each one trial
+    task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
+    # then found through the marker); validation has the task's rows alone
     # model
     pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
-    rpe_max_distance=128,  # bias_rpe: distances clamp to ±(r_max - 1)
+    rpe_max_distance=None,  # bias_rpe: distances clamp to ±(r_max - 1); None: block_size // 2
     t5_num_buckets=32,  # t5: half exact distances, half log-spaced up to t5_max_distance
-    t5_max_distance=128,  # t5: farther distances share the last bucket
+    t5_max_distance=None,  # t5: farther distances share the last bucket; None: block_size // 2
     rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
     rope_fraction=1.0,  # rope: the fraction of each head's pairs that rotate (the fastest; p-RoPE)
     rope_scaling="none",  # rope, to run past block_size: none | linear | ntk | dynamic_ntk | yarn | llama3
@@ -79,8 +89,8 @@ defaults = dict(
     bias=False,  # biases in Linears and LayerNorms (GPT-2 has them)
     # AdamW
     learning_rate=1e-3,
-    pe_lr_scale=1.0,  # the positional encoding's parameters learn this many times faster (a bias table from zero moves
-    # about learning_rate per step under Adam)
+    pe_lr_scale=None,  # the positional encoding's parameters learn this many times faster; None: the encoding's own
+    # (30 for a table of biases that starts at zero, which Adam moves about learning_rate per step; else 1)
     max_iters=5000,
     weight_decay=1e-1,
     beta1=0.9,
@@ -100,7 +110,7 @@ defaults = dict(
 )
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
 # what decides which batches a validation estimate averages over: val losses compare only when these agree
-EVAL_SETUP_KEYS = ("dataset", "block_size", "batch_size", "eval_iters", "seed", "world_size")
+EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -112,11 +122,13 @@ def resolve(cfg: dict) -> dict:
     """Fill in the defaults that depend on other keys, and check the values no type check catches, so that a bad
     value is a one-line error before any work."""
     cfg = dict(cfg)
-    cfg["out_dir"] = cfg["out_dir"] or f"out-{cfg['pos_encoding']}"
+    check_task(cfg)
+    cfg["dataset"] = cfg["dataset"] or ("" if cfg["task"] else "shakespeare_char")
+    cfg["out_dir"] = cfg["out_dir"] or "-".join(filter(None, ["out", cfg["pos_encoding"], cfg["task"]]))
     cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
     cfg["task_seed"] = cfg["seed"] if cfg["task_seed"] is None else cfg["task_seed"]
     cfg["wandb_group"] = cfg["wandb_group"] or (
-        f"{cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
+        f"{cfg['task'] or cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
     )
     check_device(cfg["device"])
     cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
@@ -126,6 +138,10 @@ def resolve(cfg: dict) -> dict:
         raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
     if not isinstance(cfg["compile"], bool):
         raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
+    if cfg["pe_lr_scale"] is not None:  # None (the encoding's own) is resolved with the model
+        if not isinstance(cfg["pe_lr_scale"], int | float) or isinstance(cfg["pe_lr_scale"], bool):
+            raise ConfigError(f"pe_lr_scale={cfg['pe_lr_scale']!r}: expected a number, e.g. 30, or None")
+        cfg["pe_lr_scale"] = float(cfg["pe_lr_scale"])
     if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
         raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
     init = cfg["init_from"]
@@ -144,6 +160,23 @@ def resolve(cfg: dict) -> dict:
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     return cfg
+
+
+def check_task(cfg: dict) -> None:
+    """A synthetic task makes its own sequences: it cannot also read a text dataset or mix tasks into text, and it
+    must fit the block size and its vocabulary."""
+    if not cfg["task"]:
+        return
+    for key, text_only in (("dataset", cfg["dataset"]), ("task_fraction", cfg["task_fraction"])):
+        if text_only:
+            raise ConfigError(
+                f"task={cfg['task']!r} trains on synthetic sequences alone, and {key}={text_only!r} is for text: "
+                f"drop --{key} for the synthetic task, or drop --task to train on text"
+            )
+    try:
+        synthetic.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], cfg["task_pairs"], cfg["task_queries"])
+    except synthetic.SyntheticError as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_ranges(cfg: dict) -> None:
@@ -169,7 +202,7 @@ def check_ranges(cfg: dict) -> None:
         "evaluate without training",
     )
     need(cfg["learning_rate"] > 0, "learning_rate", "must be positive (1e-3 for small models, 6e-4 for GPT-2)")
-    need(cfg["pe_lr_scale"] > 0, "pe_lr_scale", "must be positive (1: the same rate as the rest)")
+    need(cfg["pe_lr_scale"] is None or cfg["pe_lr_scale"] > 0, "pe_lr_scale", "must be positive (1: the same rate)")
     need(cfg["min_lr"] >= 0, "min_lr", "must be at least 0 (about learning_rate / 10)")
     need(cfg["warmup_iters"] >= 0, "warmup_iters", "must be at least 0 (0: no warmup)")
     need(cfg["lr_decay_iters"] >= 0, "lr_decay_iters", "must be at least 0 (about max_iters)")
@@ -179,6 +212,7 @@ def check_ranges(cfg: dict) -> None:
     need(0 <= cfg["dropout"] < 1, "dropout", "must be in [0, 1) (0 for pretraining, 0.1-0.2 for small data)")
     need(0 <= cfg["seed"] < 2**62, "seed", "must be in [0, 2**62) (torch's generators take 64-bit seeds)")
     need(0 <= cfg["task_fraction"] < 1, "task_fraction", "must be in [0, 1) (0: text only; 0.05-0.1 is usual)")
+    need(0 <= cfg["task_mix"] < 1, "task_mix", "must be in [0, 1) (0: the task's rows alone; 0.25 is usual)")
     need(isinstance(cfg["task_seed"], int) and cfg["task_seed"] >= 0, "task_seed", "must be an integer at least 0")
     need(
         cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
@@ -330,7 +364,7 @@ def start_processes(cfg: dict) -> Processes:
 
 @dataclass
 class Data:
-    dir: Path
+    dir: Path | None  # None for a synthetic task, whose sequences are generated
     meta: dict  # meta.json: the dataset's vocab_size and tokenizer
     vocab_size: int  # the model's: GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls), a char one as is
     task_tok: object | None  # the tokenizer that writes the task sequences (task_fraction > 0)
@@ -338,7 +372,10 @@ class Data:
 
 def load_data(cfg: dict, procs: Processes) -> Data:
     """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
-    training; the tasks checked against its vocabulary and the block size."""
+    training; the tasks checked against its vocabulary and the block size. A synthetic task has no files."""
+    if cfg["task"]:
+        V = cfg["task_vocab"]
+        return Data(None, {"vocab_size": V, "tokenizer": {"kind": "ids", "vocab_size": V}}, V, None)
     data_dir = dataset_dir(cfg["dataset"])
     if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
         if procs.master:
@@ -391,6 +428,8 @@ def build_model(cfg: dict, data: Data, log) -> tuple[GPT, dict | None]:
         )
     if cfg["block_size"] > model.config.block_size:
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
+    if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
+        cfg["pe_lr_scale"] = (ckpt or {}).get("config", {}).get("pe_lr_scale") or model.transformer.wpe.lr_scale
     return model, ckpt
 
 
@@ -409,6 +448,7 @@ class Run:
     iter_num: int = 0
     best_val_loss: float = float("inf")
     wandb_run_id: str | None = None
+    history: list = field(default_factory=list)  # every evaluation: {"iter", "train", "val"[, "acc"]}
 
     @property
     def eval_setup(self) -> dict:
@@ -422,8 +462,15 @@ class Run:
         return autocast(self.procs.device, self.cfg["dtype"])
 
     def batch(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """This process's share of a batch x, y (B, T)."""
-        p, B, T = self.procs, self.cfg["batch_size"], self.cfg["block_size"]
+        """This process's share of a batch x, y (B, T). A synthetic task's rows come from a seed that generator
+        draws (so the sampler's state is still one generator state), the split and the rank."""
+        p, cfg, B, T = self.procs, self.cfg, self.cfg["batch_size"], self.cfg["block_size"]
+        if cfg["task"]:
+            seed = int(torch.randint(2**62, (1,), generator=generator))
+            rng = np.random.default_rng([seed, SPLITS.index(split), p.rank])
+            mix = cfg["task_mix"] if split == "train" else 0.0
+            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, mix=mix, **synthetic.task_options(cfg))
+            return x.to(p.device), y.to(p.device)
         return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
 
 
@@ -436,6 +483,7 @@ def restore(run: Run, ckpt: dict) -> None:
         ckpt["best_val_loss"],
         ckpt.get("wandb_run_id"),
     )
+    run.history = [h for h in ckpt.get("history", []) if h["iter"] < run.iter_num]  # this iteration is evaluated again
     log(f"resuming from {Path(run.cfg['out_dir']) / 'ckpt.pt'} at iteration {run.iter_num}")
     changed = changed_eval_setup(ckpt, run.eval_setup)
     if changed and run.best_val_loss < float("inf"):
@@ -475,20 +523,28 @@ def wrap(run: Run) -> torch.nn.Module:
 
 @torch.no_grad()
 def estimate_loss(run: Run) -> dict[str, float]:
-    """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks."""
+    """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks. For a
+    synthetic task also "acc", the validation accuracy: exact match (argmax) at the answer tokens."""
     out = {}
     run.net.eval()
     for split in SPLITS:
         g = torch.Generator().manual_seed(run.cfg["seed"] + 1)
         losses = torch.zeros(run.cfg["eval_iters"], device=run.procs.device)
+        hits = torch.zeros(2, device=run.procs.device)  # right answers, answers
         for k in range(run.cfg["eval_iters"]):
             X, Y = run.batch(split, g)
             with run.autocast():
-                losses[k] = run.net(X, Y)[1]
+                logits, losses[k] = run.net(X, Y)
+            if run.cfg["task"] and split == "val":
+                answers = Y >= 0
+                hits += torch.stack([(logits.argmax(-1) == Y)[answers].sum(), answers.sum()])
         mean = losses.mean()
         if run.procs.ddp:
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+            dist.all_reduce(hits)
         out[split] = mean.item()
+        if run.cfg["task"] and split == "val":
+            out["acc"] = (hits[0] / hits[1]).item()
     run.net.train()
     return out
 
@@ -516,6 +572,7 @@ def save(run: Run, best: bool) -> None:
         "data_rng": run.data_rng.get_state(),
         "scaler": run.scaler.state_dict(),
         "wandb_run_id": run.wandb_run_id,
+        "history": run.history,
     }
     out_dir = Path(run.cfg["out_dir"])
     save_checkpoint(ckpt, out_dir / "ckpt.pt")
@@ -706,6 +763,11 @@ def main(argv: list[str]) -> None:
             f"retrieval tasks (passkey, recall, copy) in {cfg['task_fraction']:.0%} of the training rows, "
             f"seed {cfg['task_seed']}"
         )
+    if cfg["task"]:
+        log(
+            f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
+            "answers only"
+        )
     if (note := model.fused_attention_note(procs.device_type)) and model.transformer.wpe.has_bias:
         log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
     run.net = wrap(run)
@@ -732,12 +794,17 @@ def main(argv: list[str]) -> None:
             eval_dt = time.time() - te
             improved = losses["val"] < run.best_val_loss
             run.best_val_loss = min(run.best_val_loss, losses["val"])
+            acc = f", val accuracy {losses['acc']:.1%}" if "acc" in losses else ""
             log(
                 f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                f"(best {run.best_val_loss:.4f}), eval {eval_dt:.1f}s"
+                f"(best {run.best_val_loss:.4f}){acc}, eval {eval_dt:.1f}s"
             )
+            if "acc" in losses and synthetic.learned_at(run.history) is None and losses["acc"] >= synthetic.LEARNED:
+                log(f"learned {cfg['task']} at step {run.iter_num} (val accuracy >= {synthetic.LEARNED:.0%})")
+            run.history.append({"iter": run.iter_num, **losses})
             if wandb:
-                wandb.log({"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                metrics = {"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+                wandb.log(metrics | ({"val/accuracy": losses["acc"]} if "acc" in losses else {}))
             if cfg["eval_only"]:
                 break
             if cfg["always_save_checkpoint"] or improved or run.iter_num >= max_iters:

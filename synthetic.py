@@ -1,0 +1,302 @@
+"""
+Synthetic token-level tasks: retrieval a small model can learn on a CPU, and how far past its training length each
+encoding still does it. train.py trains on them (`python train.py config/rope.py config/passkey.py`), this file
+scores checkpoints at longer lengths, and `sweep.py --synthetic` runs the whole suite.
+
+    python synthetic.py out-rope-passkey out-alibi-passkey            # 1x to 16x the training length
+
+A vocabulary of V tokens (task_vocab, default 128): three special tokens (MARK, QUERY, SEP), then three equal
+ranges of keys, values and filler. A sequence of length L is L + 1 tokens, as training reads T + 1 tokens for
+inputs and targets, and the answer tokens are known; the loss is on them alone.
+
+- **needle** (one step): filler, MARK, a key, filler, QUERY, the key. The key is the only token of its range, so
+  content alone finds it.
+- **passkey** (two steps): the same with filler drawn from the key range, so the key is found only through the MARK
+  before it: a head must carry "the token before me is MARK" to the key's position, and another read it there.
+- **mqar** (multi-query associative recall, Arora et al. 2023, Zoology): task_pairs (key, value) pairs at random
+  places in filler, then task_queries of the keys, each followed by its value. Each query is one trial.
+- **copy** (order): a random string of keys, SEP, the string again; every copied token is one trial. The keys repeat
+  (41 of them at V = 128), so matching content is ambiguous and the model must keep the string's order. Training
+  copies take every length that fits (at one length the copy is always the same distance back, learnable from
+  position alone); evaluation copies are as long as fits, half the sequence.
+- **offset** (position): filler from the key range with MARK in it, then QUERY and a number k (1 to 4), then the
+  token k places after MARK: neither content nor the marker alone finds it, only the distance from the marker.
+
+task_mix makes that share of the training rows needle rows: a curriculum under which the two-step lookups are learned
+in hundreds of steps instead of sitting at chance for thousands (the lookup is learned where content finds the key,
+which is also the token after MARK, and then found through MARK where content cannot).
+
+Accuracy is greedy exact match at each answer token given the true tokens before it (teacher-forced, one forward):
+for one-token answers that is greedy decoding itself. A model "learned" a task when its accuracy at the training
+length reaches LEARNED (90%).
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MARK, QUERY, SEP = 0, 1, 2
+N_SPECIAL = 3
+LEARNED = 0.9  # accuracy at the training length from which a run counts as having learned its task
+
+
+class SyntheticError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Token ranges of a vocabulary of `size` tokens: the specials, then keys, values and filler (each a third)."""
+
+    size: int
+
+    @property
+    def n(self) -> int:
+        return (self.size - N_SPECIAL) // 3  # tokens per range (filler takes the remainder too)
+
+    @property
+    def keys(self) -> tuple[int, int]:
+        return N_SPECIAL, N_SPECIAL + self.n
+
+    @property
+    def values(self) -> tuple[int, int]:
+        return N_SPECIAL + self.n, N_SPECIAL + 2 * self.n
+
+    @property
+    def filler(self) -> tuple[int, int]:
+        return N_SPECIAL + 2 * self.n, self.size
+
+    def draw(self, rng: np.random.Generator, span: tuple[int, int], n: int, distinct: bool = False) -> np.ndarray:
+        if distinct:
+            return rng.choice(np.arange(*span), n, replace=False)
+        return rng.integers(*span, size=n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generators: each returns tokens (L + 1,) int64 and answer (L + 1,) bool, the answer tokens' places. `train` asks for
+# the training distribution (copy varies its length), otherwise the evaluation one.
+
+
+def _lookup(v: Vocab, L: int, rng: np.random.Generator, filler: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    tokens = v.draw(rng, filler, L + 1)
+    key = v.draw(rng, v.keys, 1)[0]
+    at = int(rng.integers(0, L - 2))  # MARK at 0 … L - 3: MARK, key, then at least QUERY and the answer
+    tokens[at], tokens[at + 1], tokens[L - 1], tokens[L] = MARK, key, QUERY, key
+    answer = np.zeros(L + 1, dtype=bool)
+    answer[L] = True
+    return tokens, answer
+
+
+def needle(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
+    """Filler, MARK, key at a uniform depth, filler, QUERY, key: the only key-range token, found by its content."""
+    return _lookup(v, L, rng, v.filler)
+
+
+def passkey(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
+    """As needle, with filler from the key range: the key is the token after MARK, found through MARK alone."""
+    return _lookup(v, L, rng, v.keys)
+
+
+def mqar(
+    v: Vocab, L: int, rng: np.random.Generator, train: bool = False, pairs: int = 8, queries: int = 4, **_
+) -> tuple[np.ndarray, np.ndarray]:
+    """`pairs` (key, value) pairs with distinct keys spread at random through filler, then `queries` distinct keys
+    of them, each followed by its value (the answers). In training, any number of pairs from 1 to `pairs`: with one
+    or two, the value is found by its range alone, and that lookup is learned before the binding of key and value."""
+    if train:
+        pairs = int(rng.integers(1, pairs + 1))
+        queries = min(queries, pairs)
+    keys, values = v.draw(rng, v.keys, pairs, distinct=True), v.draw(rng, v.values, pairs)
+    n_fill = L + 1 - 2 * pairs - 2 * queries
+    gaps = np.bincount(rng.integers(0, pairs + 1, n_fill), minlength=pairs + 1)  # filler before each pair and after
+    parts = []
+    for i in range(pairs):
+        parts += [v.draw(rng, v.filler, gaps[i]), [keys[i], values[i]]]
+    parts.append(v.draw(rng, v.filler, gaps[pairs]))
+    asked = rng.choice(pairs, queries, replace=False)
+    parts.append(np.stack([keys[asked], values[asked]], 1).ravel())
+    tokens = np.concatenate(parts).astype(np.int64)
+    answer = np.zeros(L + 1, dtype=bool)
+    answer[L + 2 - 2 * queries :: 2] = True  # each query's value
+    return tokens, answer
+
+
+def copy(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
+    """Filler, a string of keys, SEP, the string again (the answers). The string is as long as fits, L // 2 tokens;
+    in training any length from 1 to that, so that its distance back varies."""
+    longest = L // 2
+    n = int(rng.integers(1, longest + 1)) if train else longest
+    pad = L + 1 - 2 * n - 1
+    s = v.draw(rng, v.keys, n)
+    tokens = np.concatenate([v.draw(rng, v.filler, pad), s, [SEP], s]).astype(np.int64)
+    answer = np.zeros(L + 1, dtype=bool)
+    answer[L + 1 - n :] = True
+    return tokens, answer
+
+
+def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
+    """Filler from the key range with MARK at a uniform depth, then QUERY and a number k from 1 to OFFSETS (the
+    first OFFSETS value tokens), then the token k places after MARK: found by position alone."""
+    tokens = v.draw(rng, v.keys, L + 1)
+    k = int(rng.integers(1, OFFSETS + 1))
+    at = int(rng.integers(0, L - 2 - k))  # MARK at 0 … L - 3 - k: the k-th token after it comes before QUERY
+    tokens[at], tokens[L - 2], tokens[L - 1] = MARK, QUERY, v.values[0] + k - 1
+    tokens[L] = tokens[at + k]
+    answer = np.zeros(L + 1, dtype=bool)
+    answer[L] = True
+    return tokens, answer
+
+
+OFFSETS = 4  # offset asks for the 1st to the 4th token after the marker
+TASKS = {"needle": needle, "passkey": passkey, "mqar": mqar, "copy": copy, "offset": offset}
+
+
+def fixed_tokens(task: str, pairs: int = 8, queries: int = 4) -> int:
+    """The fewest tokens a sequence of the task holds (its fixed parts): the shortest length is this minus one."""
+    return {"needle": 4, "passkey": 4, "mqar": 2 * pairs + 2 * queries, "copy": 3, "offset": 4 + OFFSETS}[task]
+
+
+def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4) -> None:
+    """Raise SyntheticError, naming the fix, where the task cannot be made at this length with this vocabulary."""
+    if task not in TASKS:
+        raise SyntheticError(f"task={task!r} is not a synthetic task; choose one of {', '.join(TASKS)}")
+    if task == "mqar" and not 1 <= queries <= pairs:
+        raise SyntheticError(
+            f"task_queries={queries} must be between 1 and task_pairs={pairs} (each query asks one pair's key)"
+        )
+    need = fixed_tokens(task, pairs, queries)
+    if length + 1 < need:
+        raise SyntheticError(
+            f"task={task!r} needs a length of at least {need - 1} tokens (its fixed parts alone), got {length}; "
+            f"raise block_size"
+        )
+    v = Vocab(vocab)
+    # each range must give the task a choice: two keys at least, and mqar's keys distinct
+    least = pairs if task == "mqar" else 2
+    if v.n < least:
+        raise SyntheticError(
+            f"task_vocab={vocab} is too small for {task!r}: {N_SPECIAL} special tokens and three ranges (keys, "
+            f"values, filler) of {v.n} tokens each, where the task needs {least}; use task_vocab >= "
+            f"{N_SPECIAL + 3 * least} (128 is the default)"
+        )
+
+
+def sequence(task: str, vocab: int, length: int, rng: np.random.Generator, train: bool = False, **kw):
+    """One sequence of the task: tokens (length + 1,) int64 and answer (length + 1,) bool."""
+    return TASKS[task](Vocab(vocab), length, rng, train=train, **kw)
+
+
+def batch(
+    task: str, vocab: int, B: int, T: int, rng: np.random.Generator, train: bool = True, mix: float = 0.0, **kw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs x and targets y (B, T) of B sequences; y is -1 (ignored by the loss) except at the answers. Each row is
+    a needle row with probability mix (the curriculum of task_mix), else one of the task's."""
+    seqs = [sequence("needle" if rng.uniform() < mix else task, vocab, T, rng, train, **kw) for _ in range(B)]
+    tokens = np.stack([t for t, _ in seqs])
+    answer = np.stack([a for _, a in seqs])
+    return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(np.where(answer[:, 1:], tokens[:, 1:], -1))
+
+
+def task_options(cfg: dict) -> dict:
+    """The generator options of a train.py config (or a checkpoint's)."""
+    return {"pairs": cfg.get("task_pairs", 8), "queries": cfg.get("task_queries", 4)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def eval_rng(seed: int, task: str, length: int) -> np.random.Generator:
+    """The sequences of one (task, length) cell: the same for every checkpoint with the same seed."""
+    return np.random.default_rng([seed, list(TASKS).index(task), length])
+
+
+@torch.no_grad()
+def accuracy(
+    model, task: str, vocab: int, length: int, n: int, seed: int = 0, batch_size: int = 50, device: str = "cpu", **kw
+) -> float:
+    """Exact-match accuracy over the answer tokens of n evaluation sequences of the task at this length: the argmax
+    at each answer position given the true tokens before it (every answer token is one trial). model is a GPT, or
+    any callable from inputs (B, T) to logits (B, T, V)."""
+    rng = eval_rng(seed, task, length)
+    right = total = 0
+    for i in range(0, n, batch_size):
+        x, y = batch(task, vocab, min(batch_size, n - i), length, rng, train=False, **kw)
+        x, y = x.to(device), y.to(device)
+        mask = y >= 0
+        if hasattr(model, "features"):  # only the answers' hidden states (N, C) go to the vocabulary
+            logits = model.lm_head(model.features(x)[mask])
+        else:
+            logits = model(x)[mask]
+        right += int((logits.argmax(-1) == y[mask]).sum())
+        total += int(mask.sum())
+    return right / total
+
+
+def can_read(model, length: int) -> bool:
+    """Whether the model has positions for length tokens (learned ones stop at block_size)."""
+    pe = model.transformer.wpe
+    return pe.extrapolates or pe.max_len is None or length <= pe.max_len
+
+
+def evaluate_checkpoint(model, cfg: dict, lengths: list[int], n: int, seed: int = 0, device: str = "cpu") -> dict:
+    """{length: accuracy or None (no positions there)} for the checkpoint's own task."""
+    task, vocab = cfg["task"], cfg["task_vocab"]
+    out = {}
+    for L in lengths:
+        check(task, L, vocab, **task_options(cfg))
+        out[L] = (
+            accuracy(model, task, vocab, L, n, seed, device=device, **task_options(cfg)) if can_read(model, L) else None
+        )
+    return out
+
+
+def learned_at(history: list[dict], threshold: float = LEARNED) -> int | None:
+    """The first evaluated iteration whose accuracy reached threshold, or None."""
+    return next((h["iter"] for h in history if h.get("acc", 0) >= threshold), None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 1, 2, 4, 8 and 16 times training's")
+    p.add_argument("--n", type=int, default=400, help="sequences per length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out_json", default="")
+    args = p.parse_args(argv)
+    if args.n < 1 or (args.lengths and min(args.lengths) < 1):
+        p.error("--n and every length must be at least 1")
+    report = {}
+    for d in args.out_dirs:
+        try:
+            ckpt = load_checkpoint(Path(d) / "ckpt.pt")
+        except CheckpointError as e:
+            sys.exit(f"error: {e}")
+        cfg = ckpt.get("config", {})
+        if not cfg.get("task"):
+            sys.exit(f"error: {d} was not trained on a synthetic task (train with task=needle, passkey, mqar or copy)")
+        T = cfg["block_size"]
+        lengths = args.lengths or [T * k for k in (1, 2, 4, 8, 16)]
+        model = model_from_checkpoint(ckpt).to(args.device).eval()
+        try:
+            acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
+        except SyntheticError as e:
+            sys.exit(f"error: {d}: {e}")
+        report[d] = {"task": cfg["task"], "accuracy": acc, "learned_at": learned_at(ckpt.get("history", []))}
+        cells = " | ".join("n/a" if a is None else f"{100 * a:.1f}%" for a in acc.values())
+        print(f"| {d} | {cfg['task']} | " + " | ".join(map(str, lengths)) + " |\n| | | " + cells + " |")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

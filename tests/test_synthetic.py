@@ -1,0 +1,298 @@
+"""The synthetic token-level tasks: each generator's layout, reproducibility and errors; an oracle that reads the
+answer from the sequence scores 100% and a context-blind predictor scores chance; the answer-only loss; a tiny run
+learns the one-step task; train.py's and sweep.py's synthetic track end to end."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import train_in_process
+from test_train import ENV, ROOT
+
+import synthetic as S
+import train
+from checkpoint import load_checkpoint
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+from tokenizer import IdsTokenizer, tokenizer_from_meta
+
+V = 128
+VOCAB = S.Vocab(V)
+TASKS = list(S.TASKS)
+
+
+def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:
+    return bool(((x >= span[0]) & (x < span[1])).all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generators
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("train_rows", [False, True])
+def test_generator_lengths_and_reproducibility(task, train_rows):
+    """Every sequence is L + 1 tokens with at least one answer, inside the vocabulary, from the shortest length the
+    task allows up; the same seed gives the same sequences and another seed others."""
+    shortest = S.fixed_tokens(task) - 1
+    for L in (shortest, shortest + 1, 64, 200):
+        a = [S.sequence(task, V, L, np.random.default_rng(7), train_rows) for _ in range(2)]
+        b = S.sequence(task, V, L, np.random.default_rng(8), train_rows)
+        tokens, answer = a[0]
+        assert tokens.shape == answer.shape == (L + 1,) and tokens.dtype == np.int64 and answer.dtype == bool
+        assert answer.any() and not answer[0] and in_range(tokens, (0, V))
+        assert np.array_equal(a[0][0], a[1][0]) and np.array_equal(a[0][1], a[1][1])
+        if L >= 64:
+            assert not np.array_equal(tokens, b[0])
+
+
+@pytest.mark.parametrize("task", ["needle", "passkey"])
+def test_lookup_layout(task):
+    """needle and passkey: one MARK, the key after it, QUERY before the last token, which is the key and the only
+    answer; needle's filler is the filler range (the key is the only key token), passkey's the key range."""
+    rng = np.random.default_rng(0)
+    depths = []
+    for _ in range(300):
+        t, a = S.sequence(task, V, 64, rng)
+        (at,) = np.flatnonzero(t == S.MARK)
+        assert t[-2] == S.QUERY and t[-1] == t[at + 1] and np.flatnonzero(a).tolist() == [64]
+        assert in_range(t[at + 1 : at + 2], VOCAB.keys)
+        rest = np.delete(t[:-2], [at, at + 1])
+        assert in_range(rest, VOCAB.filler if task == "needle" else VOCAB.keys)
+        depths.append(at)
+    assert min(depths) <= 3 and max(depths) >= 58  # the key is hidden at every depth
+
+
+def test_mqar_layout():
+    """mqar: task_pairs pairs with distinct keys, each key once before the queries; the answers are the values that
+    follow each queried key at the end, and the filler is from the filler range."""
+    rng = np.random.default_rng(0)
+    for L, pairs, queries in ((64, 8, 4), (23, 8, 4), (300, 6, 6), (40, 3, 1)):
+        t, a = S.sequence("mqar", V, L, rng, pairs=pairs, queries=queries)
+        qs = t[L + 1 - 2 * queries :]
+        assert np.flatnonzero(a).tolist() == list(range(L + 2 - 2 * queries, L + 1, 2))
+        context = t[: L + 1 - 2 * queries]
+        keys = context[(context >= VOCAB.keys[0]) & (context < VOCAB.keys[1])]
+        assert len(keys) == pairs == len(set(keys.tolist()))
+        for k, v in zip(qs[0::2], qs[1::2], strict=True):
+            (where,) = np.flatnonzero(context == k)
+            assert context[where + 1] == v and in_range(np.array([v]), VOCAB.values)
+        is_pair = np.isin(context, keys) | np.isin(np.arange(len(context)) - 1, np.flatnonzero(np.isin(context, keys)))
+        assert in_range(context[~is_pair], VOCAB.filler)
+
+
+def test_copy_layout():
+    """copy: the answers are the string again after SEP; evaluation strings fill half the sequence, training strings
+    take every length from 1 up."""
+    rng = np.random.default_rng(0)
+    for L in (2, 3, 64, 65):
+        t, a = S.sequence("copy", V, L, rng)
+        n = L // 2
+        assert a.sum() == n and t[L - n] == S.SEP and np.array_equal(t[L + 1 - n :], t[L - 2 * n : L - n])
+    lengths = {int(S.sequence("copy", V, 64, rng, train=True)[1].sum()) for _ in range(500)}
+    assert lengths == set(range(1, 33))
+
+
+def test_offset_layout():
+    """offset: QUERY and a number k in 1..4 before the answer, which is the token k places after the one MARK; the
+    filler is from the key range, so only the position tells it."""
+    rng = np.random.default_rng(0)
+    ks = set()
+    for _ in range(300):
+        t, a = S.sequence("offset", V, 64, rng)
+        (at,) = np.flatnonzero(t == S.MARK)
+        k = t[-2] - VOCAB.values[0] + 1
+        ks.add(int(k))
+        assert t[-3] == S.QUERY and t[-1] == t[at + k] and at + k < 62 and np.flatnonzero(a).tolist() == [64]
+        assert in_range(np.delete(t[:-3], at), VOCAB.keys)
+    assert ks == set(range(1, S.OFFSETS + 1))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_too_short_and_too_small_vocabulary_are_errors(task):
+    """A length below the task's fixed parts, and a vocabulary whose ranges are too small, are one-line errors
+    that name the fix."""
+    shortest = S.fixed_tokens(task) - 1
+    S.check(task, shortest, V)
+    with pytest.raises(S.SyntheticError, match=f"at least {shortest} tokens.*raise block_size"):
+        S.check(task, shortest - 1, V)
+    least = 8 if task == "mqar" else 2
+    S.check(task, 64, S.N_SPECIAL + 3 * least)
+    with pytest.raises(S.SyntheticError, match=rf"task_vocab={S.N_SPECIAL + 3 * least - 1} is too small.*>= "):
+        S.check(task, 64, S.N_SPECIAL + 3 * least - 1)
+
+
+def test_unknown_task_and_bad_queries_are_errors():
+    with pytest.raises(S.SyntheticError, match="'neddle' is not a synthetic task; choose one of needle, passkey"):
+        S.check("neddle", 64, V)
+    with pytest.raises(S.SyntheticError, match="task_queries=9 must be between 1 and task_pairs=8"):
+        S.check("mqar", 64, V, pairs=8, queries=9)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task=neddle"], "not a synthetic task"),
+        (["--task=mqar", "--block_size=16"], "at least 23 tokens"),
+        (["--task=needle", "--task_vocab=8"], "task_vocab=8 is too small"),
+        (["--task=needle", "--dataset=shakespeare_char"], "dataset='shakespeare_char' is for text"),
+        (["--task=needle", "--task_fraction=0.1"], "task_fraction=0.1 is for text"),
+        (["--task=needle", "--task_mix=1.0"], "task_mix=1.0 must be in"),
+    ],
+)
+def test_train_rejects_bad_synthetic_options(args, message):
+    """train.py checks the synthetic options before any work: one ConfigError naming the problem."""
+    with pytest.raises(ConfigError, match=message):
+        train.resolve(configure(train.defaults, ["--device=cpu", *args]))
+
+
+def test_train_cli_error_is_one_line(tmp_path):
+    """From the command line: 'error: …' on one line and exit 1, before any training output."""
+    cmd = [sys.executable, "train.py", "config/rope.py", "config/passkey.py", "--dataset=openwebtext"]
+    r = subprocess.run(cmd + [f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and r.stdout == ""
+    assert (
+        r.stderr.startswith("error: task='passkey' trains on synthetic sequences alone") and r.stderr.count("\n") == 1
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring: an oracle, a context-blind predictor, the loss
+
+
+def oracle_answer(x: np.ndarray, t: int) -> int:
+    """The next token after input position t, read from the inputs x (T,) by each task's rule, independently of the
+    generators: the token after MARK (needle, passkey), k after it (offset), after the earlier copy of the current
+    key (mqar), n + 1 back after SEP (copy)."""
+    T = len(x)
+    marks, seps = np.flatnonzero(x == S.MARK), np.flatnonzero(x == S.SEP)
+    if len(seps):  # copy: the string is x[s - n : s] and its copy ends at the last target
+        n = T - seps[-1]
+        return int(x[t - n])
+    if x[t] == S.QUERY:
+        return int(x[marks[0] + 1])
+    if T >= 2 and x[T - 2] == S.QUERY and t == T - 1:  # offset: QUERY, k
+        return int(x[marks[0] + x[t] - VOCAB.values[0] + 1])
+    earlier = np.flatnonzero(x[:t] == x[t])  # mqar: the pair of the queried key
+    return int(x[earlier[0] + 1]) if len(earlier) else 0
+
+
+def oracle(x: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V), one-hot at each position's answer by oracle_answer."""
+    out = torch.zeros(*x.shape, V)
+    for b, row in enumerate(x.numpy()):
+        for t in range(len(row)):
+            out[b, t, oracle_answer(row, t)] = 1.0
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_oracle_scores_100_percent(task):
+    """A reader that follows each task's rule scores 100% at the training length and 8x it: every answer is in the
+    sequence, where the task says it is."""
+    for L in (64, 512):
+        assert S.accuracy(oracle, task, V, L, 60) == 1.0
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_context_blind_predictor_scores_chance(task):
+    """A bigram predictor fit on 3000 training sequences (the likeliest next token given the current one) cannot
+    see the context: it scores chance, one over the answer range's size (binomial bounds, 5 sigma)."""
+    rng = np.random.default_rng(0)
+    counts = torch.zeros(V, V)
+    x, y = S.batch(task, V, 3000, 64, rng)
+    mask = y >= 0
+    counts.index_put_((x[mask], y[mask]), torch.ones(int(mask.sum())), accumulate=True)
+    bigram = lambda x: counts[x]  # noqa: E731
+    n = 800
+    trials = n * {"mqar": 4, "copy": 32}.get(task, 1)
+    acc = S.accuracy(bigram, task, V, 64, n)
+    p = 1 / VOCAB.n
+    assert abs(acc - p) < 5 * (p * (1 - p) / trials) ** 0.5 + 1e-9, acc
+
+
+def test_answer_only_loss_is_masked_cross_entropy():
+    """The model's loss on a synthetic batch equals the cross-entropy computed by hand over the answer tokens alone."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32, pos_encoding="rope"))
+    x, y = S.batch("mqar", V, 6, 64, np.random.default_rng(1), train=False)
+    logits, loss = model(x, y)
+    lp = F.log_softmax(logits.double(), -1)
+    terms = [-lp[b, t, y[b, t]] for b in range(6) for t in range(64) if y[b, t] >= 0]
+    assert len(terms) == 6 * 4
+    torch.testing.assert_close(loss.double(), torch.stack(terms).mean(), atol=1e-6, rtol=1e-6)
+
+
+def test_mix_puts_needle_rows_in_training_batches():
+    """task_mix: about that share of the rows are needle rows (filler from the filler range), the rest the task's."""
+    x, _ = S.batch("passkey", V, 2000, 64, np.random.default_rng(0), mix=0.25)
+    needle_rows = ((x >= VOCAB.filler[0]).sum(1) > 30).float().mean().item()
+    assert 0.22 < needle_rows < 0.28
+
+
+def test_ids_tokenizer_round_trip():
+    """The synthetic checkpoints' tokenizer writes ids as numbers and reads them back; a bad id is an error."""
+    tok = tokenizer_from_meta(IdsTokenizer(V).meta)
+    assert tok.encode(" 0 17\n5 ") == [0, 17, 5] and tok.decode([0, 17, 5]) == "0 17 5"
+    with pytest.raises(ValueError, match="token id 128 is outside"):
+        tok.encode("1 128")
+    with pytest.raises(ValueError, match="numbers separated by spaces"):
+        tok.encode("a b")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training and the suite
+
+
+@pytest.mark.slow
+def test_tiny_run_learns_the_needle(tmp_path):
+    """train.py on the one-step task, 300 iterations of a 30k-parameter model: validation accuracy at the training
+    length far above chance (1/41), and the checkpoint's history and eval at 2x agree with it."""
+    out = tmp_path / "needle"
+    train_in_process(
+        ["config/rope.py", "config/needle.py", f"--out_dir={out}", "--max_iters=300", "--lr_decay_iters=300"]
+    )
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    history = ckpt["history"]
+    assert [h["iter"] for h in history] == list(range(0, 301, 100))
+    assert history[0]["acc"] < 0.1 and history[-1]["acc"] > 0.8
+    assert ckpt["tokenizer"] == {"kind": "ids", "vocab_size": V}
+    report = S.main([str(out), "--lengths", "64", "128", "--n", "200"])
+    assert report[str(out)]["accuracy"][64] > 0.8 and report[str(out)]["learned_at"] is not None
+
+
+@pytest.mark.slow
+def test_synthetic_resume_is_exact(tmp_path):
+    """A synthetic run stopped and resumed gives the same weights and history as one that never stopped."""
+    common = ["config/alibi.py", "config/passkey.py", "--eval_interval=5", "--lr_decay_iters=20"]
+    train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}"])
+    train_in_process([*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}"])
+    train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'split'}", "--init_from=resume"])
+    a, b = (load_checkpoint(tmp_path / d / "ckpt.pt") for d in ("straight", "split"))
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["history"] == b["history"] and len(a["history"]) == 5
+
+
+@pytest.mark.slow
+def test_synthetic_suite_end_to_end(tmp_path):
+    """sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task with
+    the learned counts, the plot, and a second run reuses everything."""
+    out = tmp_path / "suite"
+    cmd = [sys.executable, "sweep.py", "--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
+    cmd += ["--jobs", "2", "--task_trials", "20", f"--out_dir={out}", "--train", "--max_iters=30", "--eval_interval=10"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report
+    learned_row = next(line for line in report.splitlines() if line.startswith("| learned | "))
+    assert " of 1 |" in learned_row and learned_row.count("n/a") == 4  # no positions past its block of 64
+    assert (out / "synthetic.png").stat().st_size > 10_000
+    results = json.loads((out / "results.json").read_text())["results"]["needle"]
+    assert set(results) == {"alibi", "learned"} and results["alibi"][0]["iters"] == 30
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 2
