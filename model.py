@@ -803,12 +803,14 @@ class GPT(nn.Module):
                 "dynamic_ntk scaling does), so no KV cache can be exact there; run without a cache (generate() does "
                 "so by itself)"
             )
-        x = self._features(idx, pos, cache, window)
+        # the band gradient reads i - j as the distance: true of positions that step by one (a range), not of any pos
+        consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
+        x = self._features(idx, pos, cache, window, consecutive)
         if cache is not None:
             cache.advance(T, last)
         return x
 
-    def _features(self, idx, pos, cache, window):
+    def _features(self, idx, pos, cache, window, consecutive=True):
         """features() without the host-side bookkeeping: tensor code only, so a decode step compiles to one graph."""
         pe = self.transformer.wpe
         x = self.transformer.wte(idx)  # (B, T, C)
@@ -818,18 +820,19 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        attentions = [self._attention(pos, k_pos, window, cache is not None, layer) for layer in layers]
+        attentions = [self._attention(pos, k_pos, window, cache is not None, consecutive, layer) for layer in layers]
         rope = pe.rotary(pos, window)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache)
         return self.transformer.ln_f(x)
 
-    def _attention(self, q_pos, k_pos, window, cached, layer=0):
+    def _attention(self, q_pos, k_pos, window, cached, consecutive, layer=0):
         """Attention as one function (q, k, v) -> y, chosen once per forward: SDPA's causal (flash) path where no mask
         is needed; a fused kernel that applies the bias (FlexAttention, BiasAttention on CPUs); else SDPA under a
         materialized bool mask (Tq, Tk) or float bias with -inf (nh, Tq, Tk). All of them compare absolute positions,
         so cached keys line up whatever Tq and Tk are (and whatever slot holds them). fused_attention=False always
-        takes the reference path (a materialized mask and SDPA). layer picks a per-layer bias's heads."""
+        takes the reference path (a materialized mask and SDPA). consecutive: the positions step by one, so that a
+        band of i - j is a band of distances. layer picks a per-layer bias's heads."""
         pe = self.transformer.wpe
         h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
         dropout_p = self.config.dropout if self.training else 0.0
@@ -844,7 +847,7 @@ class GPT(nn.Module):
         # RoPE's step for bias-RPE on an H100, or out of shared memory. So a trainable bias is fused only where its
         # gradient can come from a band (bias_span); others (KERPLE, FIRE) train on the materialized path.
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
-        band = trainable and pe.bias_span is not None and not cached
+        band = trainable and pe.bias_span is not None and not cached and consecutive
         fits = self.fused_attention_note(q_pos.device.type) is None
         if fused and pe.has_bias and no_dropout and fits and (band or not trainable):
             block_mask = create_block_mask(

@@ -604,6 +604,31 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "pe, kw", [("bias_rpe", dict(rpe_max_distance=5)), ("t5", dict(t5_num_buckets=8, t5_max_distance=12))]
+)
+@pytest.mark.parametrize("stride, offset", [(2, 0), (3, 0), (1, 7)])
+def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, monkeypatch):
+    """With explicit positions the fused path's table gradient equals the materialized path's: positions that skip
+    (2·arange, 3·arange: distances are not index differences) leave the band gradient for the materialized bias, and
+    a shifted range (7 + arange: the same distances) keeps it."""
+    import model as model_module
+
+    calls = []
+    monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    T = 20
+    model = tiny(pe, block_size=3 * T, **kw).train()
+    idx, pos = tokens(2, T), offset + stride * torch.arange(T)
+    model.fused_attention = False
+    ref_logits, ref_grads = grads(model, idx, pos=pos)
+    model.fused_attention = True
+    logits, fused_grads = grads(model, idx, pos=pos)
+    assert bool(calls) == (stride == 1)
+    close(logits, ref_logits)
+    for name in ref_grads:
+        close(fused_grads[name], ref_grads[name], tol=1e-5)
+
+
 def spanless_trainable(pe: str) -> bool:
     wpe = tiny(pe).transformer.wpe
     return wpe.bias_span is None and bool(list(wpe.parameters()))
