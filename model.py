@@ -361,39 +361,44 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class FIRE(NoPE):
-    """FIRE, functional interpolation for relative positions (Li et al. 2023): bias f(ψ(i - j) / ψ(max(L, i))) with
-    ψ(x) = log(c·x + 1), f a small MLP (1 -> 32, ReLU, -> one output per head) of each layer's own, c > 0 and the
+    """FIRE, functional interpolation for relative positions (Li et al. 2023): bias f(ψ(i - j) / (ψ(max(L, i)) + ε))
+    with ψ(x) = log(|c|·x + 1), f a small MLP (1 -> 32, ReLU, -> one output per head) of each layer's own, c and the
     threshold L trainable. Dividing by ψ of the query's position maps every distance the query can see into [0, 1],
     so a longer context interpolates between trained inputs instead of reaching new ones (L keeps short contexts
     from being stretched). The bias depends on i, not only on i - j: the cache and every attention path pass absolute
-    positions. Init: c = 1, L = block_size; f's output layer small, so training starts near NoPE."""
+    positions. As the paper's reference code: c starts at 0.1; L = |m|·L0 with a learned multiplier m from 1 and a
+    fixed L0 (block_size), so Adam's steps of about the learning rate move L by a fraction of itself, not by tokens;
+    ε = 1e-6 keeps L = 0 finite at position 0. f has no output bias: a constant per head is lost in the softmax. f's
+    output layer starts small, so training starts near NoPE."""
 
     relative = False  # the query's position matters: past the window, generation crops and restarts as for absolute
     has_bias = True
     per_layer = True
     hidden = 32
+    eps = 1e-6
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         L, nh, n = config.n_layer, config.n_head, self.hidden
         self.n_head = nh
-        self.log_c = nn.Parameter(torch.zeros(L))  # (L,) c = exp(log_c) > 0
-        self.threshold = nn.Parameter(torch.full((L,), float(config.block_size)))  # (L,) L, used as |L|
+        self.c = nn.Parameter(torch.full((L,), 0.1))  # (L,) used as |c|
+        self.L_multiplier = nn.Parameter(torch.ones(L))  # (L,) the threshold is |m|·L0
+        self.register_buffer("init_L", torch.tensor(float(config.block_size)))  # L0, fixed
         self.w1, self.b1 = nn.Parameter(torch.randn(L, n)), nn.Parameter(torch.rand(L, n) * 2 - 1)  # (L, 32)
-        self.w2, self.b2 = nn.Parameter(torch.randn(L, nh, n) * 0.02), nn.Parameter(torch.zeros(L, nh))
+        self.w2 = nn.Parameter(torch.randn(L, nh, n) * 0.02)  # (L, nh, 32)
 
     def bias(self, h, i, j):
         # every parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
         # of a row read by several heads at once (h // n_head)
         per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (L, ...) -> (L·nh, ...)
-        c, threshold = per_head(self.log_c).exp()[h], per_head(self.threshold).abs()[h]
+        c, threshold = per_head(self.c).abs()[h], (per_head(self.L_multiplier) * self.init_L).abs()[h]
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
         psi = lambda x: torch.log1p(c * x)  # noqa: E731
-        x = psi((i - j).clamp(min=0).float()) / psi(torch.maximum(threshold, i.float()))
+        x = psi((i - j).clamp(min=0).float()) / (psi(torch.maximum(threshold, i.float())) + self.eps)
         # with a gradient, ScalarMLP keeps x alone for the backward; without (and in FlexAttention's score_mod), the
         # plain units
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
-        return self.b2.flatten()[h] + (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
+        return (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
 
 
 def scalar_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -820,13 +825,13 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        attentions = [self._attention(pos, k_pos, window, cache is not None, consecutive, layer) for layer in layers]
+        attentions = [self._attention(pos, k_pos, window, cache is not None, layer, consecutive) for layer in layers]
         rope = pe.rotary(pos, window)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache)
         return self.transformer.ln_f(x)
 
-    def _attention(self, q_pos, k_pos, window, cached, consecutive, layer=0):
+    def _attention(self, q_pos, k_pos, window, cached, layer=0, consecutive=True):
         """Attention as one function (q, k, v) -> y, chosen once per forward: SDPA's causal (flash) path where no mask
         is needed; a fused kernel that applies the bias (FlexAttention, BiasAttention on CPUs); else SDPA under a
         materialized bool mask (Tq, Tk) or float bias with -inf (nh, Tq, Tk). All of them compare absolute positions,

@@ -202,12 +202,12 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     if cfg.pos_encoding == "kerple":  # Chi et al.: -r1·log(1 + r2·(i - j))
         r1, r2 = (p.exp().double()[:, None, None] for p in (pe.log_r1, pe.log_r2))
         scores = scores - r1 * torch.log(1 + r2 * rel.clamp(min=0))
-    if cfg.pos_encoding == "fire":  # Li et al.: f(ψ(i - j) / ψ(max(L, i))), ψ(x) = log(c·x + 1), layer 0's MLP
-        c, L = pe.log_c[0].exp().double(), pe.threshold[0].abs().double()
+    if cfg.pos_encoding == "fire":  # Li et al.: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), layer 0
+        c, L = pe.c[0].abs().double(), (pe.L_multiplier[0] * cfg.block_size).abs().double()
         psi = lambda x: torch.log(c * x + 1)  # noqa: E731
-        x = psi(rel.clamp(min=0).double()) / psi(torch.maximum(L, i[:, None].double()))
+        x = psi(rel.clamp(min=0).double()) / (psi(torch.maximum(L, i[:, None].double())) + 1e-6)
         hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
-        scores = scores + (hidden @ pe.w2[0].double().T + pe.b2[0].double()).permute(2, 0, 1)
+        scores = scores + (hidden @ pe.w2[0].double().T).permute(2, 0, 1)
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
@@ -222,6 +222,22 @@ def test_attention_matches_handwritten_reference(pe):
     cfg_attn = model.transformer.h[0].attn
     got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attention(pos, pos, None, cached=False), None)
     close(got, reference_attention(model, x), tol=1e-4)
+
+
+def test_fire_follows_the_papers_parameterisation():
+    """FIRE as the paper's reference code: c starts at 0.1, the threshold is a multiplier from 1 of a fixed L0 =
+    block_size, and a threshold of 0 keeps position 0 finite (ε in the normaliser); no output bias."""
+    model = tiny("fire", block_size=16)
+    pe = GPT(
+        GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding="fire")
+    ).transformer.wpe
+    assert torch.equal(pe.c, torch.full((2,), 0.1)) and torch.equal(pe.L_multiplier, torch.ones(2))
+    assert float(pe.init_L) == 16.0 and "init_L" in dict(pe.named_buffers())
+    assert not [n for n, _ in pe.named_parameters() if n.startswith("b2")]
+    with torch.no_grad():
+        model.transformer.wpe.L_multiplier.zero_()
+    logits = model(tokens(2, 16))[0]
+    assert torch.isfinite(logits).all()
 
 
 PUBLISHED_SLOPES = {  # Press et al. 2021 reference code; 12 and 6 heads from ../shared/REFERENCES.md
