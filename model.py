@@ -270,14 +270,16 @@ class RoPE(NoPE):
     as p-RoPE does (Barbero et al. 2024: the lowest frequencies carry little position and act as semantic channels);
     GPT-NeoX's rotary_pct instead rotates its first quarter with the whole range of frequencies squeezed into it.
 
-    Scalings stretch the context s = rope_factor times past L0 = rope_original_max_len (see REFERENCES):
+    Scalings stretch the context s = rope_factor times past L0 = rope_original_max_len:
     linear (position interpolation, Chen et al. 2023): θ_k / s. ntk (bloc97 2023): base · s^(d/(d-2)).
     dynamic_ntk: base · (s·L/L0 - (s-1))^(d/(d-2)) for the current length L > L0: every key, in every layer, changes
     whenever L does, so past L0 no KV cache can be exact; generate() recomputes there, features() refuses a cache.
     yarn (Peng et al. 2023): θ_k kept for dims that turn more than β=32 times in L0, θ_k / s for those turning less
     than α=1 time, a linear ramp between (its bounds clamped to [0, d - 1], as the authors' code and Hugging Face);
-    cos and sin scaled by 0.1·ln(s) + 1 (the attention temperature). llama3 (Llama 3.1): θ_k kept where the wavelength
-    2π/θ_k is under L0/4, θ_k / s where it is over L0/1, a blend smooth in L0/wavelength between."""
+    cos and sin scaled by 0.1·ln(s) + 1 (the attention temperature), of the rotated pairs only: with rope_fraction < 1
+    the pairs that do not turn pass through unscaled, as in Hugging Face's partial rotary. llama3 (Llama 3.1): θ_k kept
+    where the wavelength 2π/θ_k is under L0/4, θ_k / s where it is over L0/1, a smooth blend in L0/wavelength between.
+    """
 
     rope_scalable = True
 
@@ -333,7 +335,11 @@ class RoPE(NoPE):
         # dynamic NTK: L is the span the queries see, the last position + 1 but at most the window
         length = (pos.max() + 1).clamp(max=window or KVCache.EMPTY) if self.scaling == "dynamic_ntk" else None
         angle = pos.float()[:, None] * self.inv_freq(pos.device, length)  # (T, hs/2)
-        return angle.cos() * self.mscale, angle.sin() * self.mscale
+        # YaRN's temperature on the rotated pairs alone: pairs that do not turn pass through unscaled, as in Hugging
+        # Face's partial rotary, which applies cos and sin to the rotary dims only
+        turning = torch.arange(self.head_dim // 2, device=pos.device) < self.rotating
+        scale = torch.where(turning, self.mscale, 1.0)  # (hs/2,)
+        return angle.cos() * scale, angle.sin() * scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """RoPE scaling (linear, NTK, dynamic NTK, YaRN): golden values from the published formulas, and an exact KV cache."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -191,6 +192,17 @@ def test_partial_rope_rotates_the_fastest_pairs(fraction, turning):
     assert (got[turning:] == 0).all()
     cos, sin = pe.rotary(torch.arange(10))
     assert (cos[:, turning:] == 1).all() and (sin[:, turning:] == 0).all()
+
+
+def test_yarn_temperature_scales_only_the_rotated_pairs():
+    """YaRN under partial RoPE: the rotated pairs' cos and sin carry the attention factor 0.1·ln(s) + 1, the pairs that
+    do not turn pass through unscaled (cos 1, sin 0), as Hugging Face applies cos and sin to the rotary dims only."""
+    cfg = GPTConfig(n_embd=32, n_head=1, block_size=64, pos_encoding="rope", rope_fraction=0.5, rope_scaling="yarn")
+    pe = RoPE(replace(cfg, rope_factor=4.0))
+    m = 0.1 * math.log(4.0) + 1
+    cos, sin = pe.rotary(torch.arange(50))
+    close(cos[:, :8] ** 2 + sin[:, :8] ** 2, torch.full((50, 8), m * m))
+    assert (cos[:, 8:] == 1).all() and (sin[:, 8:] == 0).all()
 
 
 def test_partial_rope_model_has_an_exact_cache():
