@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from configurator import autocast
+from configurator import autocast, peak_flops
 from model import GPT, POS_ENCODINGS, GPTConfig
-from train import GPU_PEAK_FLOPS
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
@@ -172,9 +171,7 @@ def bench_encodings(args, device: str) -> None:
     hits them alike (the median over rounds is reported)."""
     for cfg in sizes(device)["encodings"]:
         print(f"\n### Training step per encoding ({cfg})\n")
-        peak = None
-        if device == "cuda":
-            peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+        peak = peak_flops(device)
         steps, times, memory = {}, {enc: [] for enc in ENCODINGS}, {}
         for enc in ENCODINGS:
             torch.manual_seed(0)

@@ -84,6 +84,16 @@ def _set(config: dict, defaults: dict, key: str, value, source: str) -> None:
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
 
+def script_usage(path: str, doc: str) -> str:
+    """A script's --help: its docstring and its `defaults = dict(...)` block, comments and all (every key, its default
+    and its choices)."""
+    src = Path(path).read_text()
+    start = src.index("defaults = dict(\n")
+    block = src[start : src.index("\n)\n", start)]
+    keys = "\n".join(line.strip() for line in block.splitlines()[1:])
+    return f"{doc.strip()}\n\nOptions (--key=value, or key = value in a config file), with their defaults:\n{keys}"
+
+
 def check_device(device: str) -> None:
     """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
     try:
@@ -123,3 +133,14 @@ def default_dtype(device: str) -> str:
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "float32"
+
+
+GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops(device: str | torch.device) -> float | None:
+    """The GPU's dense bf16 peak, for MFU; None where it is not known (CPUs, unlisted GPUs)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)

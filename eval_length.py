@@ -52,12 +52,10 @@ def sliding_stride(L: int, stride: int | None) -> int:
     return stride or max(1, L // 4)
 
 
-def rope_factor(scaling: str, L: int, train_len: int, factor: float | None = None) -> float:
-    """The factor s a RoPE scaling gets at evaluation length L: a fixed factor if given, else L / train_len (1 up
-    to the training length); dynamic_ntk 1, since it already scales by L / L0 (s = L / L0 would square that)."""
-    if factor:
-        return factor
-    return 1.0 if scaling == "dynamic_ntk" else max(1.0, L / train_len)
+def rope_factor(model: GPT, scaling: str, L: int, train_len: int, factor: float | None = None) -> float:
+    """The factor s a RoPE scaling gets at evaluation length L: a fixed factor if given, else the encoding's default
+    (L / train_len; 1 for dynamic_ntk, which scales with L itself)."""
+    return factor or model.encoding.default_factor(scaling, L, train_len)
 
 
 def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = model_from_checkpoint(ckpt).to(device).eval()
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
         runs.append(dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
-        for scaling in args.rope_scaling if model.transformer.wpe.rope_scalable else []:
+        for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
             if args.rope_factor:
                 name = f"{label}+{scaling} (s={args.rope_factor:g})"
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["data"] = np.asarray(r["data"][: max(args.eval_tokens, max(lengths)) + 1])
 
     def feasible(r, L):
-        max_len = r["model"].transformer.wpe.max_len
+        max_len = r["model"].encoding.max_len
         return max_len is None or L <= max_len
 
     work = sum(
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         for L in lengths:
             if r.get("scaling"):
                 r["model"].set_rope_scaling(
-                    r["scaling"], rope_factor(r["scaling"], L, r["train_len"], args.rope_factor)
+                    r["scaling"], rope_factor(r["model"], r["scaling"], L, r["train_len"], args.rope_factor)
                 )
             for mode in args.modes:
                 if not feasible(r, L):

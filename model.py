@@ -1,6 +1,10 @@
 """
-nanoPE's model: one decoder-only GPT (the GPT-2 architecture) whose attention can use any of five positional
-encodings, or none, and a KV cache whose decoding equals the model's own full forward.
+nanoPE's model: one decoder-only GPT (the GPT-2 architecture) whose attention takes any positional encoding of
+POS_ENCODINGS, or none, and a KV cache whose decoding equals the model's own full forward.
+
+It reads top to bottom: the positional encodings (each a small class: a few hooks, its options, what it can do), the
+config (the model's shape and every encoding's options), the KV cache, the transformer, the GPT (forward, generation,
+GPT-2's weights), and last the hand-written autograd kernels that some attention paths use.
 
 Positions travel as one tensor of absolute positions `pos` (T,), defaulting to arange(T) or continuing the
 cache. Everything positional derives from it once per forward: the embedding added to the tokens, the RoPE
@@ -8,8 +12,12 @@ angles, the score bias, and the mask, which compares query and key positions (so
 whether or not keys come from a cache).
 """
 
+from __future__ import annotations
+
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, make_dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,80 +31,51 @@ except ImportError:  # pragma: no cover
     AuxRequest = None
 
 
-@dataclass
-class GPTConfig:
-    block_size: int = 1024  # training context length (the most a `learned` model can take)
-    vocab_size: int = 50304  # GPT-2's 50257, padded up to a multiple of 64 for speed
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
-    pos_encoding: str = "learned"  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
-    # bias_rpe: r_max; distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head. None: block_size // 2, so that
-    # the shared far entry, which every distance past the training length reads, is trained within it
-    rpe_max_distance: int | None = None
-    t5_num_buckets: int = 32  # t5: biases per head, half exact distances, half log-spaced up to t5_max_distance
-    # t5: distances from here on share the last bucket. None: block_size // 2 (as bias_rpe's), at least t5_num_buckets
-    t5_max_distance: int | None = None
-    rope_base: float = 10000.0  # rope: θ_k = base^(-2k/d)
-    rope_fraction: float = 1.0  # rope: the fraction of each head's pairs that rotate (the fastest ones; p-RoPE)
-    rope_scaling: str = (
-        "none"  # rope, to run past the training length: none | linear | ntk | dynamic_ntk | yarn | llama3
-    )
-    rope_factor: float = 1.0  # rope_scaling's s: the context is stretched s times
-    rope_original_max_len: int | None = None  # rope_scaling's L0, the training length (None: block_size)
-    gelu: str = "exact"  # exact (nanoGPT's, 3x faster on CPU) | tanh (GPT-2's own; from_hf uses it)
-
-    def __post_init__(self):
-        if self.rpe_max_distance is None and isinstance(self.block_size, int):
-            self.rpe_max_distance = max(self.block_size // 2, 1)
-        if self.t5_max_distance is None and isinstance(self.block_size, int):
-            self.t5_max_distance = max(self.block_size // 2, self.t5_num_buckets)
-        if self.pos_encoding not in POS_ENCODINGS:
-            raise ValueError(
-                f"pos_encoding={self.pos_encoding!r} is not a positional encoding; "
-                f"valid choices: {', '.join(POS_ENCODINGS)}"
-            )
-        ints = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "rpe_max_distance", "t5_num_buckets")
-        for name in ints + ("t5_max_distance",):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.gelu not in ("exact", "tanh"):
-            raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(
-                f"rope_scaling={self.rope_scaling!r} is not a RoPE scaling; valid choices: {', '.join(ROPE_SCALINGS)}"
-            )
-        if not (isinstance(self.rope_factor, int | float) and self.rope_factor >= 1.0):
-            raise ValueError(f"rope_factor={self.rope_factor!r} must be a number >= 1 (how many times longer)")
-        L0 = self.rope_original_max_len
-        if L0 is not None and (not isinstance(L0, int) or isinstance(L0, bool) or L0 < 1):
-            raise ValueError(f"rope_original_max_len={L0!r} must be a positive integer (or None for block_size)")
-        if not self.rope_base > 1.0:
-            raise ValueError(f"rope_base={self.rope_base!r} must be > 1")
-        if not (isinstance(self.rope_fraction, int | float) and 0.0 < self.rope_fraction <= 1.0):
-            raise ValueError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1] (1: every pair rotates)")
-        POS_ENCODINGS[self.pos_encoding].check(self)
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Positional encodings: each a small module with no-op hooks, overriding only what it needs. Nothing outside this
-# section names an encoding: code elsewhere asks the object (or its class, through POS_ENCODINGS).
+# Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
+# options. Nothing outside this section names an encoding: code elsewhere asks the object (or its class, through
+# POS_ENCODINGS), and GPTConfig, train.py's keys and --help read the options from the registry.
 
 
-class NoPE(nn.Module):
-    """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023).
+@dataclass(frozen=True)
+class Option:
+    """One setting of an encoding: its default, a one-line help, and a check that says what is wrong with a value
+    (the rule and the usual setting) or None. derive fills a default of None from the rest of the config."""
 
-    The base class of every encoding. Hooks: `embed` (added to the token embeddings), `rotary` (cos/sin that
-    rotate q and k), `bias` (added to attention scores). `bias` is elementwise in the head and the absolute query and
-    key positions, so the same formula fills a materialized (nh, Tq, Tk) tensor and runs inside FlexAttention's fused
-    `score_mod`. Class attributes say what the rest of the model needs to know.
+    default: Any
+    help: str
+    check: Callable[[Any], str | None] = lambda value: None
+    derive: Callable[[Any], Any] | None = None
+
+
+def number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def positive_int(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "must be a positive integer"
+
+
+def boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be True or False"
+
+
+def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda v: None if v is None else check(v)
+
+
+def greater(bound: float, rule: str, equal: bool = False) -> Callable[[Any], str | None]:
+    return lambda v: None if number(v) and (v >= bound if equal else v > bound) else rule
+
+
+class PositionalEncoding(nn.Module):
+    """The base of every encoding: no positional information, and hooks a subclass overrides where it needs them.
+
+    Hooks: `embed` (added to the token embeddings), `rotary` (cos/sin that rotate q and k), `bias` (added to
+    attention scores). `bias` is elementwise in the head and the absolute query and key positions, so the same formula
+    fills a materialized (nh, Tq, Tk) tensor and runs inside FlexAttention's fused `score_mod`. Class attributes say
+    what the rest of the model needs to know; `options` are the encoding's own settings, which GPTConfig holds and
+    `resolve` checks, the one place they are validated.
     """
 
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
@@ -108,13 +87,31 @@ class NoPE(nn.Module):
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # bias: one per layer, h in bias(h, i, j) counting the heads of every layer (layer·n_head + head)
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
+    options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
+    summary = ""  # one line for --help
 
     def __init__(self, config: GPTConfig):
         super().__init__()
 
     @classmethod
+    def resolve(cls, config: GPTConfig) -> None:
+        """Fill the derived defaults of this encoding's options in config, then check them and check(config): a
+        ValueError naming the option, the rule and the fix."""
+        for name, opt in cls.options.items():
+            if getattr(config, name) is None and opt.derive is not None:
+                setattr(config, name, opt.derive(config))
+            problem = opt.check(getattr(config, name))
+            if problem:
+                raise ValueError(f"{name}={getattr(config, name)!r} {problem}")
+        cls.check(config)
+
+    @classmethod
     def check(cls, config: GPTConfig) -> None:
-        """Raise ValueError, naming the fix, where config cannot build this encoding."""
+        """Raise ValueError, naming the fix, where config cannot build this encoding (checks across options)."""
+
+    def reaches(self, length: int) -> bool:
+        """Whether it has positions for sequences of `length` tokens (a learned table stops at block_size)."""
+        return self.max_len is None or length <= self.max_len
 
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None  # (T,) -> (T, C)
@@ -137,11 +134,19 @@ class NoPE(nn.Module):
         """Shrink the training context (GPT-2's 1024 to 256): a table of positions drops its rows."""
 
 
-class Sinusoidal(NoPE):
+class NoPE(PositionalEncoding):
+    """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023)."""
+
+    summary = "no positions: the causal mask alone orders tokens (NoPE)"
+
+
+class Sinusoidal(PositionalEncoding):
     """Fixed sin/cos of the absolute position added to the token embeddings (Vaswani et al. 2017, §3.5):
     PE[p, 2i] = sin(p / 10000^(2i/C)), PE[p, 2i+1] = cos(p / 10000^(2i/C)), computed from `pos` (any length).
     Scaled by 1/√C: Vaswani et al. multiply the token embeddings by √C instead, which gives the same ratio; unscaled,
-    the table (norm √(C/2)) drowns GPT-2's 0.02-std token embeddings (measured: val loss 2.51 vs 1.81 for RoPE)."""
+    the table (norm √(C/2)) drowns GPT-2's 0.02-std token embeddings, and the model trains far worse."""
+
+    summary = "fixed sin/cos of the position added to the token embeddings"
 
     relative = False
 
@@ -161,9 +166,11 @@ class Sinusoidal(NoPE):
         return pe / math.sqrt(self.n_embd)
 
 
-class Learned(NoPE):
+class Learned(PositionalEncoding):
     """A trainable table of absolute-position embeddings, GPT-2's `wpe` (Radford et al. 2019). Cannot go
     past block_size: there is no row for a longer position."""
+
+    summary = "a trainable table of positions added to the token embeddings (GPT-2's)"
 
     relative = False
     extrapolates = False
@@ -184,14 +191,25 @@ class Learned(NoPE):
         self.max_len = block_size
 
 
-class BiasRPE(NoPE):
+class BiasRPE(PositionalEncoding):
     """One trainable scalar per head and clamped relative distance i - j, added to the attention scores
     (Shaw et al. 2018, simplified to scalars as in T5, Raffel et al. 2020), shared by all layers.
     Table index = clamp(i - j, -(r_max - 1), r_max - 1) + r_max - 1; biases start at zero, and learn 30 times faster
     than the rest: Adam moves a parameter about one learning rate per step, too little for a table from zero."""
 
+    summary = "a trainable bias per head and clamped distance, added to attention scores"
+
     has_bias = True
     lr_scale = 30.0
+    options = {
+        "rpe_max_distance": Option(
+            None,
+            "distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head; None: block_size // 2, so the far "
+            "entry that every longer distance reads is trained within the training length",
+            optional(positive_int),
+            derive=lambda config: max(config.block_size // 2, 1),
+        )
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -204,15 +222,27 @@ class BiasRPE(NoPE):
         return self.weight[h, (i - j).clamp(-(r - 1), r - 1) + (r - 1)].float()
 
 
-class T5(NoPE):
+class T5(PositionalEncoding):
     """T5's relative attention bias (Raffel et al. 2020, §2.1), causal: one trainable scalar per head and bucket of the
     distance n = i - j, shared by all layers. Buckets 0 … B/2 - 1 hold n exactly; the other B/2 are log-spaced up to
     max_distance, and every farther distance shares the last (Mesh TensorFlow's `_relative_position_bucket`,
     bidirectional=False). The "T5 bias" of the ALiBi paper's comparison. Biases start at zero and learn 30 times
     faster, as bias_rpe's."""
 
+    summary = "a trainable bias per head and log-spaced bucket of distances (T5's)"
+
     has_bias = True
     lr_scale = 30.0
+    options = {
+        "t5_num_buckets": Option(32, "biases per head, half exact distances, half log-spaced", positive_int),
+        "t5_max_distance": Option(
+            None,
+            "distances from here on share the last bucket; None: block_size // 2 (at least t5_num_buckets), so "
+            "that bucket is trained within the training length",
+            optional(positive_int),
+            derive=lambda config: max(config.block_size // 2, config.t5_num_buckets),
+        ),
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -226,7 +256,7 @@ class T5(NoPE):
         if config.t5_num_buckets < 2 or config.t5_max_distance <= config.t5_num_buckets // 2:
             raise ValueError(
                 f"t5_num_buckets={config.t5_num_buckets} and t5_max_distance={config.t5_max_distance}: T5 needs "
-                "at least 2 buckets and a max distance above half of them (defaults: 32 and 128)"
+                "at least 2 buckets and a max distance above half of them (e.g. 32 and 128)"
             )
 
     def bucket(self, n: torch.Tensor) -> torch.Tensor:
@@ -240,17 +270,28 @@ class T5(NoPE):
         return self.weight[h, self.bucket(i - j)].float()
 
 
-class Kerple(NoPE):
+class Kerple(PositionalEncoding):
     """KERPLE's logarithmic variant (Chi et al. 2022): bias -r1·log(1 + r2·(i - j)), with r1, r2 > 0 trainable per
     head (kept positive as exponentials). It grows without bound, like ALiBi, but slower. Initialised as the paper's
-    code: r1 ~ U(0, 2), r2 ~ U(0, 1) (floored at 0.01, so the log stays finite)."""
+    code: r1 ~ U(0, 2), r2 ~ U(0, 1) (floored at 0.01, so the log stays finite). The paper's model has a pair per
+    head in each layer (kerple_per_layer); the default shares one pair per head across layers, as ALiBi shares its
+    slopes: the comparison's numbers in docs/results.md use it."""
+
+    summary = "a bias -r1·log(1 + r2·distance), r1 and r2 trainable per head (KERPLE)"
 
     has_bias = True
+    options = {
+        "kerple_per_layer": Option(
+            False, "(r1, r2) of each layer's own, as the paper's model; False: shared by the layers", boolean
+        )
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.log_r1 = nn.Parameter((torch.rand(config.n_head) * 2).clamp(min=0.01).log())  # (nh,)
-        self.log_r2 = nn.Parameter(torch.rand(config.n_head).clamp(min=0.01).log())  # (nh,)
+        self.per_layer = config.kerple_per_layer
+        n = config.n_head * (config.n_layer if self.per_layer else 1)  # h in bias() counts every layer's heads
+        self.log_r1 = nn.Parameter((torch.rand(n) * 2).clamp(min=0.01).log())  # (n,)
+        self.log_r2 = nn.Parameter(torch.rand(n).clamp(min=0.01).log())  # (n,)
 
     def bias(self, h, i, j):
         n = (i - j).clamp(min=0).float()
@@ -262,7 +303,7 @@ YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Pen
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high frequency factors (its rope_scaling, Meta 2024)
 
 
-class RoPE(NoPE):
+class RoPE(PositionalEncoding):
     """Rotary position embedding (Su et al. 2021, RoFormer): rotate each pair (2k, 2k+1) of q and k by the
     angle p·θ_k, θ_k = base^(-2k/d), so q·k depends on positions only through i - j. Angles in float32.
 
@@ -281,7 +322,30 @@ class RoPE(NoPE):
     where the wavelength 2π/θ_k is under L0/4, θ_k / s where it is over L0/1, a smooth blend in L0/wavelength between.
     """
 
+    summary = "rotates q and k by the position (rotary); scalings read past the training length"
+
     rope_scalable = True
+    options = {
+        "rope_base": Option(10000.0, "θ_k = base^(-2k/d)", greater(1.0, "must be > 1")),
+        "rope_fraction": Option(
+            1.0,
+            "the fraction of each head's pairs that rotate (the fastest; p-RoPE)",
+            lambda v: None if number(v) and 0.0 < v <= 1.0 else "must be in (0, 1] (1: every pair rotates)",
+        ),
+        "rope_scaling": Option(
+            "none",
+            "to run past the training length: " + " | ".join(ROPE_SCALINGS),
+            lambda v: (
+                None if v in ROPE_SCALINGS else f"is not a RoPE scaling; valid choices: {', '.join(ROPE_SCALINGS)}"
+            ),
+        ),
+        "rope_factor": Option(
+            1.0, "rope_scaling's s: the context is stretched s times", greater(1.0, "must be a number >= 1", equal=True)
+        ),
+        "rope_original_max_len": Option(
+            None, "rope_scaling's L0, the original training length (None: block_size)", optional(positive_int)
+        ),
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -296,6 +360,12 @@ class RoPE(NoPE):
         self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
         if self.high == self.low:
             self.high += 0.001  # a step, not a division by zero
+
+    @staticmethod
+    def default_factor(scaling: str, length: int, train_len: int) -> float:
+        """The factor s a scaling takes to read `length` tokens of a model trained at `train_len`: length / train_len
+        (1 up to it), and 1 for dynamic_ntk, which scales with the length by itself (s = L / L0 would square it)."""
+        return 1.0 if scaling == "dynamic_ntk" else max(1.0, length / train_len)
 
     @classmethod
     def check(cls, config):
@@ -366,7 +436,23 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(geometric(c) + geometric(2 * c)[0::2][: n_head - c], dtype=torch.float32)
 
 
-class FIRE(NoPE):
+class ALiBi(PositionalEncoding):
+    """Attention with linear biases (Press et al. 2021): add -m_h·(i - j) to the score of query i and key j.
+    Computed from i - j in float32, never from j alone: that would grow with absolute position."""
+
+    summary = "a bias -slope·distance per head, the paper's fixed slopes (ALiBi)"
+
+    has_bias = True
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
+
+    def bias(self, h, i, j):
+        return -self.slopes[h] * (i - j).float()
+
+
+class FIRE(PositionalEncoding):
     """FIRE, functional interpolation for relative positions (Li et al. 2023): bias f(ψ(i - j) / (ψ(max(L, i)) + ε))
     with ψ(x) = log(|c|·x + 1), f a small MLP (1 -> 32, ReLU, -> one output per head) of each layer's own, c and the
     threshold L trainable. Dividing by ψ of the query's position maps every distance the query can see into [0, 1],
@@ -376,6 +462,8 @@ class FIRE(NoPE):
     fixed L0 (block_size), so Adam's steps of about the learning rate move L by a fraction of itself, not by tokens;
     ε = 1e-6 keeps L = 0 finite at position 0. f has no output bias: a constant per head is lost in the softmax. f's
     output layer starts small, so training starts near NoPE."""
+
+    summary = "a learned MLP of the distance over the query's position, per layer (FIRE)"
 
     relative = False  # the query's position matters: past the window, generation crops and restarts as for absolute
     has_bias = True
@@ -407,52 +495,6 @@ class FIRE(NoPE):
         return (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
 
 
-def scalar_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Σ_u relu(x·w1_u + b1_u)·w2_u over the hidden units u (the last dim of w1, b1, w2; their other dims broadcast
-    against x's), one unit at a time: the memory of one output, not one per unit."""
-    out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
-    for u in range(1, w1.size(-1)):
-        out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
-    return out
-
-
-class ScalarMLP(torch.autograd.Function):
-    """scalar_mlp with a gradient. Autograd would keep each unit's pre-activation, 32 bias-sized tensors; this keeps x
-    and recomputes them one unit at a time in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2):
-        ctx.save_for_backward(x, w1, b1, w2)
-        return scalar_mlp(x, w1, b1, w2)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        for u in range(w1.size(-1)):
-            a = x * w1[..., u] + b1[..., u]
-            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
-            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
-            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
-            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
-            gx = gx + ga * w1[..., u]
-        return gx.sum_to_size(x.shape), gw1, gb1, gw2
-
-
-class ALiBi(NoPE):
-    """Attention with linear biases (Press et al. 2021): add -m_h·(i - j) to the score of query i and key j.
-    Computed from i - j in float32, never from j alone: that would grow with absolute position."""
-
-    has_bias = True
-
-    def __init__(self, config: GPTConfig):
-        super().__init__(config)
-        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
-
-    def bias(self, h, i, j):
-        return -self.slopes[h] * (i - j).float()
-
-
 POS_ENCODINGS = {
     "sinusoidal": Sinusoidal,
     "learned": Learned,
@@ -464,6 +506,57 @@ POS_ENCODINGS = {
     "fire": FIRE,
     "none": NoPE,
 }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The config: the model's shape, and every encoding's options (declared by the encoding, gathered here)
+
+
+@dataclass
+class ModelShape:
+    """GPTConfig's fields that every model has; GPTConfig adds each encoding's options."""
+
+    block_size: int = 1024  # training context length (the most a `learned` model can take)
+    vocab_size: int = 50304  # GPT-2's 50257, padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    pos_encoding: str = "learned"  # a name of POS_ENCODINGS
+    gelu: str = "exact"  # exact (nanoGPT's, 3x faster on CPU) | tanh (GPT-2's own; from_hf uses it)
+
+    def __post_init__(self):
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(
+                f"pos_encoding={self.pos_encoding!r} is not a positional encoding; "
+                f"valid choices: {', '.join(POS_ENCODINGS)}"
+            )
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if problem := positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} {problem}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.gelu not in ("exact", "tanh"):
+            raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
+        POS_ENCODINGS[self.pos_encoding].resolve(self)  # the chosen encoding's options: derived defaults, checks
+
+
+# every encoding's options by name, with the encoding they belong to
+ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {
+    name: (enc, opt) for enc, cls in POS_ENCODINGS.items() for name, opt in cls.options.items()
+}
+GPTConfig = make_dataclass(
+    "GPTConfig",
+    [(name, Any, field(default=opt.default)) for name, (_, opt) in ENCODING_OPTIONS.items()],
+    bases=(ModelShape,),
+    namespace={"__module__": __name__},
+)
+GPTConfig.__doc__ = "The model's shape (ModelShape) and, as fields of their own names, every encoding's options:\n" + (
+    "\n".join(f"    {name}={opt.default!r} ({enc}): {opt.help}" for name, (enc, opt) in ENCODING_OPTIONS.items())
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -517,103 +610,6 @@ class KVCache:
         self.k[layer].index_copy_(2, self.slots, k)
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer], self.v[layer]
-
-
-class BiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked), on CPUs. SDPA's CPU
-    flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) fell back to SDPA's
-    unfused math path. Here the forward is the flash kernel, and the backward recomputes the probabilities from its
-    log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal)."""
-
-    block = 64  # queries per backward block
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias):
-        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias[None])
-        ctx.save_for_backward(q, k, v, bias, y, lse)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
-        dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
-        scale, Tq, Tk = q.size(-1) ** -0.5, q.size(2), k.size(2)
-        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys.
-        # Every head has the same mask: read it from head 0.
-        last = (bias[0].isfinite() * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
-        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
-        dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
-        for i0 in range(0, Tq, BiasAttention.block):
-            i1 = min(i0 + BiasAttention.block, Tq)
-            j1 = max(last[i0:i1])
-            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
-            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
-            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
-            dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
-            ds.mul_(scale)
-            dq[:, :, i0:i1] = ds @ kb
-            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
-
-
-def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
-    """FlexAttention's output (B, nh, T, hs) and its natural-log log-sum-exp (B, nh, T), float32."""
-    kw = dict(score_mod=score_mod, block_mask=block_mask, kernel_options=kernel_options)
-    if AuxRequest is None:  # pragma: no cover (torch < 2.9)
-        return flex_attention(q, k, v, return_lse=True, **kw)
-    y, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kw)
-    return y, aux.lse
-
-
-class BandBiasGrad(torch.autograd.Function):
-    """The identity on attention's output y, whose backward returns the gradient of a bias that depends on the distance
-    i - j alone and is one constant from distance R on: table (nh, R + 1) holds the bias at distances 0 … R.
-
-    FlexAttention can differentiate a bias read from a table, but it adds every (query, key) pair's dS into the few
-    table entries with atomics: 19x RoPE's step on an H100. The kernel here reads the table as a constant, and this
-    backward computes the table's gradient from a band instead. dS = P ⊙ (dP - D) sums to zero over each row, so the
-    shared far entry's gradient is minus the near ones' sum, and only the band 0 <= i - j < R is needed: q·k and dy·v
-    there, in blocks of R queries against 2R keys, recomputing P from the kernel's log-sum-exp. Linear in T.
-    Positions must be consecutive (q_pos = k_pos = a range), as in training."""
-
-    @staticmethod
-    def forward(ctx, y, lse, q, k, v, table, window):
-        ctx.save_for_backward(y, lse, q, k, v, table)
-        ctx.window = window
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, dy):
-        y, lse, q, k, v, table = ctx.saved_tensors
-        return dy, None, None, None, None, band_bias_grad(q, k, v, y, lse, dy, table, ctx.window), None
-
-
-def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
-    """d loss / d table (nh, R + 1), see BandBiasGrad. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T)."""
-    B, nh, T, hs = q.shape
-    R = table.size(1) - 1
-    if R == 0:  # one bias for every distance: softmax ignores it
-        return torch.zeros_like(table)
-    n, nb = R, -(-T // R)  # blocks of n queries, each against the n keys before it and its own n
-    dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
-    pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
-    qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
-    window2 = lambda t: torch.cat([F.pad(t, (0, 0, 0, 0, 1, -1)), t], dim=3)  # noqa: E731  (B, nh, nb, 2n, hs)
-    kw, vw = window2(kb), window2(vb)
-    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(2 * n, device=q.device)[None, :]
-    rel = n + r - c  # (n, 2n): i - j for query r of a block and key c of its window
-    i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
-    near = (rel >= 0) & (rel < min(R, window)) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
-    lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
-    s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
-    p = torch.where(near, (s - lse_b).exp(), 0.0)
-    D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
-    ds = (p * (dyb @ vw.transpose(-2, -1) - D)).sum((0, 2))  # (nh, n, 2n), summed over the batch and the blocks
-    near_grad = torch.zeros(nh, R, device=q.device, dtype=dtype).index_add_(
-        1, rel.clamp(0, R - 1).flatten(), ds.flatten(1)
-    )
-    return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -685,6 +681,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The GPT
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -710,6 +710,11 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    @property
+    def encoding(self) -> PositionalEncoding:
+        """The positional encoding module (stored as transformer.wpe, GPT-2's name, so checkpoints keep their keys)."""
+        return self.transformer.wpe
+
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -721,13 +726,13 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position table (the token table is tied to lm_head)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields the tied table once
-        return n - self.transformer.wpe.position_params() if non_embedding else n
+        return n - self.encoding.position_params() if non_embedding else n
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the training context (e.g. GPT-2's 1024 to 256): a table of positions drops its rows."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        self.transformer.wpe.crop(block_size)
+        self.encoding.crop(block_size)
 
     def configure_optimizers(
         self,
@@ -741,8 +746,8 @@ class GPT(nn.Module):
         (bias-RPE's table is 2-D but a bias). pe_lr_scale != 1 puts the encoding's parameters in groups of their own
         whose "lr_scale" multiplies the schedule's rate (train.py applies it): Adam moves each parameter by about the
         learning rate per step, so a bias table that starts at zero can reach only about the sum of the rates."""
-        score_biases = {id(p) for p in self.transformer.wpe.no_decay()}
-        encoding = {id(p) for p in self.transformer.wpe.parameters()} if pe_lr_scale != 1.0 else set()
+        score_biases = {id(p) for p in self.encoding.no_decay()}
+        encoding = {id(p) for p in self.encoding.parameters()} if pe_lr_scale != 1.0 else set()
         groups = {}
         for p in self.parameters():
             if p.requires_grad:
@@ -769,6 +774,9 @@ class GPT(nn.Module):
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
         return flops_per_token * tokens_per_iter / dt / peak_flops
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Forward: features (the hidden states), the attention function each forward picks, logits and loss
 
     def features(
         self,
@@ -800,7 +808,7 @@ class GPT(nn.Module):
         if pos is None:
             pos = torch.arange(start, start + T, device=idx.device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
-        pe = self.transformer.wpe
+        pe = self.encoding
         if pe.max_len is not None and last >= pe.max_len:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
@@ -823,7 +831,7 @@ class GPT(nn.Module):
 
     def _features(self, idx, pos, cache, window, consecutive=True):
         """features() without the host-side bookkeeping: tensor code only, so a decode step compiles to one graph."""
-        pe = self.transformer.wpe
+        pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
         emb = pe.embed(pos)
         if emb is not None:
@@ -831,20 +839,20 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        attentions = [self._attention(pos, k_pos, window, cache is not None, layer, consecutive) for layer in layers]
+        attentions = [self._attention_fn(pos, k_pos, window, cache is not None, layer, consecutive) for layer in layers]
         rope = pe.rotary(pos, window)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache)
         return self.transformer.ln_f(x)
 
-    def _attention(self, q_pos, k_pos, window, cached, layer=0, consecutive=True):
+    def _attention_fn(self, q_pos, k_pos, window, cached, layer=0, consecutive=True):
         """Attention as one function (q, k, v) -> y, chosen once per forward: SDPA's causal (flash) path where no mask
         is needed; a fused kernel that applies the bias (FlexAttention, BiasAttention on CPUs); else SDPA under a
         materialized bool mask (Tq, Tk) or float bias with -inf (nh, Tq, Tk). All of them compare absolute positions,
         so cached keys line up whatever Tq and Tk are (and whatever slot holds them). fused_attention=False always
         takes the reference path (a materialized mask and SDPA). consecutive: the positions step by one, so that a
         band of i - j is a band of distances. layer picks a per-layer bias's heads."""
-        pe = self.transformer.wpe
+        pe = self.encoding
         h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
         dropout_p = self.config.dropout if self.training else 0.0
         if not pe.has_bias and window is None and not cached:
@@ -854,8 +862,8 @@ class GPT(nn.Module):
         auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
         fused = auto if self.fused_attention is None else self.fused_attention
         no_dropout = not (self.training and self.config.dropout > 0)  # neither fused kernel has dropout
-        # FlexAttention's own gradient for a bias parameter adds every (query, key) pair's dS into it with atomics: 19x
-        # RoPE's step for bias-RPE on an H100, or out of shared memory. So a trainable bias is fused only where its
+        # FlexAttention's own gradient for a bias parameter adds every (query, key) pair's dS into it with atomics: many
+        # times RoPE's step on a GPU, or out of shared memory. So a trainable bias is fused only where its
         # gradient can come from a band (bias_span); others (KERPLE, FIRE) train on the materialized path.
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
         band = trainable and pe.bias_span is not None and not cached and consecutive
@@ -891,7 +899,7 @@ class GPT(nn.Module):
         heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0
         if trainable and pe.has_bias:
             # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
-            # (FIRE's MLP kept ~100 of them per layer: 60 GB at 124M and block 1024)
+            # (FIRE's MLP would keep dozens of bias-sized tensors per layer)
             bias = checkpoint(pe.bias, heads, q_pos[:, None], k_pos, use_reentrant=False)
         else:
             bias = pe.bias(heads, q_pos[:, None], k_pos)
@@ -933,11 +941,11 @@ class GPT(nn.Module):
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
         """Switch RoPE's scaling at inference, no weight changes (e.g. yarn, factor 4: read 4x the training length).
         original_max_len (L0) defaults to the config's, else block_size: the length the model was trained at."""
-        if not self.transformer.wpe.rope_scalable:
+        if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
         L0 = original_max_len or self.config.rope_original_max_len
         self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
-        self.transformer.wpe = type(self.transformer.wpe)(self.config)  # RoPE holds no weights: nothing is lost
+        self.transformer.wpe = type(self.encoding)(self.config)  # RoPE holds no weights: nothing is lost
         self._compiled_decode = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -948,7 +956,7 @@ class GPT(nn.Module):
         W = self.config.block_size if max_context is None else max_context
         if not isinstance(W, int) or W < 1:
             raise ValueError(f"max_context={max_context!r} must be a positive integer")
-        pe = self.transformer.wpe
+        pe = self.encoding
         if pe.max_len is not None and W > pe.max_len:
             raise ValueError(
                 f"max_context={W} is longer than pos_encoding={self.config.pos_encoding!r} can take "
@@ -978,7 +986,7 @@ class GPT(nn.Module):
         GPU as a CUDA graph over the preallocated cache).
         """
         W = self.context_window(max_context)
-        relative = self.transformer.wpe.relative
+        relative = self.encoding.relative
         window = W if relative else None
         # the cache must hold the window plus the longest chunk written at once (the prompt, in pieces of <= W)
         size = W - 1 + min(idx.size(1), W) if relative else W
@@ -992,7 +1000,7 @@ class GPT(nn.Module):
                 self._compiled_decode = torch.compile(self._decode_step, fullgraph=True, **kw)
             decode = self._compiled_decode
         cache, new = None, idx  # new: the tokens the model has not seen yet
-        cache_span = self.transformer.wpe.cache_span
+        cache_span = self.encoding.cache_span
         for _ in range(max_new_tokens):
             # dynamic NTK past L0: no cache is exact, recompute the window
             if not use_cache or (cache_span is not None and min(idx.size(1), W) > cache_span):
@@ -1022,7 +1030,7 @@ class GPT(nn.Module):
     # GPT-2 weights
 
     @classmethod
-    def from_hf(cls, hf_model, dropout: float = 0.0) -> "GPT":
+    def from_hf(cls, hf_model, dropout: float = 0.0) -> GPT:
         """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
         c = hf_model.config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -1052,7 +1060,7 @@ class GPT(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> "GPT":
+    def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> GPT:
         """GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory) via transformers;
         downloads when the hub is reachable."""
         from transformers import GPT2LMHeadModel
@@ -1081,3 +1089,138 @@ def sample_next(
         drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p (keeps the first)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention kernels: hand-written autograd where PyTorch's own is too slow or too big. BiasAttention trains a bias
+# on a CPU's flash kernel; BandBiasGrad gives a fused kernel's bias table its gradient from a band (linear in T);
+# ScalarMLP is FIRE's MLP without one saved tensor per hidden unit.
+
+
+def scalar_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Σ_u relu(x·w1_u + b1_u)·w2_u over the hidden units u (the last dim of w1, b1, w2; their other dims broadcast
+    against x's), one unit at a time: the memory of one output, not one per unit."""
+    out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
+    for u in range(1, w1.size(-1)):
+        out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
+    return out
+
+
+class ScalarMLP(torch.autograd.Function):
+    """scalar_mlp with a gradient. Autograd would keep each unit's pre-activation, 32 bias-sized tensors; this keeps x
+    and recomputes them one unit at a time in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2):
+        ctx.save_for_backward(x, w1, b1, w2)
+        return scalar_mlp(x, w1, b1, w2)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, w2 = ctx.saved_tensors
+        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for u in range(w1.size(-1)):
+            a = x * w1[..., u] + b1[..., u]
+            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
+            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
+            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
+            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
+            gx = gx + ga * w1[..., u]
+        return gx.sum_to_size(x.shape), gw1, gb1, gw2
+
+
+class BiasAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked), on CPUs. SDPA's CPU
+    flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) fell back to SDPA's
+    unfused math path. Here the forward is the flash kernel, and the backward recomputes the probabilities from its
+    log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal)."""
+
+    block = 64  # queries per backward block
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias):
+        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias[None])
+        ctx.save_for_backward(q, k, v, bias, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
+        dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
+        scale, Tq, Tk = q.size(-1) ** -0.5, q.size(2), k.size(2)
+        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys.
+        # Every head has the same mask: read it from head 0.
+        last = (bias[0].isfinite() * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
+        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
+        dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
+        for i0 in range(0, Tq, BiasAttention.block):
+            i1 = min(i0 + BiasAttention.block, Tq)
+            j1 = max(last[i0:i1])
+            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
+            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
+            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
+            dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
+            ds.mul_(scale)
+            dq[:, :, i0:i1] = ds @ kb
+            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
+
+
+def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
+    """FlexAttention's output (B, nh, T, hs) and its natural-log log-sum-exp (B, nh, T), float32."""
+    kw = dict(score_mod=score_mod, block_mask=block_mask, kernel_options=kernel_options)
+    if AuxRequest is None:  # pragma: no cover (torch < 2.9)
+        return flex_attention(q, k, v, return_lse=True, **kw)
+    y, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+    return y, aux.lse
+
+
+class BandBiasGrad(torch.autograd.Function):
+    """The identity on attention's output y, whose backward returns the gradient of a bias that depends on the distance
+    i - j alone and is one constant from distance R on: table (nh, R + 1) holds the bias at distances 0 … R.
+
+    FlexAttention can differentiate a bias read from a table, but it adds every (query, key) pair's dS into the few
+    table entries with atomics, many times RoPE's step on a GPU. The kernel here reads the table as a constant, and this
+    backward computes the table's gradient from a band instead. dS = P ⊙ (dP - D) sums to zero over each row, so the
+    shared far entry's gradient is minus the near ones' sum, and only the band 0 <= i - j < R is needed: q·k and dy·v
+    there, in blocks of R queries against 2R keys, recomputing P from the kernel's log-sum-exp. Linear in T.
+    Positions must be consecutive (q_pos = k_pos = a range), as in training."""
+
+    @staticmethod
+    def forward(ctx, y, lse, q, k, v, table, window):
+        ctx.save_for_backward(y, lse, q, k, v, table)
+        ctx.window = window
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, lse, q, k, v, table = ctx.saved_tensors
+        return dy, None, None, None, None, band_bias_grad(q, k, v, y, lse, dy, table, ctx.window), None
+
+
+def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
+    """d loss / d table (nh, R + 1), see BandBiasGrad. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T)."""
+    B, nh, T, hs = q.shape
+    R = table.size(1) - 1
+    if R == 0:  # one bias for every distance: softmax ignores it
+        return torch.zeros_like(table)
+    n, nb = R, -(-T // R)  # blocks of n queries, each against the n keys before it and its own n
+    dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
+    pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
+    qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
+    window2 = lambda t: torch.cat([F.pad(t, (0, 0, 0, 0, 1, -1)), t], dim=3)  # noqa: E731  (B, nh, nb, 2n, hs)
+    kw, vw = window2(kb), window2(vb)
+    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(2 * n, device=q.device)[None, :]
+    rel = n + r - c  # (n, 2n): i - j for query r of a block and key c of its window
+    i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
+    near = (rel >= 0) & (rel < min(R, window)) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
+    lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
+    s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
+    p = torch.where(near, (s - lse_b).exp(), 0.0)
+    D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
+    ds = (p * (dyb @ vw.transpose(-2, -1) - D)).sum((0, 2))  # (nh, n, 2n), summed over the batch and the blocks
+    near_grad = torch.zeros(nh, R, device=q.device, dtype=dtype).index_add_(
+        1, rel.clamp(0, R - 1).flatten(), ds.flatten(1)
+    )
+    return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)

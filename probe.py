@@ -27,7 +27,6 @@ from configurator import ConfigError, check_device
 from datafiles import DataError
 from eval_length import load_val
 from model import GPT
-from tasks import can_read
 
 
 @torch.no_grad()
@@ -35,7 +34,7 @@ def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
     """Each layer's attention probabilities (B, nh, T, T) for idx (B, T), from the model's own attention: run with
     V = the identity, attention's output is its probability matrix P (P @ I = P), whatever the encoding and kernel.
     reduce(P), if given, is kept instead of P (a 124M model at 4096 tokens has 10 GB of them)."""
-    probs, choose = [], model._attention
+    probs, choose = [], model._attention_fn
 
     def recording(*args, **kwargs):
         attention = choose(*args, **kwargs)
@@ -48,11 +47,11 @@ def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
 
         return both
 
-    model._attention = recording  # this instance only: the class's method is untouched
+    model._attention_fn = recording  # this instance only: the class's method is untouched
     try:
         model(idx)
     finally:
-        del model._attention
+        del model._attention_fn
     return probs
 
 
@@ -69,7 +68,7 @@ def far_share(p: torch.Tensor, far: int, first_query: int) -> torch.Tensor:
 def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
     """(heads, length): the bias each head adds at distances 0 … length - 1, for the query at position length - 1;
     None for an encoding without a bias. Per-layer encodings (FIRE) give n_layer · n_head rows, layer by layer."""
-    pe = model.transformer.wpe
+    pe = model.encoding
     if not pe.has_bias:
         return None
     n = model.config.n_head * (model.config.n_layer if pe.per_layer else 1)
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"error: {e}")
         model = model_from_checkpoint(ckpt).to(args.device).eval()
         model.fused_attention = False  # the reference path: every encoding, any length, any device
-        if not can_read(model, args.length):
+        if not model.encoding.reaches(args.length):
             sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")
         if len(data) < args.length + 1:
             sys.exit(f"error: the validation split has {len(data)} tokens, fewer than --length {args.length} + 1")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype
+from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype, script_usage
 from model import GPT, ROPE_SCALINGS
 from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
@@ -100,17 +100,9 @@ def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
     return model, tok
 
 
-def usage() -> str:
-    """The module docstring and the defaults block of this file, comments and all: every key with its choices."""
-    src = Path(__file__).read_text()
-    block = src[src.index("defaults = dict(\n") : src.index("\n)\n", src.index("defaults = dict(\n"))]
-    keys = "\n".join(line.strip() for line in block.splitlines()[1:])
-    return f"{__doc__.strip()}\n\nOptions (--key=value), with their defaults:\n{keys}"
-
-
 def main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
-        print(usage())
+        print(script_usage(__file__, __doc__))
         return
     cfg = configure(defaults, argv)
     check_options(cfg)
@@ -132,12 +124,9 @@ def main(argv: list[str]) -> None:
     model.eval().to(device)
     if cfg["rope_scaling"]:
         try:
-            # dynamic_ntk scales by L / block_size itself: a factor max_context / block_size would square it
-            stretch = (
-                1.0 if cfg["rope_scaling"] == "dynamic_ntk" else (cfg["max_context"] or 0) / model.config.block_size
-            )
-            s = cfg["rope_factor"] or max(1.0, stretch)
-            model.set_rope_scaling(cfg["rope_scaling"], s)
+            pe, length, T = model.encoding, cfg["max_context"] or model.config.block_size, model.config.block_size
+            default = pe.default_factor(cfg["rope_scaling"], length, T) if pe.rope_scalable else 1.0
+            model.set_rope_scaling(cfg["rope_scaling"], cfg["rope_factor"] or default)
         except ValueError as e:
             sys.exit(f"error: {e}")
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -158,7 +147,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: {e}")
     if not ids:
         sys.exit("error: the prompt is empty after tokenization; pass --start=... with some text")
-    if model.transformer.wpe.max_len is not None and len(ids) > max_context:
+    if model.encoding.max_len is not None and len(ids) > max_context:
         sys.exit(
             f"error: the prompt is {len(ids)} tokens, but this {model.config.pos_encoding}-position model takes at "
             f"most {max_context}; shorten the prompt"

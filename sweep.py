@@ -483,7 +483,8 @@ def synthetic_suite(args, argv: list[str]) -> None:
     t0 = time.time()
     out_dir = Path(args.out_dir or "sweep-synthetic")
     out_dir.mkdir(parents=True, exist_ok=True)
-    triples = [(t, e, s) for t in args.synthetic for s in args.seeds for e in args.encodings]
+    # a seed at a time, so that an interrupted suite has whole seeds to report
+    triples = [(t, e, s) for s in args.seeds for t in args.synthetic for e in args.encodings]
     dirs = {x: out_dir / x[0] / f"{x[1]}-seed{x[2]}" for x in triples}
     jobs = [
         (dirs[t, e, s], cmd)
@@ -527,12 +528,14 @@ def main(argv: list[str]) -> None:
         nargs="*",
         default=None,
         choices=list(synthetic.TASKS),
-        help="run the synthetic suite: these tasks (none named: all), config/<task>.py each",
+        help="run the synthetic suite: these tasks (none named: "
+        + ", ".join(synthetic.SUITE)
+        + "), config/<task>.py each",
     )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
     if args.synthetic is not None:
-        args.synthetic = args.synthetic or list(synthetic.TASKS)
+        args.synthetic = args.synthetic or list(synthetic.SUITE)
     for name in ("encodings", "seeds"):
         xs = getattr(args, name)
         if len(set(xs)) != len(xs):

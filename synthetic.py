@@ -114,13 +114,13 @@ def mqar(
     keys, values = v.draw(rng, v.keys, pairs, distinct=True), v.draw(rng, v.values, pairs)
     n_fill = L + 1 - 2 * pairs - 2 * queries
     gaps = np.bincount(rng.integers(0, pairs + 1, n_fill), minlength=pairs + 1)  # filler before each pair and after
-    parts = []
-    for i in range(pairs):
-        parts += [v.draw(rng, v.filler, gaps[i]), [keys[i], values[i]]]
-    parts.append(v.draw(rng, v.filler, gaps[pairs]))
+    at = np.cumsum(gaps[:-1]) + 2 * np.arange(pairs)  # each key's place: the filler and pairs before it
+    body = np.empty(n_fill + 2 * pairs, dtype=np.int64)
+    filler = np.ones(len(body), dtype=bool)
+    filler[at] = filler[at + 1] = False
+    body[at], body[at + 1], body[filler] = keys, values, v.draw(rng, v.filler, n_fill)
     asked = rng.choice(pairs, queries, replace=False)
-    parts.append(np.stack([keys[asked], values[asked]], 1).ravel())
-    tokens = np.concatenate(parts).astype(np.int64)
+    tokens = np.concatenate([body, np.stack([keys[asked], values[asked]], 1).ravel()])
     answer = np.zeros(L + 1, dtype=bool)
     answer[L + 2 - 2 * queries :: 2] = True  # each query's value
     return tokens, answer
@@ -154,6 +154,8 @@ def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_)
 
 OFFSETS = 4  # offset asks for the 1st to the 4th token after the marker
 TASKS = {"needle": needle, "passkey": passkey, "mqar": mqar, "copy": copy, "offset": offset}
+# sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this size, at 32 and 64 dims)
+SUITE = ("needle", "passkey", "mqar", "offset")
 
 
 def fixed_tokens(task: str, pairs: int = 8, queries: int = 4) -> int:
@@ -238,12 +240,6 @@ def accuracy(
     return right / total
 
 
-def can_read(model, length: int) -> bool:
-    """Whether the model has positions for length tokens (learned ones stop at block_size)."""
-    pe = model.transformer.wpe
-    return pe.extrapolates or pe.max_len is None or length <= pe.max_len
-
-
 def evaluate_checkpoint(model, cfg: dict, lengths: list[int], n: int, seed: int = 0, device: str = "cpu") -> dict:
     """{length: accuracy or None (no positions there)} for the checkpoint's own task."""
     task, vocab = cfg["task"], cfg["task_vocab"]
@@ -251,7 +247,9 @@ def evaluate_checkpoint(model, cfg: dict, lengths: list[int], n: int, seed: int 
     for L in lengths:
         check(task, L, vocab, **task_options(cfg))
         out[L] = (
-            accuracy(model, task, vocab, L, n, seed, device=device, **task_options(cfg)) if can_read(model, L) else None
+            accuracy(model, task, vocab, L, n, seed, device=device, **task_options(cfg))
+            if model.encoding.reaches(L)
+            else None
         )
     return out
 

@@ -235,12 +235,6 @@ def evaluate_task(
     return {"accuracy": spans_ok / spans, "token_accuracy": tokens_ok / n_tokens}
 
 
-def can_read(model, length: int) -> bool:
-    """Whether the model has positions for length tokens (learned ones stop at block_size)."""
-    pe = model.transformer.wpe
-    return pe.extrapolates or pe.max_len is None or length <= pe.max_len
-
-
 def k_max(accuracy: dict[int, float | None]) -> int | None:
     """The longest length whose accuracy is at least K_MAX_ACCURACY (None if none is)."""
     ok = [L for L, a in accuracy.items() if a is not None and a >= K_MAX_ACCURACY]
@@ -259,13 +253,17 @@ def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batc
                     evaluate_task(model, tok, "passkey", L, n_trials, seed, batch_size, device, depth=d)["accuracy"]
                     for d in depths
                 ]
-                if can_read(model, L)
+                if model.encoding.reaches(L)
                 else None
             )
             out["passkey_grid"][L] = grid
             out["passkey"][L] = None if grid is None else float(np.mean(grid))
         for task in (t for t in tasks if t != "passkey"):
-            r = evaluate_task(model, tok, task, L, n_trials, seed, batch_size, device) if can_read(model, L) else None
+            r = (
+                evaluate_task(model, tok, task, L, n_trials, seed, batch_size, device)
+                if model.encoding.reaches(L)
+                else None
+            )
             out.setdefault(task, {})[L] = r and r["accuracy"]
             out.setdefault(f"{task}_tokens", {})[L] = r and r["token_accuracy"]
     if "passkey" in tasks:

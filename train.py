@@ -14,6 +14,7 @@ import runpy
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -30,9 +31,18 @@ from checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
-from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype
+from configurator import (
+    ConfigError,
+    autocast,
+    check_device,
+    configure,
+    default_device,
+    default_dtype,
+    peak_flops,
+    script_usage,
+)
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
-from model import GPT, GPTConfig
+from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
 
@@ -72,15 +82,7 @@ defaults = dict(
     task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
     # then found through the marker); validation has the task's rows alone
     # model
-    pos_encoding="rope",  # sinusoidal | learned | bias_rpe | t5 | kerple | rope | alibi | fire | none
-    rpe_max_distance=None,  # bias_rpe: distances clamp to ±(r_max - 1); None: block_size // 2
-    t5_num_buckets=32,  # t5: half exact distances, half log-spaced up to t5_max_distance
-    t5_max_distance=None,  # t5: farther distances share the last bucket; None: block_size // 2
-    rope_base=10000.0,  # rope: θ_k = base^(-2k/d)
-    rope_fraction=1.0,  # rope: the fraction of each head's pairs that rotate (the fastest; p-RoPE)
-    rope_scaling="none",  # rope, to run past block_size: none | linear | ntk | dynamic_ntk | yarn | llama3
-    rope_factor=1.0,  # rope_scaling's s: the context is stretched s times
-    rope_original_max_len=None,  # rope_scaling's L0, the original training length (None: block_size)
+    pos_encoding="rope",  # one of the encodings (--help lists them); each encoding's own options follow this block
     gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
     n_layer=6,
     n_head=6,
@@ -108,10 +110,13 @@ defaults = dict(
     compile=None,  # torch.compile the model; default on for CUDA
     seed=1337,
 )
+defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # rpe_max_distance, rope_base, ...
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
 # what decides which batches a validation estimate averages over: val losses compare only when these agree
+ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
+CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
+PROGRESS_SECONDS = 10  # work that runs longer than this between log lines shows its progress
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
-GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
 class TrainError(Exception):
@@ -123,6 +128,7 @@ def resolve(cfg: dict) -> dict:
     value is a one-line error before any work."""
     cfg = dict(cfg)
     check_task(cfg)
+    check_encoding_options(cfg)
     cfg["dataset"] = cfg["dataset"] or ("" if cfg["task"] else "shakespeare_char")
     cfg["out_dir"] = cfg["out_dir"] or "-".join(filter(None, ["out", cfg["pos_encoding"], cfg["task"]]))
     cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
@@ -160,6 +166,18 @@ def resolve(cfg: dict) -> dict:
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     return cfg
+
+
+def check_encoding_options(cfg: dict) -> None:
+    """An option of another encoding than the chosen one (--rpe_max_distance with rope) does nothing: an error."""
+    if cfg["init_from"] != "scratch":  # a checkpoint or GPT-2 decides the encoding
+        return
+    for name, (owner, opt) in ENCODING_OPTIONS.items():
+        if owner != cfg["pos_encoding"] and cfg[name] != opt.default:
+            raise ConfigError(
+                f"{name}={cfg[name]!r} is an option of pos_encoding={owner!r}, not of {cfg['pos_encoding']!r}: drop "
+                f"it, or train with --pos_encoding={owner}"
+            )
 
 
 def check_task(cfg: dict) -> None:
@@ -311,11 +329,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def usage() -> str:
-    """The module docstring and the defaults block of this file, comments and all: every key with its choices."""
-    src = Path(__file__).read_text()
-    block = src[src.index("defaults = dict(\n") : src.index("\n)\n", src.index("defaults = dict(\n"))]
-    keys = "\n".join(line.strip() for line in block.splitlines()[1:])
-    return f"{__doc__.strip()}\n\nOptions (--key=value, or key = value in a config file), with their defaults:\n{keys}"
+    """--help: the module docstring, the defaults block of this file (comments and all), the encodings and each
+    encoding's options from the registry."""
+    encodings = "\n".join(f"  {name}: {cls.summary}" for name, cls in POS_ENCODINGS.items())
+    options = "\n".join(
+        f"{name}={opt.default!r}  # {owner}: {opt.help}" for name, (owner, opt) in ENCODING_OPTIONS.items()
+    )
+    return (
+        f"{script_usage(__file__, __doc__)}\n\npos_encoding, one of:\n{encodings}\n\n"
+        f"Each encoding's options (another encoding's is an error):\n{options}"
+    )
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -429,7 +452,7 @@ def build_model(cfg: dict, data: Data, log) -> tuple[GPT, dict | None]:
     if cfg["block_size"] > model.config.block_size:
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
-        cfg["pe_lr_scale"] = (ckpt or {}).get("config", {}).get("pe_lr_scale") or model.transformer.wpe.lr_scale
+        cfg["pe_lr_scale"] = (ckpt or {}).get("config", {}).get("pe_lr_scale") or model.encoding.lr_scale
     return model, ckpt
 
 
@@ -522,22 +545,34 @@ def wrap(run: Run) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def estimate_loss(run: Run) -> dict[str, float]:
+def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float] | None:
     """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks. For a
-    synthetic task also "acc", the validation accuracy: exact match (argmax) at the answer tokens."""
+    synthetic task also "acc", the validation accuracy: exact match (argmax) at the answer tokens. A long evaluation
+    (a GPU-sized one on a CPU) shows its progress and ETA; a stop request (the flag `stop`) ends it at the next batch,
+    returning None, except under DDP, where every rank must finish the same batches."""
     out = {}
     run.net.eval()
+    n, done, t0 = len(SPLITS) * run.cfg["eval_iters"], 0, time.time()
+    shown = t0
     for split in SPLITS:
         g = torch.Generator().manual_seed(run.cfg["seed"] + 1)
         losses = torch.zeros(run.cfg["eval_iters"], device=run.procs.device)
         hits = torch.zeros(2, device=run.procs.device)  # right answers, answers
         for k in range(run.cfg["eval_iters"]):
+            if stop is not None and stop.item() and not run.procs.ddp:
+                run.net.train()
+                return None
             X, Y = run.batch(split, g)
             with run.autocast():
                 logits, losses[k] = run.net(X, Y)
             if run.cfg["task"] and split == "val":
                 answers = Y >= 0
                 hits += torch.stack([(logits.argmax(-1) == Y)[answers].sum(), answers.sum()])
+            done += 1
+            if (now := time.time()) - shown > PROGRESS_SECONDS and done < n:
+                shown = now
+                eta = (now - t0) / done * (n - done)
+                run.procs.log(f"evaluating: {done}/{n} batches, eta {format_duration(eta)}")
         mean = losses.mean()
         if run.procs.ddp:
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
@@ -648,7 +683,7 @@ def with_fallback(run: Run, step):
     never a crash. The training sampler and the gradients are put back first, so the retried step is the step that
     failed. A fallback that worked stays for the rest of the run."""
     model = run.model
-    can_fall_back = run.cfg["compile"] and model.fused_attention is None and model.transformer.wpe.has_bias
+    can_fall_back = run.cfg["compile"] and model.fused_attention is None and model.encoding.has_bias
     sampler = run.data_rng.get_state()
     fallbacks = [f for f in KERNEL_FALLBACKS if any(getattr(model, k) != v for k, v in f[1].items())]
     while True:
@@ -687,27 +722,25 @@ def start_wandb(run: Run):
     return wandb
 
 
-def stop_on_signals(procs: Processes) -> torch.Tensor:
-    """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops); a second signal quits at once."""
+def stop_on_signals(procs: Processes, trained: Callable[[], bool]) -> torch.Tensor:
+    """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops); a second signal quits at once. Before
+    this process has trained an iteration (the first evaluation, the first compile), there is nothing to save: it
+    quits at once, and the checkpoint it started from (if any) stays."""
     stop = torch.zeros(1, device=procs.device if procs.ddp and procs.device_type == "cuda" else "cpu")
 
     def on_signal(signum, frame):
+        name = signal.Signals(signum).name
         if stop.item():
             raise KeyboardInterrupt
+        if not trained():
+            procs.log(f"\n{name}: nothing trained yet in this run, so nothing to save: stopping now")
+            raise SystemExit(128 + signum)
         stop.fill_(1)
-        procs.log(f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration (again to quit at once)")
+        procs.log(f"\n{name}: saving a checkpoint after this iteration or evaluation (again to quit at once)")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     return stop
-
-
-def peak_flops(procs: Processes) -> float | None:
-    """The GPU's dense bf16 peak, for MFU; None where it is not known (CPUs, unlisted GPUs)."""
-    if procs.device_type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(procs.device)
-    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -768,15 +801,19 @@ def main(argv: list[str]) -> None:
             f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
             "answers only"
         )
-    if (note := model.fused_attention_note(procs.device_type)) and model.transformer.wpe.has_bias:
+    if (note := model.fused_attention_note(procs.device_type)) and model.encoding.has_bias:
         log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
+    if procs.device_type == "cpu" and 6 * model.get_num_params() * run.tokens_per_iter > CPU_SIZED_FLOPS:
+        log(
+            f"note: a GPU-sized run on a CPU: each iteration takes seconds here. For a CPU-sized run (minutes), add "
+            f"config/cpu.py: python train.py config/{cfg['pos_encoding']}.py config/cpu.py"
+        )
     run.net = wrap(run)
     wandb = start_wandb(run)
-    stop = stop_on_signals(procs)
-    flops = peak_flops(procs)
-
     max_iters, out_dir = cfg["max_iters"], cfg["out_dir"]
     dt_avg, eval_dt, start_iter = None, 0.0, run.iter_num
+    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)
+    flops = peak_flops(procs.device)
     t0 = time.time()
     while True:
         if procs.ddp:
@@ -790,7 +827,9 @@ def main(argv: list[str]) -> None:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         if run.iter_num % cfg["eval_interval"] == 0 or run.iter_num >= max_iters or cfg["eval_only"]:
             te = time.time()
-            losses = with_fallback(run, lambda: estimate_loss(run))
+            losses = with_fallback(run, lambda: estimate_loss(run, stop))
+            if losses is None:  # stopped mid-evaluation: the top of the loop saves
+                continue
             eval_dt = time.time() - te
             improved = losses["val"] < run.best_val_loss
             run.best_val_loss = min(run.best_val_loss, losses["val"])
@@ -813,11 +852,20 @@ def main(argv: list[str]) -> None:
         if run.iter_num >= max_iters:
             break
 
+        if run.iter_num == start_iter and cfg["compile"]:
+            log("compiling the model (the first iterations; once per run) ...")
         loss = with_fallback(run, lambda: train_iteration(run))
         t1 = time.time()
         dt, t0 = t1 - t0, t1
         if run.iter_num > start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
             dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if run.iter_num == start_iter + ESTIMATE_AFTER and run.iter_num < max_iters - 1:
+            left = max_iters - run.iter_num - 1
+            evals = left // cfg["eval_interval"] + 1
+            log(
+                f"this run: about {format_duration(dt_avg * left + eval_dt * evals)} more ({left:,} iterations at "
+                f"{dt_avg * 1000:.0f} ms, {evals} evaluations at {eval_dt:.1f} s)"
+            )
         if run.iter_num % cfg["log_interval"] == 0 and procs.master:
             left = max_iters - run.iter_num - 1
             eta = (dt_avg or dt) * left + eval_dt * (left // cfg["eval_interval"] + 1)

@@ -171,7 +171,7 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
     seen = {}
 
     def spy(model, data, L, *args):
-        pe = model.transformer.wpe
+        pe = model.encoding
         seen[(pe.scaling, L)] = (pe.factor, pe.inv_freq(torch.device("cpu"), torch.tensor(L)))
         return real(model, data, L, *args)
 

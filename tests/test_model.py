@@ -174,7 +174,7 @@ def test_causal_fast_path_equals_materialized_mask(pe):
 
 def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as complex numbers."""
-    attn, pe, cfg = model.transformer.h[0].attn, model.transformer.wpe, model.config
+    attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
     B, T, C = x.shape
     hs = C // cfg.n_head
     q, k, v = (t.view(B, T, cfg.n_head, hs).transpose(1, 2).double() for t in attn.c_attn(x).split(C, dim=2))
@@ -220,7 +220,7 @@ def test_attention_matches_handwritten_reference(pe):
     x = torch.randn(2, 12, 32)
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
-    got = cfg_attn(x, model.transformer.wpe.rotary(pos), model._attention(pos, pos, None, cached=False), None)
+    got = cfg_attn(x, model.encoding.rotary(pos), model._attention_fn(pos, pos, None, cached=False), None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -228,14 +228,12 @@ def test_fire_follows_the_papers_parameterisation():
     """FIRE as the paper's reference code: c starts at 0.1, the threshold is a multiplier from 1 of a fixed L0 =
     block_size, and a threshold of 0 keeps position 0 finite (ε in the normaliser); no output bias."""
     model = tiny("fire", block_size=16)
-    pe = GPT(
-        GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding="fire")
-    ).transformer.wpe
+    pe = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding="fire")).encoding
     assert torch.equal(pe.c, torch.full((2,), 0.1)) and torch.equal(pe.L_multiplier, torch.ones(2))
     assert float(pe.init_L) == 16.0 and "init_L" in dict(pe.named_buffers())
     assert not [n for n, _ in pe.named_parameters() if n.startswith("b2")]
     with torch.no_grad():
-        model.transformer.wpe.L_multiplier.zero_()
+        model.encoding.L_multiplier.zero_()
     logits = model(tokens(2, 16))[0]
     assert torch.isfinite(logits).all()
 
@@ -278,7 +276,7 @@ def test_alibi_naive_formula_differs_for_non_power_of_two():
 def test_bias_rpe_clamps_relative_distance():
     """bias_rpe gathers table[clamp(i - j, ±(r_max - 1)) + r_max - 1]: distances beyond r_max - 1 share a bias."""
     model = tiny("bias_rpe")  # rpe_max_distance=5: 9 biases per head
-    pe = model.transformer.wpe
+    pe = model.encoding
     assert pe.weight.shape == (4, 9)
     with torch.no_grad():
         pe.weight.copy_(torch.arange(36.0).view(4, 9))
@@ -295,7 +293,7 @@ def test_bias_rpe_starts_at_zero():
         torch.count_nonzero(
             GPT(
                 GPTConfig(n_layer=1, n_head=2, n_embd=8, pos_encoding="bias_rpe", vocab_size=10, block_size=8)
-            ).transformer.wpe.weight
+            ).encoding.weight
         )
         == 0
     )
@@ -305,7 +303,7 @@ def test_sinusoidal_matches_formula():
     """PE[p, 2i] = sin(p/10000^(2i/C))/√C, PE[p, 2i+1] = cos(p/10000^(2i/C))/√C, past block_size too."""
     model = tiny("sinusoidal", block_size=8)
     pos = torch.tensor([0, 1, 7, 100, 1000])
-    got = model.transformer.wpe.embed(pos)
+    got = model.encoding.embed(pos)
     C = model.config.n_embd
     for r, p in enumerate(pos.tolist()):
         for i in range(C // 2):
@@ -323,7 +321,7 @@ def test_apply_rotary_rotates_each_pair_by_its_angle(compiled):
     x = torch.randn(2, 10, 3 * 16)[..., :16].view(2, 10, 2, 8).transpose(1, 2)  # (B, nh, T, hs), like q in attention
     pos = torch.arange(50, 60)
     rotate = torch.compile(apply_rotary, fullgraph=True) if compiled else apply_rotary
-    got = rotate(x, *model.transformer.wpe.rotary(pos))
+    got = rotate(x, *model.encoding.rotary(pos))
     theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     a = pos[:, None].double() * theta  # (T, hs/2)
     R = torch.stack([torch.stack([a.cos(), -a.sin()], -1), torch.stack([a.sin(), a.cos()], -1)], -2)  # (T, hs/2, 2, 2)
@@ -434,7 +432,7 @@ def test_torch_compile_forward_backward(pe):
     logits, loss = compiled(idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    for name, p in model.transformer.wpe.named_parameters():
+    for name, p in model.encoding.named_parameters():
         assert p.grad.abs().sum() > 0, f"{pe}'s {name} gets no gradient, compiled"
     close(logits, model(idx[:, :-1])[0], tol=1e-4)
 
@@ -445,14 +443,14 @@ def test_every_encoding_parameter_gets_a_gradient(pe):
     for trainable biases) gives every parameter of the encoding a non-zero gradient, and changes it."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe)).train()
-    before = {n: p.detach().clone() for n, p in model.transformer.wpe.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.encoding.named_parameters()}
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
     idx = tokens(4, 17)
     model(idx[:, :-1], idx[:, 1:])[1].backward()
-    for name, p in model.transformer.wpe.named_parameters():
+    for name, p in model.encoding.named_parameters():
         assert p.grad.abs().sum() > 0, f"{pe}'s {name} gets no gradient"
     optimizer.step()
-    for name, p in model.transformer.wpe.named_parameters():
+    for name, p in model.encoding.named_parameters():
         assert not torch.equal(p, before[name]), f"{pe}'s {name} did not change"
 
 
@@ -468,7 +466,7 @@ def test_pe_lr_scale_moves_the_encoding_faster():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     idx = tokens(2, 16)
     model(idx, targets=torch.roll(idx, -1, 1))[1].backward()
-    table_grad = model.transformer.wpe.weight.grad.clone()
+    table_grad = model.encoding.weight.grad.clone()
     opt.step()
     for name, p in model.named_parameters():
         step = (p.detach() - before[name]).abs()
@@ -615,7 +613,7 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
-    span = model.transformer.wpe.bias_span
+    span = model.encoding.bias_span
     if 0 < span < (window or T):  # some key is past the span: the shared far entry has a gradient to match
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
@@ -646,7 +644,7 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
 
 
 def spanless_trainable(pe: str) -> bool:
-    wpe = tiny(pe).transformer.wpe
+    wpe = tiny(pe).encoding
     return wpe.bias_span is None and bool(list(wpe.parameters()))
 
 
@@ -713,7 +711,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     assert not calls
     compiled = torch.compile(model)
     logits, fused_grads = grads(compiled, idx)
-    wpe = model.transformer.wpe
+    wpe = model.encoding
     band_or_fixed = wpe.bias_span is not None or not list(wpe.parameters())  # else FlexAttention's atomics: avoided
     assert bool(calls) == (head_dim >= 16 and band_or_fixed), "FlexAttention where it fits, the materialized elsewhere"
     assert (model.fused_attention_note("cuda") is None) == (head_dim >= 16)
@@ -760,7 +758,7 @@ def test_training_keeps_about_one_bias_per_layer(pe):
     loss.backward()
     one_bias = model.config.n_head * T * T * 4  # (nh, T, T) float32
     assert sum(saved) <= 2 * n_layer * one_bias, sum(saved) / one_bias
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.transformer.wpe.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoding.parameters())
 
 
 def test_scalar_mlp_gradients_equal_autograd():
@@ -780,7 +778,7 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
     """FIRE's bias with a gradient keeps a few bias-sized tensors for the backward, not one per hidden unit (32): the
     checkpointed bias is recomputed in the backward, and this is what that recomputation holds."""
     T = 64
-    pe = tiny("fire", block_size=T, n_layer=2).train().transformer.wpe
+    pe = tiny("fire", block_size=T, n_layer=2).train().encoding
     saved = []
 
     def pack(t):
@@ -817,9 +815,14 @@ def test_reference_attention_adds_a_float32_bias_to_half_precision():
 def test_bf16_model_generates(pe):
     """A model cast to bf16 (weights and activations) keeps bf16 activations and generates, with and without the
     cache (a float32 sinusoidal table once turned x to float32 and crashed the next bf16 Linear)."""
+    reference = tiny(pe)
     model = tiny(pe).to(torch.bfloat16)
     idx = tokens(2, 5)
-    assert model(idx)[0].dtype == torch.bfloat16
+    logits = model(idx)[0]
+    assert logits.dtype == torch.bfloat16
+    # the same weights in bf16 give the float32 model's logits to bf16's precision (8 bits of mantissa)
+    expected = reference(idx)[0]
+    assert (logits.float() - expected).abs().max() <= 0.05 * expected.abs().max()
     for use_cache in (True, False):
         assert model.generate(idx, 6, temperature=0, use_cache=use_cache).shape == (2, 11)
 
@@ -856,7 +859,7 @@ def test_t5_buckets_equal_the_reference_implementation():
 
     n = torch.arange(2001)
     for buckets, max_distance in [(32, 128), (8, 20)]:
-        pe = tiny("t5", t5_num_buckets=buckets, t5_max_distance=max_distance).transformer.wpe
+        pe = tiny("t5", t5_num_buckets=buckets, t5_max_distance=max_distance).encoding
         expected = T5Attention._relative_position_bucket(
             -n, bidirectional=False, num_buckets=buckets, max_distance=max_distance
         )
@@ -871,7 +874,7 @@ def test_t5_buckets_equal_the_reference_implementation():
 
 def test_kerple_log_bias_matches_the_formula():
     """KERPLE (log): bias = -r1·log(1 + r2·(i - j)) per head, r1, r2 > 0, a function of i - j alone."""
-    pe = tiny("kerple").transformer.wpe
+    pe = tiny("kerple").encoding
     r1, r2 = pe.log_r1.exp().detach(), pe.log_r2.exp().detach()
     assert (r1 > 0).all() and (r2 > 0).all()
     n = torch.arange(0, 3000, 7).float()

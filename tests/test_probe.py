@@ -19,16 +19,16 @@ def by_hand(model, idx: torch.Tensor) -> torch.Tensor:
     hs = c.n_embd // c.n_head
     pos = torch.arange(T)
     x = model.transformer.wte(idx)
-    emb = model.transformer.wpe.embed(pos)
+    emb = model.encoding.embed(pos)
     x = x if emb is None else x + emb
     block = model.transformer.h[0]
     q, k, _ = block.attn.c_attn(block.ln_1(x)).split(c.n_embd, dim=2)
     q, k = (t.view(B, T, c.n_head, hs).transpose(1, 2) for t in (q, k))
-    rope = model.transformer.wpe.rotary(pos)
+    rope = model.encoding.rotary(pos)
     if rope is not None:
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     s = q @ k.transpose(-2, -1) / hs**0.5
-    bias = model.transformer.wpe.bias(torch.arange(c.n_head)[:, None, None], pos[:, None], pos[None, :])
+    bias = model.encoding.bias(torch.arange(c.n_head)[:, None, None], pos[:, None], pos[None, :])
     s = s if bias is None else s + bias
     return s.masked_fill(pos[:, None] < pos[None, :], float("-inf")).softmax(-1)
 
@@ -38,14 +38,14 @@ def test_attention_probs_equal_a_softmax_by_hand(pe):
     """What probe reads through the model's own attention (V = I) is layer 0's softmax(q·kᵀ/√hs + bias), causal."""
     model = tiny(pe, block_size=32).eval()
     if pe == "bias_rpe":  # a table that is not all zero
-        torch.nn.init.normal_(model.transformer.wpe.weight)
+        torch.nn.init.normal_(model.encoding.weight)
     idx = tokens(2, 48)
     probs = probe.attention_probs(model, idx)
     assert len(probs) == model.config.n_layer and probs[0].shape == (2, model.config.n_head, 48, 48)
     close(probs[0], by_hand(model, idx))
     for p in probs:
         close(p.sum(-1), torch.ones(p.shape[:-1]))
-    assert "_attention" not in vars(model)  # the instance is left as it was
+    assert "_attention_fn" not in vars(model)  # the instance is left as it was
 
 
 @pytest.mark.parametrize("pe", list(POS_ENCODINGS))

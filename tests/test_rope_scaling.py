@@ -133,7 +133,7 @@ def test_dynamic_ntk_generation_caches_up_to_L0_then_recomputes(W):
 def test_set_rope_scaling_and_errors():
     model = tiny("rope", block_size=16)
     model.set_rope_scaling("yarn", 4.0)
-    assert model.config.rope_scaling == "yarn" and model.transformer.wpe.mscale > 1
+    assert model.config.rope_scaling == "yarn" and model.encoding.mscale > 1
     with pytest.raises(ValueError, match="rope_scaling='yarm'.*linear, ntk, dynamic_ntk, yarn"):
         model.set_rope_scaling("yarm", 4.0)
     with pytest.raises(ValueError, match="rope_factor=0.5"):

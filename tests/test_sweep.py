@@ -124,7 +124,7 @@ def test_parameter_column_counts_each_parameter_once(tiny_data, tmp_path):  # no
     for enc, model in models.items():
         unique = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
         if enc == "learned":
-            unique -= model.transformer.wpe.weight.numel()
+            unique -= model.encoding.weight.numel()
         assert runs[enc] == unique
         assert runs[enc] <= sum(v.numel() for v in model.state_dict().values()) - model.transformer.wte.weight.numel()
 
