@@ -7,7 +7,7 @@ Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test:
     python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
     python bench.py --only=decode                    # one table: train, encodings, decode, attention, shapes
 
-CPU sizes follow issue 5: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
+CPU sizes: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
 against nanoGPT; block 256 for the encodings; 6 layers, 384 dims, block 256, batch 1, 512 tokens for decode. On a GPU:
 GPT-2 124M at block 1024, bf16, compiled.
 """

@@ -5,10 +5,13 @@ so nothing loaded can run code.
 """
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from datafiles import dataset_dir, load_meta
 from model import GPT, GPTConfig
 
 
@@ -80,3 +83,26 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     model.load_state_dict(state)
     return model
+
+
+@dataclass
+class TrainedRun:
+    """What the evaluation scripts read from a run's folder: its checkpoint, its model (eval mode, on the device)
+    and, where asked for, the validation split of the dataset it trained on."""
+
+    ckpt: dict
+    model: GPT
+    val: np.ndarray | None = None  # (N,) uint16 token ids
+    dataset: str = ""
+
+
+def load_run(out_dir: str | Path, device: str = "cpu", val: bool = False, data_dir: str | None = None) -> TrainedRun:
+    """Load out_dir/ckpt.pt and build its model; with val, also the validation split of its dataset (data_dir, a
+    prepared folder, overrides the checkpoint's). Raises CheckpointError or DataError naming the fix."""
+    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+    run = TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
+    if val:
+        path = Path(data_dir) if data_dir else dataset_dir(ckpt.get("config", {}).get("dataset", "shakespeare_char"))
+        load_meta(path)  # names a missing or unprepared dataset and how to prepare it
+        run.val, run.dataset = np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
+    return run

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_run, model_from_checkpoint
 from configurator import ConfigError, autocast, check_device
-from datafiles import DataError, dataset_dir, load_meta
+from datafiles import DataError
 from model import GPT, ROPE_SCALINGS
 
 MODES = ("nonoverlapping", "sliding")
@@ -109,13 +109,6 @@ def evaluate(
     return {"loss": mean, "ppl": math.exp(mean), "tokens": count, "per_position": (per_pos / len(spans)).tolist()}
 
 
-def load_val(ckpt: dict, data_dir: str | None) -> tuple[np.ndarray, str]:
-    dataset = ckpt.get("config", {}).get("dataset", "shakespeare_char")
-    path = Path(data_dir) if data_dir else dataset_dir(dataset)
-    load_meta(path)  # names a missing or unprepared dataset and how to prepare it
-    return np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
-
-
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option in its range, before any work: p.error prints usage and one line, and exits 2."""
     for L in args.lengths:
@@ -177,11 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for n, out_dir in enumerate(args.out_dirs):
         try:
-            ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
-            data, dataset = load_val(ckpt, args.data_dir)
+            run = load_run(out_dir, device, val=True, data_dir=args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        model = model_from_checkpoint(ckpt).to(device).eval()
+        ckpt, model, data, dataset = run.ckpt, run.model, run.val, run.dataset
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
         runs.append(dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:

@@ -419,7 +419,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         # real arithmetic, which inductor fuses into one kernel (it has no complex codegen)
         x1, x2 = pairs.unbind(-1)
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
-    # eager: one complex multiply, (x1 + i·x2)(cos + i·sin), 8x faster than the real arithmetic's separate kernels
+    # eager: one complex multiply, (x1 + i·x2)(cos + i·sin), one kernel where the real arithmetic takes six
     return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
@@ -524,7 +524,7 @@ class ModelShape:
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
     pos_encoding: str = "learned"  # a name of POS_ENCODINGS
-    gelu: str = "exact"  # exact (nanoGPT's, 3x faster on CPU) | tanh (GPT-2's own; from_hf uses it)
+    gelu: str = "exact"  # exact (nanoGPT's, faster on CPU) | tanh (GPT-2's own; from_hf uses it)
 
     def __post_init__(self):
         if self.pos_encoding not in POS_ENCODINGS:
@@ -700,7 +700,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
-        # score biases (alibi, bias_rpe) through FlexAttention: True, False, or None for "when compiled"
+        # score biases (every encoding with has_bias) through FlexAttention: True, False, or None for "when compiled"
         self.fused_attention: bool | None = None
         # FlexAttention's Triton options (e.g. {"num_stages": 1}: less shared memory per block), None for its defaults
         self.flex_kernel_options: dict | None = None
@@ -995,7 +995,7 @@ class GPT(nn.Module):
             if self._compiled_decode is None:
                 if idx.device.type == "cuda":  # one CUDA graph per step, replayed over the static cache
                     kw = dict(mode="reduce-overhead")
-                else:  # batch-1 matmuls as fused multiply-reductions on both cores, not MKL's GEMV: 1.7x per token
+                else:  # batch-1 matmuls as fused multiply-reductions on every core, faster than MKL's GEMV
                     kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
                 self._compiled_decode = torch.compile(self._decode_step, fullgraph=True, **kw)
             decode = self._compiled_decode

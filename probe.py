@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_run
 from configurator import ConfigError, check_device
 from datafiles import DataError
-from eval_length import load_val
 from model import GPT
 
 
@@ -165,11 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
     for name, out_dir in zip(names, args.out_dirs, strict=True):
         try:
-            ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
-            data, _ = load_val(ckpt, args.data_dir)
+            run = load_run(out_dir, args.device, val=True, data_dir=args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        model = model_from_checkpoint(ckpt).to(args.device).eval()
+        model, data = run.model, run.val
         model.fused_attention = False  # the reference path: every encoding, any length, any device
         if not model.encoding.reaches(args.length):
             sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")

@@ -260,7 +260,7 @@ def learned_at(history: list[dict], threshold: float = LEARNED) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+    from checkpoint import CheckpointError, load_run
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")
@@ -275,15 +275,15 @@ def main(argv: list[str] | None = None) -> dict:
     report = {}
     for d in args.out_dirs:
         try:
-            ckpt = load_checkpoint(Path(d) / "ckpt.pt")
+            run = load_run(d, args.device)
         except CheckpointError as e:
             sys.exit(f"error: {e}")
+        ckpt, model = run.ckpt, run.model
         cfg = ckpt.get("config", {})
         if not cfg.get("task"):
-            sys.exit(f"error: {d} was not trained on a synthetic task (train with task=needle, passkey, mqar or copy)")
+            sys.exit(f"error: {d} was not trained on a synthetic task (train with task= one of {', '.join(TASKS)})")
         T = cfg["block_size"]
         lengths = args.lengths or [T * k for k in (1, 2, 4, 8, 16)]
-        model = model_from_checkpoint(ckpt).to(args.device).eval()
         try:
             acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
         except SyntheticError as e:

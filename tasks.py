@@ -308,7 +308,7 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+    from checkpoint import CheckpointError, load_run
     from tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,12 +329,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"lengths": args.lengths, "depths": depths, "trials": args.trials, "seed": args.seed, "checkpoints": {}}
     for out_dir in args.out_dir:
         try:
-            ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+            run = load_run(out_dir, args.device)
         except CheckpointError as e:
             sys.exit(f"error: {e}")
+        ckpt, model = run.ckpt, run.model
         if "tokenizer" not in ckpt:
             sys.exit(f"error: {out_dir}/ckpt.pt stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
-        model = model_from_checkpoint(ckpt).to(args.device).eval()
         tok = tokenizer_from_meta(ckpt["tokenizer"])
         try:
             r = evaluate_checkpoint(

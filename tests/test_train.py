@@ -129,6 +129,63 @@ def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     )
 
 
+def signal_when(line_start: str, out: Path, *args: str, nth: int = 1, env: dict = ENV):
+    """Run train.py, send SIGINT at the nth line starting with line_start, and time the answer."""
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, *args, f"--out_dir={out}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen, t0 = 0, None
+    for line in p.stdout:
+        seen += line.startswith(line_start)
+        if seen == nth:
+            p.send_signal(signal.SIGINT)
+            t0 = time.time()
+            break
+    stdout, stderr = p.communicate(timeout=120)
+    assert t0 is not None, stdout
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), time.time() - t0
+
+
+def test_stop_during_the_first_evaluation_quits_at_once(tiny_data, tmp_path):
+    """Before anything is trained (a GPU-sized first evaluation on a CPU, a compile), a stop request has nothing to
+    save: it quits at once, writing nothing, instead of waiting for an iteration that may be minutes away."""
+    r, waited = signal_when("rope GPT:", tmp_path / "out", f"--dataset={tiny_data}", "--eval_iters=100000")
+    assert r.returncode == 128 + signal.SIGINT, r.stderr[-2000:]
+    assert "nothing trained yet" in r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    assert waited < 30  # 200,000 evaluation batches would take many minutes
+
+
+def test_stop_during_a_later_evaluation_saves_what_was_trained(tiny_data, tmp_path):
+    """A stop request during an evaluation after training began ends the evaluation at the next batch (its log line
+    never comes) and saves the iterations trained: the checkpoint is at that iteration."""
+    env = ENV | {"NANOPE_PROGRESS_SECONDS": "0"}  # a progress line per batch: the signal lands mid-evaluation
+    args = [f"--dataset={tiny_data}", "--eval_interval=10", "--max_iters=30", "--lr_decay_iters=30", "--eval_iters=500"]
+    r, waited = signal_when("evaluating: 2/", tmp_path / "out", *args, nth=2, env=env)  # the evaluation at step 10
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stopped at iteration 10" in r.stdout and "step 10:" not in r.stdout and waited < 30
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["iter_num"] == 10
+
+
+def test_progress_of_a_long_evaluation_and_the_run_estimate(tiny_data, tmp_path, monkeypatch, capsys):
+    """An evaluation longer than PROGRESS_SECONDS shows batches done and an ETA; after ESTIMATE_AFTER timed
+    iterations, one line estimates the rest of the run; a GPU-sized model on a CPU names config/cpu.py."""
+    import train
+
+    monkeypatch.setattr(train, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(train, "CPU_SIZED_FLOPS", 1.0)
+    train_here(f"--dataset={tiny_data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=20", "--eval_iters=3")
+    out = capsys.readouterr().out
+    assert "evaluating: 1/6 batches, eta " in out and "evaluating: 5/6 batches" in out
+    assert "this run: about " in out and "9 iterations at " in out
+    assert "add config/cpu.py: python train.py config/rope.py config/cpu.py" in out
+
+
 class CompiledFlexFails(torch.nn.Module):
     """Stands in for torch.compile on a GPU whose Triton cannot build the fused attention kernel: the training step
     fails as bias-RPE's did on an H100 while the model uses FlexAttention; on the materialized path it runs."""
