@@ -881,3 +881,19 @@ def test_kerple_log_bias_matches_the_formula():
     expected = -r1[:, None] * torch.log(1 + r2[:, None] * n)
     close(pe.bias(torch.arange(4)[:, None], n.long() + 100, 100), expected)
     close(pe.bias(torch.arange(4)[:, None], n.long() + 5, 5), pe.bias(torch.arange(4)[:, None], n.long(), 0))
+
+
+def test_kerple_per_layer_gives_each_layer_its_own_pair():
+    """kerple_per_layer=True (the paper's model): a (r1, r2) pair per head in every layer, so layers attend with
+    different biases, and the cache still equals the full forward; the default shares one pair per head."""
+    shared, per_layer = tiny("kerple", n_layer=3), tiny("kerple", n_layer=3, kerple_per_layer=True)
+    assert shared.encoding.log_r1.shape == (4,) and not shared.encoding.per_layer
+    assert per_layer.encoding.log_r1.shape == (12,) and per_layer.encoding.per_layer
+    pe, n = per_layer.encoding, torch.arange(50)
+    layer_bias = [pe.bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)]
+    assert not torch.allclose(layer_bias[0], layer_bias[1])  # the layers' own pairs, read at h = layer·n_head + head
+    idx = tokens(2, 16)
+    cache = KVCache(per_layer.config.n_layer, 16)  # fed a token at a time, against the full forward
+    close(torch.cat([per_layer(idx[:, t : t + 1], cache=cache)[0] for t in range(16)], 1), per_layer(idx)[0])
+    with pytest.raises(ValueError, match="kerple_per_layer='yes' must be True or False"):
+        tiny("kerple", kerple_per_layer="yes")
