@@ -87,6 +87,8 @@ class PositionalEncoding(nn.Module):
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # bias: one per layer, h in bias(h, i, j) counting the heads of every layer (layer·n_head + head)
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
+    # the Hugging Face transformers architecture that computes it exactly (export.py): gpt2, gpt_neox, mpt, or None
+    hf_architecture: str | None = None
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
     summary = ""  # one line for --help
 
@@ -138,6 +140,7 @@ class NoPE(PositionalEncoding):
     """No positional information at all: the causal mask alone orders tokens (Kazemnejad et al. 2023)."""
 
     summary = "no positions: the causal mask alone orders tokens (NoPE)"
+    hf_architecture = "gpt2"
 
 
 class Sinusoidal(PositionalEncoding):
@@ -147,6 +150,7 @@ class Sinusoidal(PositionalEncoding):
     the table (norm √(C/2)) drowns GPT-2's 0.02-std token embeddings, and the model trains far worse."""
 
     summary = "fixed sin/cos of the position added to the token embeddings"
+    hf_architecture = "gpt2"
 
     relative = False
 
@@ -171,6 +175,7 @@ class Learned(PositionalEncoding):
     past block_size: there is no row for a longer position."""
 
     summary = "a trainable table of positions added to the token embeddings (GPT-2's)"
+    hf_architecture = "gpt2"
 
     relative = False
     extrapolates = False
@@ -323,6 +328,7 @@ class RoPE(PositionalEncoding):
     """
 
     summary = "rotates q and k by the position (rotary); scalings read past the training length"
+    hf_architecture = "gpt_neox"
 
     rope_scalable = True
     options = {
@@ -441,6 +447,7 @@ class ALiBi(PositionalEncoding):
     Computed from i - j in float32, never from j alone: that would grow with absolute position."""
 
     summary = "a bias -slope·distance per head, the paper's fixed slopes (ALiBi)"
+    hf_architecture = "mpt"
 
     has_bias = True
 

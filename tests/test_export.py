@@ -1,0 +1,185 @@
+"""export.py: a checkpoint as a transformers directory that computes the same logits (GPT-2 for learned, sinusoidal
+and none; GPT-NeoX for RoPE and its scalings; MPT for ALiBi), its tokenizer, and the errors before anything is
+written."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import close
+
+from checkpoint import save_checkpoint
+from model import GPT, POS_ENCODINGS, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+import export  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 64
+CHARS = "\n !'(),-.:;?" + "".join(chr(c) for c in range(ord("A"), ord("Z") + 1)) + "abcdefghijklmnopqrstuvwxyz"
+
+
+def checkpoint(perturb: float = 0.1, **kw) -> tuple[dict, GPT]:
+    """A random model's checkpoint (its weights moved off the init, biases and norms too) and the model."""
+    torch.manual_seed(0)
+    args = dict(block_size=32, vocab_size=V, n_layer=2, n_head=4, n_embd=32) | kw
+    model = GPT(GPTConfig(**args))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if model.config.bias or not name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * perturb)
+    ckpt = {"model": model.state_dict(), "model_args": args, "tokenizer": {"kind": "char", "chars": CHARS[:V]}}
+    return ckpt | {"config": {"dtype": "float32"}}, model.eval()
+
+
+def exported(ckpt: dict, tmp_path: Path, **kw):
+    out = export.export(ckpt, tmp_path / "hf", **kw)
+    return transformers.AutoModelForCausalLM.from_pretrained(out).eval(), out
+
+
+CASES = [
+    ("learned", {}),
+    ("sinusoidal", {}),
+    ("none", {}),
+    ("learned", {"bias": False, "gelu": "tanh"}),
+    ("rope", {}),
+    ("rope", {"bias": False}),
+    ("rope", {"rope_fraction": 0.5}),
+    ("alibi", {"bias": False}),
+    ("alibi", {"bias": False, "n_head": 6, "n_embd": 48}),
+    ("alibi", {"bias": False, "n_head": 12, "n_embd": 48}),
+]
+
+
+@pytest.mark.parametrize("pe, kw", CASES)
+def test_exported_logits_equal_ours(pe, kw, tmp_path):
+    """Over a full sequence (past the training length where the encoding reaches), in float32, to 1e-5; the class
+    is the architecture the encoding declares, and AutoTokenizer loads the directory."""
+    ckpt, model = checkpoint(pos_encoding=pe, **kw)
+    hf, out = exported(ckpt, tmp_path)
+    name = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "mpt": "MptForCausalLM"}
+    assert type(hf).__name__ == name[POS_ENCODINGS[pe].hf_architecture]
+    T = 32 if pe == "learned" else 96
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        close(hf(idx).logits, model(idx)[0], tol=1e-5)
+    assert transformers.AutoTokenizer.from_pretrained(out).decode([5, 6]) == CHARS[5:7]
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "llama3", "dynamic_ntk"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rope_scalings_export_exactly_past_the_training_length(scaling, fraction, tmp_path):
+    """Every RoPE scaling GPT-NeoX can express, at 3x the training length; partial RoPE at base b is NeoX's at
+    base b^fraction. Dynamic NTK's exponent counts the rotated dims in transformers: with partial RoPE it is an
+    error, not an approximation."""
+    ckpt, model = checkpoint(pos_encoding="rope", rope_fraction=fraction, rope_scaling=scaling, rope_factor=4.0)
+    if scaling == "dynamic_ntk" and fraction < 1:
+        with pytest.raises(export.ExportError, match="rope_scaling='dynamic_ntk' with rope_fraction=0.5"):
+            exported(ckpt, tmp_path)
+        assert not (tmp_path / "hf").exists()
+        return
+    hf, _ = exported(ckpt, tmp_path)
+    idx = torch.randint(0, V, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        close(hf(idx).logits, model(idx)[0], tol=1e-5)
+
+
+def test_partial_rope_is_neox_at_a_smaller_base():
+    """Ours rotates the fastest R of d/2 pairs, θ_k = b^(-2k/d); NeoX spreads 2R rotated dims, θ_k = b'^(-2k/2R):
+    the same angles for b' = b^(2R/d)."""
+    _, model = checkpoint(pos_encoding="rope", rope_fraction=0.5)
+    pe, params = model.encoding, export.neox_rope(model)
+    d, R = pe.head_dim, pe.rotating
+    ours = pe.inv_freq(torch.device("cpu"))[:R]
+    theirs = params["rope_theta"] ** (-torch.arange(0, 2 * R, 2).double() / (2 * R))
+    close(ours.double(), theirs, tol=1e-7)
+    assert params["partial_rotary_factor"] == 2 * R / d
+
+
+@pytest.mark.parametrize(
+    "pe, kw",
+    [
+        ("learned", {}),
+        ("rope", {}),
+        ("rope", {"rope_scaling": "yarn", "rope_factor": 4.0}),
+        ("alibi", {"bias": False}),
+        ("sinusoidal", {}),
+    ],
+)
+def test_generate_with_their_cache_gives_our_tokens(pe, kw, tmp_path):
+    """Greedy generation with transformers' own KV cache reproduces ours, past the training length where the
+    encoding reaches."""
+    ckpt, model = checkpoint(perturb=0.3, pos_encoding=pe, **kw)
+    hf, _ = exported(ckpt, tmp_path)
+    idx = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(2))
+    n = 24 if pe == "learned" else 60
+    ours = model.generate(idx, n, temperature=0, max_context=n + 8)
+    theirs = hf.generate(idx, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
+    assert torch.equal(theirs, ours)
+
+
+def test_gpt2_export_then_import_gives_back_the_weights(tmp_path):
+    ckpt, model = checkpoint(pos_encoding="learned", gelu="tanh")
+    hf, _ = exported(ckpt, tmp_path)
+    back = GPT.from_hf(hf).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k
+
+
+def test_tokenizers_round_trip(tmp_path):
+    """Text through ours and through the exported tokenizer: the same ids, and decoding gives the text back."""
+    from tokenizer import tokenizer_from_meta
+
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.  Don't!"
+    for meta in ({"kind": "char", "chars": "".join(sorted(set(text)))}, {"kind": "gpt2"}):
+        ours = tokenizer_from_meta(meta)
+        export.hf_tokenizer(meta).save_pretrained(tmp_path / meta["kind"])
+        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / meta["kind"])
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, meta["kind"]
+        assert theirs.decode(ids) == text == ours.decode(ids)
+
+
+def test_dtype_option_and_default(tmp_path):
+    """--dtype writes the weights in that dtype and says so in the config; by default, the run's training dtype."""
+    ckpt, _ = checkpoint(pos_encoding="rope")
+    ckpt["config"]["dtype"] = "bfloat16"
+    out = export.export(ckpt, tmp_path / "bf16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert hf.dtype == torch.bfloat16 and '"dtype": "bfloat16"' in (out / "config.json").read_text()
+    out = export.export(ckpt, tmp_path / "f32", dtype="float32")
+    assert transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.float32
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "export.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_command_and_its_errors(tmp_path):
+    """The command writes a directory transformers loads; each bad input is one line before anything is written."""
+    for pe, kw in [("rope", {}), ("kerple", {}), ("alibi", {})]:
+        ckpt, _ = checkpoint(pos_encoding=pe, **kw)
+        save_checkpoint(ckpt, tmp_path / pe / "ckpt.pt")
+    r = run(str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope"))
+    assert r.returncode == 0, r.stderr
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-rope") is not None
+    cases = [
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "x")], "no checkpoint at"),
+        ([str(tmp_path / "kerple"), "--out", str(tmp_path / "x")], "the encodings that export: sinusoidal, learned"),
+        ([str(tmp_path / "alibi"), "--out", str(tmp_path / "x")], "MPT has no biases .* changes the logits by up to"),
+        ([str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope")], "exists and is not empty"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert __import__("re").search(message, lines[0]), lines[0]
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "rope" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    r = run(str(tmp_path / "rope"), "--out", str(tmp_path / "y"))
+    assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and not (tmp_path / "y").exists()
+    assert run(str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite").returncode == 1
+    assert (tmp_path / "hf-rope" / "config.json").exists()  # a failed export leaves the old directory as it was
