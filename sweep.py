@@ -471,6 +471,7 @@ def plot_synthetic(results: dict, lengths: list[int], train_len: int, path: Path
         ax.axvline(train_len, color="gray", ls=":", lw=1)
         ax.set(xscale="log", xlabel="evaluation length (tokens)", title=task, ylim=(-3, 103))
         ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.minorticks_off()  # a log axis labels its minor ticks too (6×10¹ over 64)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, title="encoding (seeds learned)", title_fontsize=7)
     axes[0][0].set_ylabel("accuracy (%), seeds that learned")
