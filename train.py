@@ -786,6 +786,8 @@ def main(argv: list[str]) -> None:
     if ckpt is not None:
         restore(run, ckpt)
         del ckpt
+    start_iter = run.iter_num
+    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
     log(
         f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {run.tokens_per_iter:,} tokens "
         f"per iteration on {procs.world_size} process(es), {procs.device}, {cfg['dtype']}"
@@ -811,8 +813,7 @@ def main(argv: list[str]) -> None:
     run.net = wrap(run)
     wandb = start_wandb(run)
     max_iters, out_dir = cfg["max_iters"], cfg["out_dir"]
-    dt_avg, eval_dt, start_iter = None, 0.0, run.iter_num
-    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)
+    dt_avg, eval_dt = None, 0.0
     flops = peak_flops(procs.device)
     t0 = time.time()
     while True:
@@ -895,3 +896,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (ConfigError, CheckpointError, DataError, TrainError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # before the run's handler is installed (data, model), or a second Ctrl-C
+        sys.exit("interrupted")
