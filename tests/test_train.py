@@ -106,21 +106,9 @@ def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     ]
     assert_ok(train(*common, f"--out_dir={tmp_path / 'straight'}"))
     out = tmp_path / "stopped"
-    p = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, *common, f"--out_dir={out}"],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in p.stdout:
-        if line.startswith("iter 20:"):
-            p.send_signal(signal.SIGINT)
-            break
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr
-    assert "stopped at iteration" in stdout and "Traceback" not in stderr
+    r, _ = signal_when("iter 20:", out, *common)
+    assert r.returncode == 0, r.stderr
+    assert "stopped at iteration" in r.stdout and "Traceback" not in r.stderr
     stopped = load_checkpoint(out / "ckpt.pt")["iter_num"]
     assert 20 < stopped < 300
     assert_ok(train(*common, "--init_from=resume", f"--out_dir={out}"))
