@@ -177,8 +177,13 @@ def main(argv: list[str]) -> None:
             print(f"--------------- {n} tokens in {dt:.2f}s ({n / dt:.1f} tokens/s)", file=sys.stderr)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> None:
+    """main as a command: a bad option is one line on stderr and exit status 1, never a traceback."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

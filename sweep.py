@@ -524,6 +524,7 @@ def main(argv: list[str]) -> None:
         help="extra RoPE rows (eval_length)",
     )
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
+    p.add_argument("--eval_tokens", type=int, default=None, help="validation tokens per length (default: per size)")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--jobs", type=int, default=1, help="training runs side by side (they share the CPU cores or GPU)")
     p.add_argument(
@@ -549,8 +550,8 @@ def main(argv: list[str]) -> None:
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds) < 0:
         p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
-    if args.jobs < 1 or (args.task_trials or 1) < 1 or args.task_depths < 2:
-        p.error("--jobs and --task_trials must be at least 1, --task_depths at least 2")
+    if args.jobs < 1 or (args.task_trials or 1) < 1 or args.task_depths < 2 or (args.eval_tokens or 1) < 1:
+        p.error("--jobs, --task_trials and --eval_tokens must be at least 1, --task_depths at least 2")
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     if args.synthetic is not None:
@@ -597,7 +598,7 @@ def main(argv: list[str]) -> None:
         "--lengths",
         *map(str, lengths),
         "--eval_tokens",
-        str(size["eval_tokens"]),
+        str(args.eval_tokens or size["eval_tokens"]),
         "--out_json",
         str(out_dir / "eval.json"),
         "--plot",

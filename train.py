@@ -891,10 +891,15 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> None:
+    """main as a command: a problem the user can fix is one line on stderr and exit status 1, never a traceback."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except (ConfigError, CheckpointError, DataError, TrainError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # before the run's handler is installed (data, model), or a second Ctrl-C
         sys.exit("interrupted")
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

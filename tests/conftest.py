@@ -1,14 +1,19 @@
 """Shared by every test module: the encodings from the registry, a tiny model, and comparisons. Registering an
 encoding in model.POS_ENCODINGS puts it under every test parametrized over these lists."""
 
+import contextlib
+import io
 import os
 import signal
+import subprocess
+import sys
 
 # under pytest-xdist (make test: one worker per core), each worker and the processes its tests start use their share
 # of the cores: two workers on two cores with two threads each would fight over them
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache  # noqa: E402
@@ -21,6 +26,21 @@ BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
 VOCAB = 64
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The slow tests first: pytest-xdist hands tests out in this order, so the long ones spread over the workers
+    instead of one of them finishing the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: dynamo keeps the graphs of earlier tests on GPT.forward, and past its limit of
+    8 recompilations silently runs eager, which would make a later compile test pass without compiling."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
 def train_in_process(argv: list[str]) -> None:
     """train.py's main in this process (no interpreter start-up), with the signal handlers it installs put back."""
     import train
@@ -31,6 +51,27 @@ def train_in_process(argv: list[str]) -> None:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
+    """A script's command-line entry point (train.cli, sample.cli, export.main) run in this process, as `python
+    script.py argv` would run it: SystemExit("message") is the message on stderr and status 1, argparse's exit its
+    own status. Any other exception propagates, failing the test as a traceback would. Saves the interpreter's start
+    (two seconds of importing torch) per call."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:

@@ -43,7 +43,8 @@ def test_bench_prints_its_tables_on_cpu(args, first_cell, n_rows):
 def test_bench_shapes_runs_train_py_per_cell():
     """--only=shapes runs train.py for each encoding and shape and prints whether it trains, with its step time."""
     cmd = [sys.executable, "bench.py", "--device=cpu", "--only=shapes", "--shapes", "head_dim-8", "--shape_iters=2"]
-    r = subprocess.run([*cmd, "--shape_encodings", "alibi"], capture_output=True, text=True, cwd=ROOT)
+    cmd += ["--shape_encodings", "alibi", "--shape_train", "--block_size=64", "--batch_size=2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = table_rows(r.stdout, "alibi")
     assert row[1:3] == ["head_dim-8", "trains"] and float(row[3]) > 0, row

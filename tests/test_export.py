@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import close
+from conftest import close, run_cli
 
 from checkpoint import save_checkpoint
 from model import GPT, POS_ENCODINGS, GPTConfig
@@ -171,8 +171,8 @@ def test_command_and_its_errors(tmp_path):
         ([str(tmp_path / "alibi"), "--out", str(tmp_path / "x")], "MPT has no biases .* changes the logits by up to"),
         ([str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope")], "exists and is not empty"),
     ]
-    for args, message in cases:
-        r = run(*args)
+    for args, message in cases:  # in this process (run_cli): the command itself ran above and runs below
+        r = run_cli(export.main, args)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
@@ -181,5 +181,5 @@ def test_command_and_its_errors(tmp_path):
     (tmp_path / "rope" / "ckpt.pt").write_bytes(b"not a checkpoint")
     r = run(str(tmp_path / "rope"), "--out", str(tmp_path / "y"))
     assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and not (tmp_path / "y").exists()
-    assert run(str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite").returncode == 1
+    assert run_cli(export.main, [str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite"]).returncode
     assert (tmp_path / "hf-rope" / "config.json").exists()  # a failed export leaves the old directory as it was

@@ -18,6 +18,7 @@ from conftest import (
     tiny,
     tokens,
 )
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
@@ -423,14 +424,17 @@ def test_checkpoint_model_args_rebuild_the_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_torch_compile_forward_backward(pe):
-    """torch.compile(model) runs forward and backward for every encoding from its own initialisation, matches eager,
-    and gives every parameter of the encoding a non-zero gradient (a table, MLP or slope it never trains is a bug)."""
+    """torch.compile(model) (inductor, one graph) runs forward and backward for every encoding from its own
+    initialisation, matches eager, and gives every parameter of the encoding a non-zero gradient (a table, MLP or
+    slope it never trains is a bug). One layer: a second would compile the same kernels again."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe))
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe))
     idx = tokens(2, 17)
-    compiled = torch.compile(model)
+    counter = CompileCounterWithBackend("inductor")  # proves it compiled: past dynamo's recompile limit, eager runs
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
     logits, loss = compiled(idx[:, :-1], idx[:, 1:])
     loss.backward()
+    assert counter.frame_count == 1
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     for name, p in model.encoding.named_parameters():
         assert p.grad.abs().sum() > 0, f"{pe}'s {name} gets no gradient, compiled"
@@ -607,8 +611,12 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     model.fused_attention = False
     ref_logits, ref_grads = grads(model, idx, window=window)
     model.fused_attention = True
-    logits, fused_grads = grads(torch.compile(model) if compiled else model, idx, window=window)
+    # compiled: dynamo and AOTAutograd trace BandBiasGrad's forward and backward; inductor would only lower the
+    # math stand-in for FlexAttention's CUDA kernel (40 s per case on a CPU for code no GPU runs)
+    counter = CompileCounterWithBackend("aot_eager")
+    logits, fused_grads = grads(torch.compile(model, backend=counter) if compiled else model, idx, window=window)
     assert calls, "the fused path did not run"
+    assert counter.frame_count == compiled  # compiled, not run eagerly past dynamo's recompile limit
     close(logits, ref_logits)
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 import sample
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
@@ -54,6 +55,11 @@ def run_sample(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def sample_here(*args: str) -> subprocess.CompletedProcess:
+    """sample.py's command in this process (see run_cli); run_sample starts the real one."""
+    return run_cli(sample.cli, ["--device=cpu", *args])
+
+
 def test_sample_generates_with_and_without_cache(tmp_path):
     """sample.py rebuilds model and char tokenizer from the checkpoint; greedy text is the same with and without
     the cache, and it reports tokens/s."""
@@ -82,40 +88,41 @@ def test_sample_with_rope_scaling(tmp_path):
     tok = make_checkpoint(tmp_path, noise=0.5)
     common = (f"--out_dir={tmp_path}", "--start=Before", "--num_samples=1", "--max_new_tokens=60", "--temperature=0")
     cached = run_sample(*common, "--max_context=96", "--rope_scaling=yarn")
-    uncached = run_sample(*common, "--max_context=96", "--rope_scaling=yarn", "--no_cache")
+    uncached = sample_here(*common, "--max_context=96", "--rope_scaling=yarn", "--no_cache")
     assert cached.returncode == 0, cached.stderr
     assert cached.stdout == uncached.stdout
     model = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
     model.set_rope_scaling("yarn", 3.0)
     y = model.generate(torch.tensor([tok.encode("Before")]), 60, temperature=0, max_context=96)
     assert cached.stdout.rstrip("\n") == tok.decode(y[0].tolist())
-    plain = run_sample(*common, "--max_context=96")
+    plain = sample_here(*common, "--max_context=96")
     assert plain.stdout != cached.stdout  # the scaling changes what the model says past its block
     make_checkpoint(tmp_path / "alibi", pos_encoding="alibi")
-    r = run_sample(f"--out_dir={tmp_path / 'alibi'}", "--rope_scaling=yarn", "--max_new_tokens=2")
+    r = sample_here(f"--out_dir={tmp_path / 'alibi'}", "--rope_scaling=yarn", "--max_new_tokens=2")
     assert r.returncode != 0 and "pos_encoding='alibi'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_sample_errors_are_clear(tmp_path):
-    """Missing or corrupt checkpoints, unknown characters, over-long prompts and misspelled keys give a message."""
+    """Missing or corrupt checkpoints, unknown characters, over-long prompts and misspelled keys give a message (the
+    first as the command; the rest in this process, where any exception but the one-line exit fails the test)."""
     r = run_sample(f"--out_dir={tmp_path}")
     assert r.returncode != 0 and "no checkpoint at" in r.stderr and "train.py" in r.stderr
 
     make_checkpoint(tmp_path)
-    r = run_sample(f"--out_dir={tmp_path}", "--start=Zebra €", "--num_samples=1", "--max_new_tokens=2")
+    r = sample_here(f"--out_dir={tmp_path}", "--start=Zebra €", "--num_samples=1", "--max_new_tokens=2")
     assert r.returncode != 0 and "'Z'" in r.stderr and "'€'" in r.stderr and "Traceback" not in r.stderr
 
-    r = run_sample(f"--out_dir={tmp_path}", "--max_new_token=2")
+    r = sample_here(f"--out_dir={tmp_path}", "--max_new_token=2")
     assert r.returncode != 0 and "did you mean 'max_new_tokens'" in r.stderr
 
     learned = tmp_path / "learned"
     make_checkpoint(learned, pos_encoding="learned", block_size=8)
-    r = run_sample(f"--out_dir={learned}", "--start=Before we proceed", "--num_samples=1", "--max_new_tokens=2")
+    r = sample_here(f"--out_dir={learned}", "--start=Before we proceed", "--num_samples=1", "--max_new_tokens=2")
     assert r.returncode != 0 and "at most 8" in r.stderr and "Traceback" not in r.stderr
 
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
-    r = run_sample(f"--out_dir={tmp_path}")
+    r = sample_here(f"--out_dir={tmp_path}")
     assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr
 
 

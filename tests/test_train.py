@@ -1,6 +1,7 @@
 """Tests for train.py and the data pipeline: exact resume, Ctrl-C, atomic checkpoints, config errors, DDP, wandb,
 the dataset recipes offline."""
 
+import multiprocessing
 import os
 import runpy
 import shutil
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import train_in_process
+from conftest import run_cli, train_in_process
 
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
 from model import POS_ENCODINGS
 from tokenizer import GPT2_EOT, GPT2Tokenizer
@@ -76,8 +77,8 @@ def assert_same_state(a: dict, b: dict) -> None:
 def test_resume_is_bit_exact(tiny_data, tmp_path):
     """N iterations straight equal N/2, stop, resume to N: bit-identical weights and optimizer state, dropout on."""
     common = [f"--dataset={tiny_data}", "--dropout=0.1", "--pos_encoding=bias_rpe"]
-    assert_ok(train(*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}"))
-    assert_ok(train(*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}"))
+    train_here(*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}")  # in this process; the resume is not
+    train_here(*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}")
     half = load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert half["iter_num"] == 10
     r = train(*common, "--max_iters=20", "--init_from=resume", f"--out_dir={tmp_path / 'split'}")
@@ -100,17 +101,17 @@ def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     common = [
         f"--dataset={tiny_data}",
         "--dropout=0.1",
-        "--max_iters=300",
-        "--lr_decay_iters=300",
-        "--eval_interval=100",
+        "--max_iters=120",
+        "--lr_decay_iters=120",
+        "--eval_interval=40",
     ]
-    assert_ok(train(*common, f"--out_dir={tmp_path / 'straight'}"))
+    train_here(*common, f"--out_dir={tmp_path / 'straight'}")
     out = tmp_path / "stopped"
     r, _ = signal_when("iter 20:", out, *common)
     assert r.returncode == 0, r.stderr
     assert "stopped at iteration" in r.stdout and "Traceback" not in r.stderr
     stopped = load_checkpoint(out / "ckpt.pt")["iter_num"]
-    assert 20 < stopped < 300
+    assert 20 < stopped < 120
     assert_ok(train(*common, "--init_from=resume", f"--out_dir={out}"))
     assert_same_state(
         load_checkpoint(tmp_path / "straight" / "ckpt.pt")["model"], load_checkpoint(out / "ckpt.pt")["model"]
@@ -295,27 +296,31 @@ def test_rope_scaling_keys_train(tiny_data, tmp_path):
     assert (args["rope_scaling"], args["rope_factor"]) == ("yarn", 2.0)
 
 
+def write_checkpoints_forever(path: Path, ready) -> None:
+    """Save checkpoints to path, one after another, each a tensor of its own index; ready is set after the first."""
+    i = 0
+    while True:
+        save_checkpoint({"model": {"w": torch.full((4_000_000,), float(i))}, "model_args": {}, "i": i}, path)
+        ready.set()
+        i += 1
+
+
 def test_checkpoint_survives_kill_during_save(tmp_path):
     """SIGKILL at random moments while checkpoints are being written never leaves a half-written ckpt.pt."""
     path = tmp_path / "ckpt.pt"
-    writer = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(ROOT)!r})
-        from checkpoint import save_checkpoint
-        i = 0
-        while True:
-            save_checkpoint({{"model": {{"w": torch.full((4_000_000,), float(i))}}, "model_args": {{}}, "i": i}},
-                            {str(path)!r})
-            print(i, flush=True)
-            i += 1
-    """)
+    # each writer a fresh process forked from a server that imported torch once (a spawned one would import it
+    # each time: two seconds)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "checkpoint"])
     rng = np.random.default_rng(0)
     for _ in range(5):
-        p = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
-        p.stdout.readline()  # at least one complete checkpoint exists
+        ready = ctx.Event()
+        p = ctx.Process(target=write_checkpoints_forever, args=(path, ready))
+        p.start()
+        assert ready.wait(timeout=120)  # at least one complete checkpoint exists
         time.sleep(rng.uniform(0.0, 0.5))
         p.kill()
-        p.wait()
+        p.join()
         ckpt = load_checkpoint(path)
         assert torch.all(ckpt["model"]["w"] == ckpt["i"])
 
@@ -335,9 +340,11 @@ def test_config_errors_are_clear(tiny_data, tmp_path):
         (["--init_from=resume"], "no checkpoint at"),
         (["config/nope.py"], "config file 'config/nope.py' not found"),
     ]
-    for args, message in cases:
-        r = train(*args, f"--out_dir={tmp_path / 'out'}")
-        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    import train as train_py
+
+    for args, message in cases:  # in this process: test_train_cli_error_is_one_line runs the command itself
+        r = run_cli(train_py.cli, [*TINY, *args, f"--out_dir={tmp_path / 'out'}"])
+        assert r.returncode == 1 and message in r.stderr and r.stderr.startswith("error: "), (args, r.stderr)
 
 
 def test_encoding_configs_differ_only_in_pos_encoding():
@@ -540,7 +547,7 @@ def test_hf_recipes_offline(recipe, tmp_path):
 def test_mixed_precision_and_grad_scaler(tiny_data, tmp_path, dtype):
     """bf16 autocast, and fp16 with a GradScaler whose state is checkpointed and resumed, train to a lower loss."""
     common = [f"--dataset={tiny_data}", f"--dtype={dtype}", "--eval_interval=10", f"--out_dir={tmp_path}"]
-    assert_ok(train(*common, "--max_iters=10"))
+    train_here(*common, "--max_iters=10")
     first = load_checkpoint(tmp_path / "ckpt.pt")
     scaler = first["scaler"]
     assert (scaler.get("scale", 0) > 0) == (dtype == "float16")
