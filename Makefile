@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 	$(PY) sample.py --out_dir=out-rope --num_samples=1 --max_new_tokens=500
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto --dist worksteal
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
