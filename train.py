@@ -254,9 +254,49 @@ def odd_values(cfg: dict) -> list[str]:
     return notes
 
 
+_out_dir_lock = None  # the open file whose lock holds this process's out_dir (see hold_out_dir)
+
+
+def hold_out_dir(out_dir: Path) -> None:
+    """Lock out_dir/.lock for this run, or say which process holds it: two runs in one folder would overwrite each
+    other's checkpoints (and delete each other's half-written saves). The kernel drops the lock when the process
+    ends, killed or not, so a folder is never left stuck. Not on Windows (no flock): there runs are not guarded."""
+    global _out_dir_lock
+    try:
+        import fcntl
+    except ImportError:
+        return
+    if _out_dir_lock is not None:  # an earlier main() in this process (tests call it in-process)
+        _out_dir_lock.close()
+    f = open(out_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise TrainError(
+            f"out_dir={str(out_dir)!r} is in use by another training run (process {holder}); wait for it to end, or "
+            "train elsewhere with --out_dir=<new folder>"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _out_dir_lock = f
+
+
+def release_out_dir() -> None:
+    global _out_dir_lock
+    if _out_dir_lock is not None:
+        _out_dir_lock.close()  # closing the file drops its lock
+        _out_dir_lock = None
+
+
 def prepare_out_dir(cfg: dict) -> list[Path]:
-    """Before any work: out_dir must take checkpoints, a resume must have one, and a fresh start must not replace
-    a run there unless told to (--overwrite=True). Clears the temporary files of saves killed mid-write (returned)."""
+    """Before any work: out_dir must take checkpoints, no other run may be training in it, a resume must have a
+    checkpoint, and a fresh start must not replace a run there unless told to (--overwrite=True). Clears the
+    temporary files of saves killed mid-write (returned)."""
     out_dir = Path(cfg["out_dir"])
     if cfg["init_from"] == "resume" and not (out_dir / "ckpt.pt").is_file():
         raise CheckpointError(f"no checkpoint at {out_dir / 'ckpt.pt'} to resume from; check --out_dir")
@@ -271,6 +311,7 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
         raise TrainError(
             f"cannot write checkpoints to out_dir={str(out_dir)!r} ({e.strerror}); choose another --out_dir"
         ) from e
+    hold_out_dir(out_dir)  # before the checks below and before clearing temporaries: a live run's are not stale
     found = [name for name in ("ckpt.pt", "ckpt_best.pt") if (out_dir / name).exists()]
     if found and cfg["init_from"] != "resume" and not cfg["overwrite"]:
         raise TrainError(
@@ -748,6 +789,13 @@ def stop_on_signals(procs: Processes, trained: Callable[[], bool]) -> torch.Tens
 
 
 def main(argv: list[str]) -> None:
+    try:
+        _main(argv)
+    finally:
+        release_out_dir()  # a second main() in this process, or another run, may use the folder now
+
+
+def _main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
         print(usage())
         return

@@ -555,3 +555,33 @@ def test_mixed_precision_and_grad_scaler(tiny_data, tmp_path, dtype):
     assert_ok(r)
     last = load_checkpoint(tmp_path / "ckpt.pt")
     assert last["iter_num"] == 20 and last["best_val_loss"] < first["best_val_loss"] < 5.0
+
+
+def test_a_second_run_into_a_busy_out_dir_is_refused(tiny_data, tmp_path):
+    """While a run trains in out_dir, another run into it is refused with the holder's process id (it would overwrite
+    the checkpoints); once the holder is killed, the folder is free again."""
+    import train as train_py
+
+    out = tmp_path / "out"
+    args = [f"--dataset={tiny_data}", "--max_iters=100000", "--lr_decay_iters=100000", "--eval_interval=100000"]
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, *args, f"--out_dir={out}"],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        for line in p.stdout:
+            if line.startswith("iter "):
+                break
+        for extra in ([], ["--init_from=resume"], ["--overwrite=True"]):
+            r = run_cli(train_py.cli, [*TINY, *args, "--max_iters=2", *extra, f"--out_dir={out}"])
+            assert r.returncode == 1 and f"in use by another training run (process {p.pid})" in r.stderr, r.stderr
+    finally:
+        p.kill()
+        p.wait()
+    r = run_cli(train_py.cli, [*TINY, *args, "--max_iters=2", "--overwrite=True", f"--out_dir={out}"])
+    assert r.returncode == 0, r.stderr
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 2
