@@ -279,6 +279,9 @@ def hold_out_dir(out_dir: Path) -> None:
             f"out_dir={str(out_dir)!r} is in use by another training run (process {holder}); wait for it to end, or "
             "train elsewhere with --out_dir=<new folder>"
         ) from None
+    except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
+        f.close()
+        return
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
