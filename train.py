@@ -260,28 +260,36 @@ _out_dir_lock = None  # the open file whose lock holds this process's out_dir (s
 def hold_out_dir(out_dir: Path) -> None:
     """Lock out_dir/.lock for this run, or say which process holds it: two runs in one folder would overwrite each
     other's checkpoints (and delete each other's half-written saves). The kernel drops the lock when the process
-    ends, killed or not, so a folder is never left stuck. Not on Windows (no flock): there runs are not guarded."""
+    ends, killed or not, so a folder is never left stuck; a run that ends normally also removes the file. Not on
+    Windows (no flock): there runs are not guarded."""
     global _out_dir_lock
     try:
         import fcntl
     except ImportError:
         return
-    if _out_dir_lock is not None:  # an earlier main() in this process (tests call it in-process)
-        _out_dir_lock.close()
-    f = open(out_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
+    release_out_dir()  # an earlier main() in this process (tests call it in-process)
+    path = out_dir / ".lock"
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise TrainError(
+                f"out_dir={str(out_dir)!r} is in use by another training run (process {holder}); wait for it to end, "
+                "or train elsewhere with --out_dir=<new folder>"
+            ) from None
+        except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
+            f.close()
+            return
+        try:  # the holder removes the file as it ends: a lock on a removed file holds nothing, so take the new one
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         f.close()
-        raise TrainError(
-            f"out_dir={str(out_dir)!r} is in use by another training run (process {holder}); wait for it to end, or "
-            "train elsewhere with --out_dir=<new folder>"
-        ) from None
-    except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
-        f.close()
-        return
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -292,6 +300,7 @@ def hold_out_dir(out_dir: Path) -> None:
 def release_out_dir() -> None:
     global _out_dir_lock
     if _out_dir_lock is not None:
+        Path(_out_dir_lock.name).unlink(missing_ok=True)  # while locked: the folder is left as it was found
         _out_dir_lock.close()  # closing the file drops its lock
         _out_dir_lock = None
 
