@@ -267,7 +267,7 @@ def hold_out_dir(out_dir: Path) -> None:
         import fcntl
     except ImportError:
         return
-    release_out_dir()  # an earlier main() in this process (tests call it in-process)
+    release_out_dir()  # one this process took without main(), which releases its own (tests call prepare_out_dir)
     path = out_dir / ".lock"
     while True:
         f = open(path, "a+")

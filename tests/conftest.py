@@ -41,16 +41,23 @@ def fresh_dynamo():
         torch._dynamo.reset()
 
 
+@contextlib.contextmanager
+def signal_handlers_kept():
+    """Puts back the SIGINT and SIGTERM handlers that train.py installs when it runs in this process."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 def train_in_process(argv: list[str]) -> None:
     """train.py's main in this process (no interpreter start-up), with the signal handlers it installs put back."""
     import train
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signal_handlers_kept():
         train.main(argv)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
 
 def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
@@ -58,19 +65,14 @@ def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
     script.py argv` would run it: SystemExit("message") is the message on stderr and status 1, argparse's exit its
     own status. Any other exception propagates, failing the test as a traceback would. Saves the interpreter's start
     (two seconds of importing torch) per call."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out, err, code = io.StringIO(), io.StringIO(), 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli(argv)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else int(e.code is not None)
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    with signal_handlers_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 

@@ -118,25 +118,31 @@ def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     )
 
 
-def signal_when(line_start: str, out: Path, *args: str, nth: int = 1, env: dict = ENV):
-    """Run train.py, send SIGINT at the nth line starting with line_start, and time the answer."""
-    p = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, *args, f"--out_dir={out}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    seen, t0 = 0, None
+def start_train(out: Path, *args: str, env: dict = ENV, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """train.py started in the background, its stdout a pipe to read as it trains."""
+    cmd = [sys.executable, "train.py", *TINY, *args, f"--out_dir={out}"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def read_until(p: subprocess.Popen, line_start: str, nth: int = 1) -> bool:
+    """Read p's stdout up to its nth line that starts with line_start; False if it ends before."""
+    seen = 0
     for line in p.stdout:
         seen += line.startswith(line_start)
         if seen == nth:
-            p.send_signal(signal.SIGINT)
-            t0 = time.time()
-            break
+            return True
+    return False
+
+
+def signal_when(line_start: str, out: Path, *args: str, nth: int = 1, env: dict = ENV):
+    """Run train.py, send SIGINT at the nth line starting with line_start, and time the answer."""
+    p = start_train(out, *args, env=env)
+    seen = read_until(p, line_start, nth)
+    if seen:
+        p.send_signal(signal.SIGINT)
+        t0 = time.time()
     stdout, stderr = p.communicate(timeout=120)
-    assert t0 is not None, stdout
+    assert seen, stdout
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), time.time() - t0
 
 
@@ -564,18 +570,9 @@ def test_a_second_run_into_a_busy_out_dir_is_refused(tiny_data, tmp_path):
 
     out = tmp_path / "out"
     args = [f"--dataset={tiny_data}", "--max_iters=100000", "--lr_decay_iters=100000", "--eval_interval=100000"]
-    p = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, *args, f"--out_dir={out}"],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    p = start_train(out, *args, stderr=subprocess.DEVNULL)
     try:
-        for line in p.stdout:
-            if line.startswith("iter "):
-                break
+        assert read_until(p, "iter ")  # trained an iteration: it holds the folder
         for extra in ([], ["--init_from=resume"], ["--overwrite=True"]):
             r = run_cli(train_py.cli, [*TINY, *args, "--max_iters=2", *extra, f"--out_dir={out}"])
             assert r.returncode == 1 and f"in use by another training run (process {p.pid})" in r.stderr, r.stderr
