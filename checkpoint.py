@@ -2,14 +2,30 @@
 Checkpoints with nanoGPT's keys (`model`, `optimizer`, `model_args`, `iter_num`, `best_val_loss`, `config`) plus
 `tokenizer` (see tokenizer.py) and what exact resumption needs. Written atomically; loaded with weights_only=True,
 so nothing loaded can run code.
+
+A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead: every process its own shards, through
+torch.distributed.checkpoint, which loads them back at any number of processes. Every reader here loads either
+kind; `python checkpoint.py OUT_DIR` turns ckpt.dcp into a ckpt.pt (for a run resumed without sharding).
 """
 
+import contextlib
 import os
+import sys
+import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from datafiles import dataset_dir, load_meta
 from model import GPT, GPTConfig
@@ -63,7 +79,11 @@ def _alive(pid: int) -> bool:
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
+    """A checkpoint, ckpt.pt or (where only that exists) its sharded ckpt.dcp, with the model's full weights and no
+    optimizer state."""
     path = Path(path)
+    if not path.is_file() and os.path.lexists(path.with_suffix(".dcp")):
+        return load_sharded_model(path.with_suffix(".dcp"))
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -83,6 +103,159 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     model.load_state_dict(state)
     return model
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Sharded checkpoints. out_dir/ckpt.dcp (and ckpt_best.dcp) is a link to a folder out_dir/shards/<iter>-<id>/ that
+# holds torch.distributed.checkpoint's files (.metadata and one .distcp per process) and meta.pt (the rest of a
+# checkpoint: iteration, config, RNG states...). A save writes a new folder and only then moves the link to it, so a
+# save killed at any moment leaves the last good checkpoint; folders no link names are removed.
+SHARDS = "shards"
+LINKS = ("ckpt.dcp", "ckpt_best.dcp")
+
+
+def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str, ...]) -> None:
+    """Every process calls this: each writes its shards of state (training_state's) into a new folder; then the first
+    process writes meta and points each of links (ckpt.dcp, ckpt_best.dcp) at the folder."""
+    meta = meta | {"optimizer_saved": "optimizer" in state}
+    out_dir, distributed = Path(out_dir), dist.is_initialized()
+    name = [f"{meta['iter_num']:08d}-{uuid.uuid4().hex[:8]}"]
+    if distributed:
+        dist.broadcast_object_list(name, src=0)  # one folder for all processes
+    folder = out_dir / SHARDS / name[0]
+    with single_process_quiet():
+        dcp.save(state, checkpoint_id=folder, no_dist=not distributed)
+    if not distributed or dist.get_rank() == 0:
+        save_checkpoint(meta, folder / "meta.pt")  # last: a folder without it is a save that did not finish
+        for link in links:
+            tmp = out_dir / f".{link}.{os.getpid()}.tmp"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(Path(SHARDS) / name[0])  # relative: the run's folder can move
+            os.replace(tmp, out_dir / link)
+        dir_fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        remove_unlinked_shards(out_dir)
+    if distributed:
+        dist.barrier()  # the checkpoint is whole before any process goes on (or exits)
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """Without a process group, torch.distributed.checkpoint warns at every call that it assumes one process: it
+    does, on purpose here (a sharded run alone, a reader, the consolidation)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def remove_unlinked_shards(out_dir: str | Path) -> list[Path]:
+    """Delete the folders under out_dir/shards that no link names: replaced checkpoints, and saves killed before
+    they finished. Returns what went. Only while no save is in progress (the run holds its out_dir)."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    kept = {os.path.realpath(out_dir / link) for link in LINKS if os.path.lexists(out_dir / link)}
+    removed = []
+    for folder in sorted((out_dir / SHARDS).glob("*")):
+        if os.path.realpath(folder) not in kept:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def sharded_folder(link: str | Path) -> Path:
+    """The folder a ckpt.dcp link names, checked whole: its meta.pt, .metadata and every shard file .metadata lists.
+    Raises CheckpointError naming what is missing."""
+    link = Path(link)
+    folder = link.resolve()
+    if not folder.is_dir():
+        raise CheckpointError(f"no sharded checkpoint at {link} (it names {folder}, which is missing)")
+    missing = [n for n in ("meta.pt", ".metadata") if not (folder / n).is_file()]
+    if not missing:
+        try:
+            metadata = dcp.FileSystemReader(folder).read_metadata()
+        except Exception as e:
+            raise CheckpointError(f"{folder}/.metadata is not readable (truncated or corrupt?): {e}") from e
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        missing = sorted(f for f in files if not (folder / f).is_file())
+    if missing:
+        raise CheckpointError(
+            f"the sharded checkpoint {link} is incomplete: {folder} lacks {', '.join(missing)}; copy the whole "
+            "folder again (every process's shards), or point the link at a complete one"
+        )
+    return folder
+
+
+def load_sharded_meta(link: str | Path) -> dict:
+    """A sharded checkpoint's meta.pt: every key of a ckpt.pt but the model and optimizer states."""
+    path = sharded_folder(link) / "meta.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
+
+
+def load_sharded_state(state: dict, link: str | Path) -> None:
+    """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint, in
+    place: each process reads the parts of every shard that its own shards cover, whatever the process count that
+    wrote them."""
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=sharded_folder(link), no_dist=not dist.is_initialized())
+
+
+def load_sharded_model(link: str | Path) -> dict:
+    """A sharded checkpoint as load_checkpoint returns a ckpt.pt: meta.pt's keys and the model's full weights."""
+    ckpt = load_sharded_meta(link)
+    state = {"model": GPT(GPTConfig(**ckpt["model_args"])).state_dict()}
+    load_sharded_state(state, link)
+    return ckpt | state
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model": ..., "optimizer": ...} as torch.distributed.checkpoint saves and loads them: by parameter name, and
+    under FSDP each process's own shards. Before AdamW's first step it has no state, and only the model is there
+    (get_state_dict would make one up by taking a step of rate 0, which counts in Adam's bias correction)."""
+    if not optimizer.state:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optimizer": osd}
+
+
+def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, link: str | Path) -> None:
+    """The model's weights and (if it was saved) AdamW's state from a sharded checkpoint, into model and optimizer as
+    they are now: sharded over any number of processes, or not at all."""
+    if load_sharded_meta(link).get("optimizer_saved", True):
+        msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below
+        state = {"model": msd, "optimizer": osd}
+        load_sharded_state(state, link)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        load_sharded_state(state, link)
+        set_model_state_dict(model, state["model"])
+
+
+def consolidate(out_dir: str | Path) -> Path:
+    """Write out_dir/ckpt.pt from out_dir/ckpt.dcp: the model, AdamW's state and the rest, as an unsharded run
+    (--parallel=ddp, or one process) resumes from it. Returns the path written."""
+    link = Path(out_dir) / "ckpt.dcp"
+    ckpt = load_sharded_meta(link)
+    cfg = ckpt.get("config", {})
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    optimizer = model.configure_optimizers(
+        cfg.get("weight_decay", 0.1),
+        cfg.get("learning_rate", 1e-3),
+        (cfg.get("beta1", 0.9), cfg.get("beta2", 0.99)),
+        "cpu",
+        cfg.get("pe_lr_scale") or 1.0,
+    )
+    load_training_state(model, optimizer, link)
+    path = Path(out_dir) / "ckpt.pt"
+    save_checkpoint(ckpt | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    return path
 
 
 @dataclass
@@ -106,3 +279,17 @@ def load_run(out_dir: str | Path, device: str = "cpu", val: bool = False, data_d
         load_meta(path)  # names a missing or unprepared dataset and how to prepare it
         run.val, run.dataset = np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
     return run
+
+
+def main(argv: list[str]) -> None:
+    """python checkpoint.py OUT_DIR: consolidate a sharded checkpoint into OUT_DIR/ckpt.pt."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        sys.exit("usage: python checkpoint.py OUT_DIR  (writes OUT_DIR/ckpt.pt from the sharded OUT_DIR/ckpt.dcp)")
+    try:
+        print(f"wrote {consolidate(argv[0])}")
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

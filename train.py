@@ -21,15 +21,24 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthetic
 from checkpoint import (
+    LINKS,
     CheckpointError,
     load_checkpoint,
+    load_sharded_meta,
+    load_training_state,
     model_from_checkpoint,
     remove_stale_temporaries,
+    remove_unlinked_shards,
     save_checkpoint,
+    save_sharded,
+    sharded_folder,
+    training_state,
 )
 from configurator import (
     ConfigError,
@@ -104,7 +113,9 @@ defaults = dict(
     lr_decay_iters=5000,  # ~= max_iters (Chinchilla)
     min_lr=1e-4,  # ~= learning_rate / 10 (Chinchilla)
     # system
-    backend="",  # DDP backend: nccl | gloo; default nccl on GPU, gloo on CPU
+    parallel="ddp",  # under torchrun: ddp (a full copy of the model, gradients and AdamW's state per process) | fsdp
+    # (each process holds 1/N of them: FSDP2; checkpoints go to ckpt.dcp, which resumes at any number of processes)
+    backend="",  # the processes' backend: nccl | gloo; default nccl on GPU, gloo on CPU
     device=default_device(),  # cuda, cuda:1, mps, cpu; default the best available
     dtype="",  # float32 | bfloat16 | float16; default bfloat16 where the GPU has it, else float16; float32 on CPU
     compile=None,  # torch.compile the model; default on for CUDA
@@ -148,6 +159,13 @@ def resolve(cfg: dict) -> dict:
         if not isinstance(cfg["pe_lr_scale"], int | float) or isinstance(cfg["pe_lr_scale"], bool):
             raise ConfigError(f"pe_lr_scale={cfg['pe_lr_scale']!r}: expected a number, e.g. 30, or None")
         cfg["pe_lr_scale"] = float(cfg["pe_lr_scale"])
+    if cfg["parallel"] not in ("ddp", "fsdp"):
+        raise ConfigError(f"parallel={cfg['parallel']!r}: choose ddp (the default) or fsdp (sharded)")
+    if cfg["parallel"] == "fsdp" and cfg["dtype"] == "float16":
+        raise ConfigError(
+            "dtype=float16 with parallel=fsdp: sharded training runs in float32 or bfloat16 (no loss scaling); "
+            "use --dtype=bfloat16"
+        )
     if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
         raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
     init = cfg["init_from"]
@@ -249,6 +267,11 @@ def odd_values(cfg: dict) -> list[str]:
             f"lr_decay_iters={cfg['lr_decay_iters']} < warmup_iters={cfg['warmup_iters']}: the rate drops to min_lr "
             "right after warmup"
         )
+    if cfg["parallel"] == "fsdp" and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        notes.append(
+            "parallel=fsdp in one process: it trains unsharded, and saves sharded checkpoints (ckpt.dcp) that resume "
+            "at any number of processes (torchrun --nproc_per_node=N shards it)"
+        )
     if cfg["learning_rate"] > 0.1:
         notes.append(f"learning_rate={cfg['learning_rate']} is far above AdamW's usual 1e-4 to 1e-3")
     return notes
@@ -310,8 +333,8 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
     checkpoint, and a fresh start must not replace a run there unless told to (--overwrite=True). Clears the
     temporary files of saves killed mid-write (returned)."""
     out_dir = Path(cfg["out_dir"])
-    if cfg["init_from"] == "resume" and not (out_dir / "ckpt.pt").is_file():
-        raise CheckpointError(f"no checkpoint at {out_dir / 'ckpt.pt'} to resume from; check --out_dir")
+    if cfg["init_from"] == "resume":
+        check_resumable(out_dir, sharded=cfg["parallel"] == "fsdp")
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"out_dir={str(out_dir)!r} is a file, not a folder; choose another --out_dir")
     try:
@@ -324,14 +347,33 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
             f"cannot write checkpoints to out_dir={str(out_dir)!r} ({e.strerror}); choose another --out_dir"
         ) from e
     hold_out_dir(out_dir)  # before the checks below and before clearing temporaries: a live run's are not stale
-    found = [name for name in ("ckpt.pt", "ckpt_best.pt") if (out_dir / name).exists()]
+    found = [name for name in ("ckpt.pt", "ckpt_best.pt", *LINKS) if os.path.lexists(out_dir / name)]
     if found and cfg["init_from"] != "resume" and not cfg["overwrite"]:
         raise TrainError(
             f"{out_dir} already holds a run ({', '.join(found)}), which starting from {cfg['init_from']} would "
             "overwrite. Continue it with --init_from=resume, train elsewhere with --out_dir=<new folder>, or "
             "replace it with --overwrite=True"
         )
-    return remove_stale_temporaries(out_dir)
+    return remove_stale_temporaries(out_dir) + remove_unlinked_shards(out_dir)
+
+
+def check_resumable(out_dir: Path, sharded: bool) -> None:
+    """A resume needs the checkpoint its strategy writes: ckpt.dcp (whole: every shard) for fsdp, else ckpt.pt."""
+    if sharded and os.path.lexists(out_dir / "ckpt.dcp"):
+        sharded_folder(out_dir / "ckpt.dcp")  # names what is missing
+    elif sharded and (out_dir / "ckpt.pt").is_file():
+        raise CheckpointError(
+            f"{out_dir} holds an unsharded checkpoint (ckpt.pt), and parallel=fsdp resumes from a sharded one "
+            "(ckpt.dcp): resume it with --parallel=ddp (the default), or start a sharded run in another --out_dir"
+        )
+    elif not sharded and not (out_dir / "ckpt.pt").is_file() and os.path.lexists(out_dir / "ckpt.dcp"):
+        raise CheckpointError(
+            f"{out_dir} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
+            f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out_dir}"
+        )
+    elif not (out_dir / ("ckpt.dcp" if sharded else "ckpt.pt")).exists():
+        name = "ckpt.dcp" if sharded else "ckpt.pt"
+        raise CheckpointError(f"no checkpoint at {out_dir / name} to resume from; check --out_dir")
 
 
 def get_lr(it: int, cfg: dict) -> float:
@@ -355,11 +397,11 @@ def changed_eval_setup(ckpt: dict, setup: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in setup.items() if old.get(k) != v]
 
 
-def non_finite(loss: torch.Tensor, norm: torch.Tensor, check_norm: bool, ddp: bool) -> str | None:
+def non_finite(loss: torch.Tensor, norm: torch.Tensor, check_norm: bool, distributed: bool) -> str | None:
     """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets the same answer:
-    under DDP the losses differ per rank, and one rank stopping alone leaves the others waiting in all_reduce."""
+    under torchrun the losses differ per rank, and one rank stopping alone leaves the others waiting in all_reduce."""
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm) & check_norm]).float()
-    if ddp:
+    if distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     loss_bad, norm_bad = flags.tolist()
     return "loss" if loss_bad else "gradient norm" if norm_bad else None
@@ -400,9 +442,9 @@ def usage() -> str:
 
 @dataclass
 class Processes:
-    """This process's place in the run: alone, or one of torchrun's processes (DDP)."""
+    """This process's place in the run: alone, or one of torchrun's processes (DDP or FSDP)."""
 
-    ddp: bool
+    distributed: bool
     rank: int
     local_rank: int
     world_size: int
@@ -423,9 +465,9 @@ class Processes:
 
 def start_processes(cfg: dict) -> Processes:
     """Join torchrun's process group if there is one (a GPU each), seed this process, allow TF32 matmuls."""
-    ddp = int(os.environ.get("RANK", -1)) != -1
+    distributed = int(os.environ.get("RANK", -1)) != -1
     device, rank, local_rank, world_size = cfg["device"], 0, 0, 1
-    if ddp:
+    if distributed:
         dist.init_process_group(backend=cfg["backend"] or ("nccl" if device.startswith("cuda") else "gloo"))
         rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
         if device.startswith("cuda"):
@@ -435,7 +477,7 @@ def start_processes(cfg: dict) -> Processes:
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Processes(ddp, rank, local_rank, world_size, device)
+    return Processes(distributed, rank, local_rank, world_size, device)
 
 
 @dataclass
@@ -457,7 +499,7 @@ def load_data(cfg: dict, procs: Processes) -> Data:
         if procs.master:
             procs.log(f"preparing the {cfg['dataset']} dataset (first run only)")
             runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
-        if procs.ddp:
+        if procs.distributed:
             dist.barrier()
     meta = load_meta(data_dir, block_size=cfg["block_size"])
     n = meta["vocab_size"]
@@ -483,6 +525,9 @@ def build_model(cfg: dict, data: Data, log) -> tuple[GPT, dict | None]:
             )
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
+    elif cfg["init_from"] == "resume" and cfg["parallel"] == "fsdp":  # the weights load once sharded: restore()
+        ckpt = load_sharded_meta(Path(cfg["out_dir"]) / "ckpt.dcp")
+        model = GPT(GPTConfig(**ckpt["model_args"]))
     elif cfg["init_from"] == "resume":
         ckpt = load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt")
         model = model_from_checkpoint(ckpt)
@@ -527,6 +572,11 @@ class Run:
     history: list = field(default_factory=list)  # every evaluation: {"iter", "train", "val"[, "acc"]}
 
     @property
+    def sharded(self) -> bool:
+        """FSDP's run: sharded over torchrun's processes (unsharded when alone), its checkpoints in ckpt.dcp."""
+        return self.cfg["parallel"] == "fsdp"
+
+    @property
     def eval_setup(self) -> dict:
         return {k: self.cfg[k] for k in EVAL_SETUP_KEYS if k in self.cfg} | {"world_size": self.procs.world_size}
 
@@ -560,7 +610,8 @@ def restore(run: Run, ckpt: dict) -> None:
         ckpt.get("wandb_run_id"),
     )
     run.history = [h for h in ckpt.get("history", []) if h["iter"] < run.iter_num]  # this iteration is evaluated again
-    log(f"resuming from {Path(run.cfg['out_dir']) / 'ckpt.pt'} at iteration {run.iter_num}")
+    path = Path(run.cfg["out_dir"]) / ("ckpt.dcp" if run.sharded else "ckpt.pt")
+    log(f"resuming from {path} at iteration {run.iter_num}")
     changed = changed_eval_setup(ckpt, run.eval_setup)
     if changed and run.best_val_loss < float("inf"):
         log(
@@ -569,8 +620,11 @@ def restore(run: Run, ckpt: dict) -> None:
         )
         run.best_val_loss = float("inf")
     try:
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-    except ValueError as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
+        if run.sharded:  # the model's weights too; each process reads what its shards cover
+            load_training_state(run.model, run.optimizer, path)
+        else:
+            run.optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError) as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
         raise TrainError(
             f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale="
             f"{ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
@@ -585,10 +639,37 @@ def restore(run: Run, ckpt: dict) -> None:
         log("note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly")
 
 
+def shard(model: GPT, dtype: str) -> None:
+    """FSDP2: each block, then the rest (embeddings, the encoding's tables, MLPs and slopes, the final norm), sharded
+    over the processes: each holds 1/N of every parameter, its gradient and AdamW's state, and gathers a layer's
+    weights just before the layer runs. bfloat16: weights gathered in bf16 for compute; master weights, the optimizer
+    and the gradient reductions stay float32."""
+    with torch.no_grad():  # every process starts from the first one's weights (each seeded its own), as DDP does
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+    mp = MixedPrecisionPolicy()  # float32 throughout
+    if dtype == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def held_bytes(tensors, whole: bool = False) -> int:
+    """The bytes of these tensors that this process holds (its own shards of FSDP's DTensors), or with whole, the
+    bytes of the whole tensors."""
+    local = [t if whole or not isinstance(t, DTensor) else t.to_local() for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
 def wrap(run: Run) -> torch.nn.Module:
-    """The module the loop calls: compiled (cfg compile) and in DDP (under torchrun)."""
+    """The module the loop calls: compiled (cfg compile) and, under torchrun, in DDP (FSDP shards the model itself)."""
     net = torch.compile(run.model) if run.cfg["compile"] else run.model
-    if run.procs.ddp:
+    if run.procs.distributed and not run.sharded:
         net = DDP(net, device_ids=[run.procs.local_rank] if run.procs.device_type == "cuda" else None)
     return net
 
@@ -612,7 +693,7 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
         losses = torch.zeros(run.cfg["eval_iters"], device=run.procs.device)
         hits = torch.zeros(2, device=run.procs.device)  # right answers, answers
         for k in range(run.cfg["eval_iters"]):
-            if stop is not None and stop.item() and not run.procs.ddp:
+            if stop is not None and stop.item() and not run.procs.distributed:
                 run.net.train()
                 return None
             X, Y = run.batch(split, g)
@@ -627,7 +708,7 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
                 eta = (now - t0) / done * (n - done)
                 run.procs.log(f"evaluating: {done}/{n} batches, eta {format_duration(eta)}")
         mean = losses.mean()
-        if run.procs.ddp:
+        if run.procs.distributed:
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
             dist.all_reduce(hits)
         out[split] = mean.item()
@@ -638,18 +719,15 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
 
 
 def save(run: Run, best: bool) -> None:
-    """Every process calls this (its RNG state is gathered); the first one writes ckpt.pt, and ckpt_best.pt if best."""
+    """Every process calls this (its RNG state is gathered); the first one writes ckpt.pt, and ckpt_best.pt if best.
+    A sharded run's processes each write their shards of ckpt.dcp (and link ckpt_best.dcp to it if best)."""
     procs = run.procs
     states = [None] * procs.world_size
-    if procs.ddp:
+    if procs.distributed:
         dist.all_gather_object(states, rng_state(procs.device))
     else:
         states = [rng_state(procs.device)]
-    if not procs.master:
-        return
-    ckpt = {
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+    meta = {
         "model_args": asdict(run.model.config),
         "iter_num": run.iter_num,
         "best_val_loss": run.best_val_loss,
@@ -663,6 +741,12 @@ def save(run: Run, best: bool) -> None:
         "history": run.history,
     }
     out_dir = Path(run.cfg["out_dir"])
+    if run.sharded:
+        save_sharded(training_state(run.model, run.optimizer), meta, out_dir, LINKS if best else LINKS[:1])
+        return
+    if not procs.master:
+        return
+    ckpt = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **meta}
     save_checkpoint(ckpt, out_dir / "ckpt.pt")
     if best:
         save_checkpoint(ckpt, out_dir / "ckpt_best.pt")
@@ -679,7 +763,9 @@ def train_iteration(run: Run) -> torch.Tensor:
         # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
         seed = (cfg["task_seed"], run.iter_num, micro_step, procs.rank)
         X, Y = mix_tasks(X, Y, cfg["task_fraction"], run.data.task_tok, seed)
-        if procs.ddp:
+        if procs.distributed and run.sharded:
+            run.model.set_requires_gradient_sync(micro_step == grad_accum - 1)
+        elif procs.distributed:
             run.net.require_backward_grad_sync = micro_step == grad_accum - 1
         with run.autocast():
             loss = run.net(X, Y)[1] / grad_accum
@@ -688,7 +774,9 @@ def train_iteration(run: Run) -> torch.Tensor:
     run.scaler.unscale_(run.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"] or float("inf"))
     # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
-    bad = non_finite(loss_sum, norm, check_norm=not run.scaler.is_enabled(), ddp=procs.ddp)
+    if isinstance(norm, DTensor):  # FSDP: the norm over every shard, the same on each process
+        norm = norm.full_tensor()
+    bad = non_finite(loss_sum, norm, check_norm=not run.scaler.is_enabled(), distributed=procs.distributed)
     if bad:
         raise TrainError(
             f"non-finite {bad} at iteration {run.iter_num}: stopped before the optimizer step; the last good "
@@ -779,7 +867,7 @@ def stop_on_signals(procs: Processes, trained: Callable[[], bool]) -> torch.Tens
     """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops); a second signal quits at once. Before
     this process has trained an iteration (the first evaluation, the first compile), there is nothing to save: it
     quits at once, and the checkpoint it started from (if any) stays."""
-    stop = torch.zeros(1, device=procs.device if procs.ddp and procs.device_type == "cuda" else "cpu")
+    stop = torch.zeros(1, device=procs.device if procs.distributed and procs.device_type == "cuda" else "cpu")
 
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
@@ -827,10 +915,12 @@ def _main(argv: list[str]) -> None:
             f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
             "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
         )
-        if procs.ddp:
+        if procs.distributed:
             dist.destroy_process_group()
         return
     model.to(procs.device)
+    if cfg["parallel"] == "fsdp" and procs.distributed:
+        shard(model, cfg["dtype"])  # before the optimizer, which takes the sharded parameters
     betas = (cfg["beta1"], cfg["beta2"])
     run = Run(
         cfg,
@@ -850,7 +940,10 @@ def _main(argv: list[str]) -> None:
     stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
     log(
         f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {run.tokens_per_iter:,} tokens "
-        f"per iteration on {procs.world_size} process(es), {procs.device}, {cfg['dtype']}"
+        f"per iteration on {procs.world_size} process(es)"
+        + (f" ({cfg['parallel']})" if procs.distributed else "")
+        + f", {held_bytes(model.parameters()) / 2**20:,.2f} MiB of parameters per process"
+        + f", {procs.device}, {cfg['dtype']}"
         + (", compiled" if cfg["compile"] else "")
     )
     if cfg["task_fraction"]:
@@ -877,7 +970,7 @@ def _main(argv: list[str]) -> None:
     flops = peak_flops(procs.device)
     t0 = time.time()
     while True:
-        if procs.ddp:
+        if procs.distributed:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every process stops at the same iteration
         if stop.item():
             save(run, best=False)
@@ -920,6 +1013,15 @@ def _main(argv: list[str]) -> None:
         dt, t0 = t1 - t0, t1
         if run.iter_num > start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
             dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if run.iter_num == start_iter and procs.distributed:  # AdamW's state exists from the first step
+            (p, p_all), (o, o_all) = [
+                (held_bytes(ts) / 2**20, held_bytes(ts, whole=True) / 2**20)
+                for ts in (list(model.parameters()), optimizer_tensors(run.optimizer))
+            ]
+            log(
+                f"memory per process ({cfg['parallel']}): parameters {p:,.2f} MiB of {p_all:,.2f}, AdamW's state "
+                f"{o:,.2f} MiB of {o_all:,.2f}"
+            )
         if run.iter_num == start_iter + ESTIMATE_AFTER and run.iter_num < max_iters - 1:
             left = max_iters - run.iter_num - 1
             evals = left // cfg["eval_interval"] + 1
@@ -944,7 +1046,7 @@ def _main(argv: list[str]) -> None:
 
     if wandb:
         wandb.finish()
-    if procs.ddp:
+    if procs.distributed:
         # wait for every process (rank 0 may still be writing the checkpoint) before tearing gloo/NCCL down: a rank
         # that destroys its group while a peer still talks to it can abort in gloo's worker threads
         dist.barrier()

@@ -1,0 +1,143 @@
+"""--parallel=fsdp on CPUs (gloo): FSDP2's processes train as one process does, each holding 1/N of the parameters and
+of AdamW's state; its sharded checkpoints (ckpt.dcp) resume at another number of processes, survive a kill mid-save,
+load in every reader, and consolidate into a ckpt.pt."""
+
+import multiprocessing
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from test_train import ENV, ROOT, TINY, assert_ok, tiny_data, train_here  # noqa: F401 (a fixture)
+
+import checkpoint
+import sample
+import train as train_py
+from checkpoint import load_checkpoint, load_sharded_meta, save_sharded
+
+# float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its micro-batches
+TOL = dict(atol=1e-5, rtol=1e-4)
+COMMON = ["--dropout=0.0", "--eval_interval=4"]
+
+
+def torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
+    return subprocess.run([*cmd, *TINY, *args], capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_checkpoint(a)["model"], load_checkpoint(b)["model"]
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], **TOL, msg=k)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path):  # noqa: F811
+    """Two FSDP processes give one process's weights (the same global batch of 8 rows); their checkpoint, saved at
+    iteration 4, resumed at 1 process and at 4 reaches iteration 8's weights of the uninterrupted run. Each process
+    holds half of the parameters and of AdamW's state, as train.py measures and logs them."""
+    data = f"--dataset={tiny_data}"
+    for iters in (4, 8):  # the reference: one process, no sharding
+        train_here(data, *COMMON, "--batch_size=8", f"--max_iters={iters}", f"--out_dir={tmp_path / f'one{iters}'}")
+    two = tmp_path / "two"
+    fsdp2 = ["--parallel=fsdp", "--batch_size=4", "--gradient_accumulation_steps=2"]
+    r = torchrun(2, data, *COMMON, *fsdp2, "--max_iters=4", f"--out_dir={two}")
+    assert_ok(r)
+    assert "on 2 process(es) (fsdp)" in r.stdout
+    (held,) = re.findall(r"parameters ([\d.]+) MiB of ([\d.]+), AdamW's state ([\d.]+) MiB of ([\d.]+)", r.stdout)
+    p, p_all, o, o_all = map(float, held)
+    assert p == pytest.approx(p_all / 2, rel=0.05) and o == pytest.approx(o_all / 2, rel=0.05), held
+    assert (two / "ckpt.dcp").is_symlink() and not (two / "ckpt.pt").exists()
+    assert_same_weights(tmp_path / "one4" / "ckpt.pt", two / "ckpt.pt")  # read from ckpt.dcp
+    assert len(list((two / "ckpt.dcp").glob("*.distcp"))) == 2  # each process wrote its own shards
+
+    at1, at4 = tmp_path / "at1", tmp_path / "at4"
+    shutil.copytree(two, at1, symlinks=True)
+    shutil.copytree(two, at4, symlinks=True)
+    train_here(data, *COMMON, *fsdp2, "--max_iters=8", "--init_from=resume", f"--out_dir={at1}")
+    fsdp4 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]
+    r = torchrun(4, data, *COMMON, *fsdp4, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
+    assert_ok(r)
+    assert f"resuming from {at4 / 'ckpt.dcp'} at iteration 4" in r.stdout
+    for resumed in (at1, at4):
+        assert load_sharded_meta(resumed / "ckpt.dcp")["iter_num"] == 8
+        assert_same_weights(tmp_path / "one8" / "ckpt.pt", resumed / "ckpt.pt")
+    assert len(list((at4 / "ckpt.dcp").glob("*.distcp"))) == 4
+
+
+def test_one_process_fsdp_checkpoint_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
+    """--parallel=fsdp alone trains unsharded and writes ckpt.dcp (saying so); sample.py reads it; python
+    checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does. A resume
+    with the other strategy, a shard missing, and float16 are each a one-line error, and the checkpoint stays."""
+    data, out = f"--dataset={tiny_data}", tmp_path / "out"
+    train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=4", f"--out_dir={out}")
+    assert "parallel=fsdp in one process: it trains unsharded" in capsys.readouterr().out
+    assert load_sharded_meta(out / "ckpt.dcp")["optimizer_saved"]
+    r = run_cli(sample.cli, [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"])
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+    def error(*args: str) -> str:
+        r = run_cli(train_py.cli, [*TINY, data, *COMMON, "--max_iters=8", f"--out_dir={out}", *args])
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+        return r.stderr
+
+    assert "resume it with --parallel=fsdp" in error("--init_from=resume")
+    assert f"python checkpoint.py {out}" in error("--init_from=resume")
+    assert "use --dtype=bfloat16" in error("--parallel=fsdp", "--dtype=float16")
+    assert "choose ddp (the default) or fsdp" in error("--parallel=zero")
+    shard = next((out / "ckpt.dcp").glob("*.distcp"))
+    hidden = shard.rename(tmp_path / shard.name)
+    assert f"lacks {shard.name}" in error("--parallel=fsdp", "--init_from=resume")
+    hidden.rename(shard)
+
+    r = run_cli(checkpoint.main, [str(out)])
+    assert r.returncode == 0 and (out / "ckpt.pt").is_file(), r.stderr
+    assert load_checkpoint(out / "ckpt.pt")["optimizer"]["state"]  # AdamW's state, by parameter index
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    shutil.copytree(out, plain, symlinks=True)
+    shutil.copytree(out, sharded, symlinks=True)
+    for d in (plain / "ckpt.dcp", plain / "ckpt_best.dcp"):
+        d.unlink()  # the plain run resumes from ckpt.pt alone
+    train_here(data, *COMMON, "--max_iters=8", "--init_from=resume", f"--out_dir={plain}")
+    train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={sharded}")
+    a, b = load_checkpoint(plain / "ckpt.pt"), checkpoint.load_sharded_model(sharded / "ckpt.dcp")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k  # one process, the same arithmetic: exact
+    assert "unsharded checkpoint (ckpt.pt)" in error("--parallel=fsdp", "--init_from=resume", f"--out_dir={plain}")
+
+
+def save_forever(out_dir: Path, ready) -> None:
+    """Sharded checkpoints into out_dir, one after another, each a tensor of its iteration; ready after the first."""
+    i = 0
+    while True:
+        save_sharded({"model": {"w": torch.full((2_000_000,), float(i))}}, {"iter_num": i}, out_dir, ("ckpt.dcp",))
+        ready.set()
+        i += 1
+
+
+def test_a_killed_sharded_save_leaves_the_last_good_checkpoint(tmp_path):
+    """SIGKILL at random moments while sharded checkpoints are written: ckpt.dcp always names a whole one, and the
+    next run's start removes the unfinished folders."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "checkpoint"])
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        ready = ctx.Event()
+        p = ctx.Process(target=save_forever, args=(tmp_path, ready))
+        p.start()
+        assert ready.wait(timeout=120)
+        time.sleep(rng.uniform(0.0, 0.5))
+        p.kill()
+        p.join()
+        state = {"model": {"w": torch.empty(2_000_000)}}
+        checkpoint.load_sharded_state(state, tmp_path / "ckpt.dcp")
+        assert torch.all(state["model"]["w"] == load_sharded_meta(tmp_path / "ckpt.dcp")["iter_num"])
+        checkpoint.remove_unlinked_shards(tmp_path)
+        assert [f.resolve() for f in (tmp_path / "shards").iterdir()] == [(tmp_path / "ckpt.dcp").resolve()]
