@@ -640,19 +640,21 @@ def restore(run: Run, ckpt: dict) -> None:
 
 
 def shard(model: GPT, dtype: str) -> None:
-    """FSDP2: each block, then the rest (embeddings, the encoding's tables, MLPs and slopes, the final norm), sharded
-    over the processes: each holds 1/N of every parameter, its gradient and AdamW's state, and gathers a layer's
-    weights just before the layer runs. bfloat16: weights gathered in bf16 for compute; master weights, the optimizer
-    and the gradient reductions stay float32."""
+    """FSDP2: each block's attention and MLP (one group a block), then the rest (embeddings, the encoding's tables,
+    MLPs and slopes, the norms, the tied head) sharded over the processes: each holds 1/N of every parameter, its
+    gradient and AdamW's state, and gathers a block's weights just before the block runs. In bfloat16 those weights
+    are gathered in bf16 (half the traffic) for autocast's bf16 matmuls; the rest stays float32, as do the residual
+    stream, the RoPE angles (bf16 inputs would round them) and the norms (a CPU's layer_norm takes no bf16 weights
+    with float32 inputs); the master weights, AdamW and the gradient reductions are float32."""
     with torch.no_grad():  # every process starts from the first one's weights (each seeded its own), as DDP does
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
     mp = MixedPrecisionPolicy()  # float32 throughout
     if dtype == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard([block.attn, block.mlp], mp_policy=mp)
+    fully_shard(model)
 
 
 def held_bytes(tensors, whole: bool = False) -> int:
