@@ -6,6 +6,7 @@ Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test:
     python bench.py                                  # every table this device can run (CPU: a few minutes)
     python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
     python bench.py --only=decode                    # one table: train, encodings, decode, attention, shapes
+    python bench.py --only=parallel                  # DDP against FSDP at 2 processes (torchrun)
 
 CPU sizes: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
 against nanoGPT; block 256 for the encodings; 6 layers, 384 dims, block 256, batch 1, 512 tokens for decode. On a GPU:
@@ -329,11 +330,42 @@ def bench_shapes(args, device: str) -> None:
             print(f"| {enc} | {shape} | {result} | {cell} | {'; '.join(notes)[:200]} |", flush=True)
 
 
+def bench_parallel(args, device: str) -> None:
+    """DDP against FSDP (train.py --parallel) at args.parallel_procs processes of torchrun: the median step time after
+    the first iterations, and what each process holds of the parameters and of AdamW's state (train.py measures
+    its tensors: its shards under FSDP), with the GPU's peak allocation where there is one."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent
+    n = args.parallel_procs
+    print(f"\n### DDP and FSDP at {n} processes, {args.parallel_iters} iterations each ({device})\n")
+    print("| strategy | ms/iteration (median) | parameters per process | AdamW's state per process | peak (GPU) |")
+    print("|---|---:|---:|---:|---:|")
+    for strategy in ("ddp", "fsdp"):
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
+            cmd += [*args.parallel_config, f"--device={device}", f"--parallel={strategy}", "--log_interval=1"]
+            cmd += [f"--max_iters={args.parallel_iters}", f"--eval_interval={args.parallel_iters}", "--eval_iters=1"]
+            cmd += [f"--gradient_accumulation_steps={n}", f"--out_dir={out}", *args.parallel_train]
+            r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        if r.returncode:
+            lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+            print(f"| {strategy} | FAILS: {lines[-1][:120] if lines else r.returncode} | | | |", flush=True)
+            continue
+        times = [float(t) for t in re.findall(r"^iter (?:\d+): .*?time ([\d.]+)ms", r.stdout, re.M)][2:]
+        held = re.search(r"parameters ([\d.,]+) MiB of ([\d.,]+), AdamW's state ([\d.,]+) MiB of ([\d.,]+)", r.stdout)
+        peak = re.search(r"peak allocated ([\d.,]+) MiB", r.stdout)
+        p, p_all, o, o_all = held.groups() if held else ("-",) * 4
+        cells = [f"{statistics.median(times):.1f}" if times else "-", f"{p} of {p_all} MiB", f"{o} of {o_all} MiB"]
+        print(f"| {strategy} | {' | '.join(cells)} | {peak.group(1) + ' MiB' if peak else '-'} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
-    p.add_argument("--only", choices=["train", "encodings", "decode", "attention", "shapes"], default=None)
+    p.add_argument("--only", choices=["train", "encodings", "decode", "attention", "shapes", "parallel"], default=None)
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median is reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the nanoGPT comparison")
@@ -344,8 +376,19 @@ def main() -> None:
     p.add_argument("--shape_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     p.add_argument("--shape_iters", type=int, default=6, help="--only=shapes: iterations per cell")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    p.add_argument("--parallel_procs", type=int, default=2, help="--only=parallel: processes (torchrun)")
+    p.add_argument("--parallel_iters", type=int, default=30, help="--only=parallel: iterations per strategy")
+    p.add_argument(
+        "--parallel_config",
+        nargs="+",
+        default=["config/rope.py", "config/cpu.py"],
+        help="--only=parallel: the configs (CPU: the CPU-sized RoPE model; GPU: config/gpt2.py for 124M)",
+    )
     p.add_argument(
         "--shape_train", nargs=argparse.REMAINDER, default=[], help="--only=shapes: train.py options for every cell"
+    )
+    p.add_argument(
+        "--parallel_train", nargs=argparse.REMAINDER, default=[], help="--only=parallel: train.py options for both"
     )
     args = p.parse_args()
     device = args.device
@@ -366,9 +409,10 @@ def main() -> None:
         "decode": lambda: bench_decode(args, device, nanogpt),
         "attention": lambda: bench_attention(args, device),
         "shapes": lambda: bench_shapes(args, device),
+        "parallel": lambda: bench_parallel(args, device),
     }
-    for key, fn in tables.items():  # shapes is a check of train.py, not a speed table: only when asked
-        if args.only == key or (args.only is None and key != "shapes"):
+    for key, fn in tables.items():  # shapes and parallel run train.py as commands: only when asked
+        if args.only == key or (args.only is None and key not in ("shapes", "parallel")):
             fn()
 
 

@@ -1020,9 +1020,10 @@ def _main(argv: list[str]) -> None:
                 (held_bytes(ts) / 2**20, held_bytes(ts, whole=True) / 2**20)
                 for ts in (list(model.parameters()), optimizer_tensors(run.optimizer))
             ]
+            peak = torch.cuda.max_memory_allocated(procs.device) / 2**20 if procs.device_type == "cuda" else None
             log(
                 f"memory per process ({cfg['parallel']}): parameters {p:,.2f} MiB of {p_all:,.2f}, AdamW's state "
-                f"{o:,.2f} MiB of {o_all:,.2f}"
+                f"{o:,.2f} MiB of {o_all:,.2f}" + (f", peak allocated {peak:,.0f} MiB" if peak is not None else "")
             )
         if run.iter_num == start_iter + ESTIMATE_AFTER and run.iter_num < max_iters - 1:
             left = max_iters - run.iter_num - 1
