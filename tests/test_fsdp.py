@@ -20,6 +20,7 @@ import checkpoint
 import sample
 import train as train_py
 from checkpoint import load_checkpoint, load_sharded_meta, save_sharded
+from model import GPT, POS_ENCODINGS, GPTConfig
 
 # float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its micro-batches
 TOL = dict(atol=1e-5, rtol=1e-4)
@@ -89,6 +90,64 @@ def test_fsdp_in_bfloat16_trains_as_one_process_does(tiny_data, tmp_path):  # no
     for k in one["model"]:
         assert two["model"][k].dtype == torch.float32  # the master weights
         assert (one["model"][k] - two["model"][k]).abs().max() < 1e-2, k  # the learning rate is 3e-3
+
+
+SHARD_EVERY_ENCODING = """
+import copy, sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+from model import GPT, GPTConfig, POS_ENCODINGS
+from torch.distributed.tensor import DTensor
+from train import shard
+dist.init_process_group("gloo")
+rank, lines = dist.get_rank(), []
+idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+for pe in POS_ENCODINGS:
+    torch.manual_seed(rank)  # each process its own initialisation: shard() starts every one from the first's
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
+    ref = copy.deepcopy(model)
+    shard(model, "float32")
+    for t in ref.state_dict().values():
+        dist.broadcast(t, src=0)
+    opts = [m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", m.encoding.lr_scale) for m in (model, ref)]
+    for step in range(2):
+        model(idx[2 * rank : 2 * rank + 2, :-1], idx[2 * rank : 2 * rank + 2, 1:])[1].backward()
+        ref(idx[:, :-1], idx[:, 1:])[1].backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(p, DTensor), name
+        held = torch.tensor(p.to_local().numel())
+        dist.all_reduce(held)  # the processes' shards add up to the parameter, each element once
+        assert held.item() == q.numel(), name
+        # Adam's step is about the rate whatever the gradient's size: a near-zero gradient summed in another order
+        # can step the other way. Measured: 1e-5 at most at this rate
+        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=5e-5, rtol=1e-4, msg=pe + " " + name)
+    encoding = dict(model.encoding.named_parameters())
+    lines.append(pe + " " + ",".join(f"{{n}}:{{p.to_local().numel()}}/{{p.numel()}}" for n, p in encoding.items()))
+open({out!r} + f"/rank{{rank}}", "w").write("\\n".join(lines))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
+    """Under shard() (train.py's FSDP2 setup) every encoding's parameters (tables, slopes, KERPLE's and FIRE's) are
+    sharded like the model's, start from the first process's initialisation, and two AdamW steps over two processes
+    give the weights of the same steps unsharded over the whole batch."""
+    script = tmp_path / "shard.py"
+    script.write_text(SHARD_EVERY_ENCODING.format(root=str(ROOT), out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    assert_ok(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV))
+    lines = (tmp_path / "rank0").read_text().splitlines()
+    assert [line.split()[0] for line in lines] == list(POS_ENCODINGS)
+    # each of the encoding's parameters is split by rows: the first process holds part of it, not all
+    held = [cell.split(":")[1].split("/") for line in lines for cell in ",".join(line.split()[1:]).split(",") if cell]
+    config = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    assert len(held) == sum(
+        len(list(GPT(GPTConfig(**config, pos_encoding=e)).encoding.parameters())) for e in POS_ENCODINGS
+    )
+    assert all(0 < int(mine) < int(whole) for mine, whole in held), lines
 
 
 def test_one_process_fsdp_checkpoint_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
