@@ -4,7 +4,8 @@ Train a GPT with any positional encoding, with nanoGPT's config keys.
     python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
     python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (synthetic.py), on a CPU
     python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
-    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py                  # DDP: a copy per GPU
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py --parallel=fsdp  # FSDP: the model sharded
 Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to quit at once.
 """
 

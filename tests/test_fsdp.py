@@ -48,7 +48,7 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     for iters in (4, 8):  # the reference: one process, no sharding
         train_here(data, *COMMON, "--batch_size=8", f"--max_iters={iters}", f"--out_dir={tmp_path / f'one{iters}'}")
     two = tmp_path / "two"
-    fsdp2 = ["--parallel=fsdp", "--batch_size=4", "--gradient_accumulation_steps=2"]
+    fsdp2 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]  # 2 micro-steps a process
     r = torchrun(2, data, *COMMON, *fsdp2, "--max_iters=4", f"--out_dir={two}")
     assert_ok(r)
     assert "on 2 process(es) (fsdp)" in r.stdout
