@@ -361,7 +361,7 @@ def bench_parallel(args, device: str) -> None:
         print(f"| {strategy} | {' | '.join(cells)} | {peak.group(1) + ' MiB' if peak else '-'} |", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
@@ -390,7 +390,7 @@ def main() -> None:
     p.add_argument(
         "--parallel_train", nargs=argparse.REMAINDER, default=[], help="--only=parallel: train.py options for both"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device=cuda but no CUDA device is visible; use --device=cpu")

@@ -1,15 +1,13 @@
 """bench.py runs on a CPU and prints its tables (a smoke test at tiny settings: it measures, nothing is timed here)."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
+import bench
 from model import POS_ENCODINGS
 
-ROOT = Path(__file__).resolve().parents[1]
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]
 
 
@@ -29,7 +27,7 @@ def table_rows(out: str, first_cell: str) -> list[list[str]]:
     ],
 )
 def test_bench_prints_its_tables_on_cpu(args, first_cell, n_rows):
-    r = subprocess.run([sys.executable, "bench.py", "--device=cpu", *args], capture_output=True, text=True, cwd=ROOT)
+    r = run_cli(bench.main, ["--device=cpu", *args])
     assert r.returncode == 0, r.stderr[-3000:]
     rows = table_rows(r.stdout, first_cell)
     assert len(rows) == n_rows, r.stdout
@@ -42,9 +40,9 @@ def test_bench_prints_its_tables_on_cpu(args, first_cell, n_rows):
 
 def test_bench_shapes_runs_train_py_per_cell():
     """--only=shapes runs train.py for each encoding and shape and prints whether it trains, with its step time."""
-    cmd = [sys.executable, "bench.py", "--device=cpu", "--only=shapes", "--shapes", "head_dim-8", "--shape_iters=2"]
+    cmd = ["--device=cpu", "--only=shapes", "--shapes", "head_dim-8", "--shape_iters=2"]
     cmd += ["--shape_encodings", "alibi", "--shape_train", "--block_size=64", "--batch_size=2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    r = run_cli(bench.main, cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = table_rows(r.stdout, "alibi")
     assert row[1:3] == ["head_dim-8", "trains"] and float(row[3]) > 0, row

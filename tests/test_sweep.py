@@ -2,14 +2,13 @@
 second run reuses finished runs instead of training them again."""
 
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
-from test_train import ENV, ROOT, TINY, tiny_data  # noqa: F401 (a fixture)
+from conftest import run_cli
+from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 import sweep
 from checkpoint import save_checkpoint
@@ -21,8 +20,6 @@ from tasks import DIGITS
 def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     out = tmp_path / "sweep"
     cmd = [
-        sys.executable,
-        "sweep.py",
         "--size=cpu",
         "--encodings",
         "rope",
@@ -42,7 +39,7 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
         "--eval_interval=4",
         f"--dataset={tiny_data}",
     ]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    r = run_cli(sweep.main, cmd)  # in this process; its training runs are train.py processes
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = json.loads((out / "runs.json").read_text())
     assert sorted((x["enc"], x["seed"]) for x in runs) == sorted((e, s) for e in ("rope", "learned") for s in (1, 2))
@@ -53,7 +50,7 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     learned = next(line for line in report.splitlines() if line.startswith("| learned | ") and "n/a" in line)
     assert learned.count("n/a") == 1  # 64 is past its block size of 32
     assert (out / "length.png").stat().st_size > 10_000 and (out / "position.png").stat().st_size > 10_000
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 4
 
 
@@ -70,10 +67,10 @@ def test_sweep_with_tasks_side_by_side(task_data, tmp_path):
     """Runs trained with retrieval tasks, two at a time (--jobs 2, each with its own log), are scored on passkey,
     recall and copy at every length: a summary row per encoding, the task tables and the passkey heatmaps."""
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "sweep.py", "--size=cpu", "--encodings", "alibi", "learned", "--seeds", "3"]
+    cmd = ["--size=cpu", "--encodings", "alibi", "learned", "--seeds", "3"]
     cmd += ["--lengths", "96", "384", "--jobs", "2", "--task_trials", "2", "--task_depths", "3", f"--out_dir={out}"]
     cmd += ["--train", *TINY, "--max_iters=2", "--eval_interval=2", "--block_size=96", "--task_fraction=0.5"]
-    r = subprocess.run([*cmd, f"--dataset={task_data}"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    r = run_cli(sweep.main, [*cmd, f"--dataset={task_data}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for enc in ("alibi", "learned"):
         assert (

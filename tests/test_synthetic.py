@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_in_process
+from conftest import run_cli, train_in_process
 from test_train import ENV, ROOT
 
+import sweep
 import synthetic as S
 import train
 from checkpoint import load_checkpoint
@@ -284,9 +285,9 @@ def test_synthetic_suite_end_to_end(tmp_path):
     """sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task with
     the learned counts, the plot, and a second run reuses everything."""
     out = tmp_path / "suite"
-    cmd = [sys.executable, "sweep.py", "--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
+    cmd = ["--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
     cmd += ["--jobs", "2", "--task_trials", "20", f"--out_dir={out}", "--train", "--max_iters=30", "--eval_interval=10"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    r = run_cli(sweep.main, cmd)  # in this process; its training runs are train.py processes
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report
@@ -295,5 +296,5 @@ def test_synthetic_suite_end_to_end(tmp_path):
     assert (out / "synthetic.png").stat().st_size > 10_000
     results = json.loads((out / "results.json").read_text())["results"]["needle"]
     assert set(results) == {"alibi", "learned"} and results["alibi"][0]["iters"] == 30
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 2
