@@ -10,6 +10,7 @@ kind; `python checkpoint.py OUT_DIR` turns ckpt.dcp into a ckpt.pt (for a run re
 
 import contextlib
 import os
+import shutil
 import sys
 import uuid
 import warnings
@@ -49,11 +50,7 @@ def save_checkpoint(ckpt: dict, path: str | Path) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)  # make the rename itself durable
 
 
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
@@ -116,7 +113,8 @@ LINKS = ("ckpt.dcp", "ckpt_best.dcp")
 
 def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str, ...]) -> None:
     """Every process calls this: each writes its shards of state (training_state's) into a new folder; then the first
-    process writes meta and points each of links (ckpt.dcp, ckpt_best.dcp) at the folder."""
+    process writes meta, checks the folder whole (every process's shards are there: on several machines out_dir must
+    be a folder they share) and points each of links (ckpt.dcp, ckpt_best.dcp) at it."""
     meta = meta | {"optimizer_saved": "optimizer" in state}
     out_dir, distributed = Path(out_dir), dist.is_initialized()
     name = [f"{meta['iter_num']:08d}-{uuid.uuid4().hex[:8]}"]
@@ -126,20 +124,50 @@ def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str,
     with single_process_quiet():
         dcp.save(state, checkpoint_id=folder, no_dist=not distributed)
     if not distributed or dist.get_rank() == 0:
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder} vanished while the checkpoint was written; the last good one stays")
         save_checkpoint(meta, folder / "meta.pt")  # last: a folder without it is a save that did not finish
+        try:
+            sharded_folder(folder)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"{e}. Not linked: the last good checkpoint stays. If the processes run on several machines, "
+                "out_dir must be a folder that all of them see (a shared filesystem)"
+            ) from None
+        fsync_dir(folder.parent)
         for link in links:
             tmp = out_dir / f".{link}.{os.getpid()}.tmp"
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(Path(SHARDS) / name[0])  # relative: the run's folder can move
             os.replace(tmp, out_dir / link)
-        dir_fd = os.open(out_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(out_dir)
         remove_unlinked_shards(out_dir)
     if distributed:
         dist.barrier()  # the checkpoint is whole before any process goes on (or exits)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder durable (a rename, a new entry), as fsync does a file's bytes."""
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def adopt_copied_links(out_dir: str | Path) -> list[str]:
+    """A copy that followed the links (scp -r, rsync -L) turns ckpt.dcp into a folder, which a save could not replace
+    with a link: move such folders under shards/ and link them, as a save would have. Returns the names adopted."""
+    out_dir, adopted = Path(out_dir), []
+    for link in LINKS:
+        path = out_dir / link
+        if path.is_dir() and not path.is_symlink():
+            name = f"copied-{link.split('.')[0]}-{uuid.uuid4().hex[:8]}"
+            (out_dir / SHARDS).mkdir(exist_ok=True)
+            path.rename(out_dir / SHARDS / name)
+            path.symlink_to(Path(SHARDS) / name)
+            adopted.append(link)
+    return adopted
 
 
 @contextlib.contextmanager
@@ -154,8 +182,6 @@ def single_process_quiet():
 def remove_unlinked_shards(out_dir: str | Path) -> list[Path]:
     """Delete the folders under out_dir/shards that no link names: replaced checkpoints, and saves killed before
     they finished. Returns what went. Only while no save is in progress (the run holds its out_dir)."""
-    import shutil
-
     out_dir = Path(out_dir)
     kept = {os.path.realpath(out_dir / link) for link in LINKS if os.path.lexists(out_dir / link)}
     removed = []
@@ -167,8 +193,8 @@ def remove_unlinked_shards(out_dir: str | Path) -> list[Path]:
 
 
 def sharded_folder(link: str | Path) -> Path:
-    """The folder a ckpt.dcp link names, checked whole: its meta.pt, .metadata and every shard file .metadata lists.
-    Raises CheckpointError naming what is missing."""
+    """The folder a ckpt.dcp link names (or the folder itself), checked whole: its meta.pt, .metadata and every shard
+    file .metadata lists. Raises CheckpointError naming what is missing."""
     link = Path(link)
     folder = link.resolve()
     if not folder.is_dir():
@@ -184,33 +210,43 @@ def sharded_folder(link: str | Path) -> Path:
     if missing:
         raise CheckpointError(
             f"the sharded checkpoint {link} is incomplete: {folder} lacks {', '.join(missing)}; copy the whole "
-            "folder again (every process's shards), or point the link at a complete one"
+            "folder again (every process's shards)"
         )
     return folder
 
 
-def load_sharded_meta(link: str | Path) -> dict:
-    """A sharded checkpoint's meta.pt: every key of a ckpt.pt but the model and optimizer states."""
-    path = sharded_folder(link) / "meta.pt"
+def load_sharded_meta(folder: str | Path) -> dict:
+    """A sharded checkpoint's meta.pt (ckpt.dcp or its folder): every key of a ckpt.pt but the model and optimizer
+    states."""
+    path = sharded_folder(folder) / "meta.pt"
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
 
 
-def load_sharded_state(state: dict, link: str | Path) -> None:
-    """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint, in
-    place: each process reads the parts of every shard that its own shards cover, whatever the process count that
-    wrote them."""
-    with single_process_quiet():
-        dcp.load(state, checkpoint_id=sharded_folder(link), no_dist=not dist.is_initialized())
+def load_sharded_state(state: dict, folder: str | Path) -> None:
+    """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint
+    (ckpt.dcp or its folder), in place: each process reads the parts of every shard that its own shards cover,
+    whatever the process count that wrote them."""
+    folder = sharded_folder(folder)
+    try:
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    except FileNotFoundError as e:  # a running training replaced this checkpoint while it was read
+        raise CheckpointError(
+            f"{folder} went away while it was read (a newer checkpoint replaced it): try again"
+        ) from e
 
 
 def load_sharded_model(link: str | Path) -> dict:
     """A sharded checkpoint as load_checkpoint returns a ckpt.pt: meta.pt's keys and the model's full weights."""
-    ckpt = load_sharded_meta(link)
-    state = {"model": GPT(GPTConfig(**ckpt["model_args"])).state_dict()}
-    load_sharded_state(state, link)
+    folder = sharded_folder(link)  # once: a save may move the link meanwhile
+    ckpt = load_sharded_meta(folder)
+    with torch.device("meta"):  # shapes only, no initialisation: every value is read from the shards
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    state = {"model": model.to_empty(device="cpu").state_dict()}
+    load_sharded_state(state, folder)
     return ckpt | state
 
 
@@ -227,32 +263,28 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, link: str | Path) -> None:
     """The model's weights and (if it was saved) AdamW's state from a sharded checkpoint, into model and optimizer as
     they are now: sharded over any number of processes, or not at all."""
-    if load_sharded_meta(link).get("optimizer_saved", True):
+    folder = sharded_folder(link)
+    if load_sharded_meta(folder)["optimizer_saved"]:
         msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below
         state = {"model": msd, "optimizer": osd}
-        load_sharded_state(state, link)
+        load_sharded_state(state, folder)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
         state = {"model": get_model_state_dict(model)}
-        load_sharded_state(state, link)
+        load_sharded_state(state, folder)
         set_model_state_dict(model, state["model"])
 
 
 def consolidate(out_dir: str | Path) -> Path:
     """Write out_dir/ckpt.pt from out_dir/ckpt.dcp: the model, AdamW's state and the rest, as an unsharded run
     (--parallel=ddp, or one process) resumes from it. Returns the path written."""
-    link = Path(out_dir) / "ckpt.dcp"
-    ckpt = load_sharded_meta(link)
-    cfg = ckpt.get("config", {})
+    folder = sharded_folder(Path(out_dir) / "ckpt.dcp")
+    ckpt = load_sharded_meta(folder)
+    cfg = ckpt["config"]
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = model.configure_optimizers(
-        cfg.get("weight_decay", 0.1),
-        cfg.get("learning_rate", 1e-3),
-        (cfg.get("beta1", 0.9), cfg.get("beta2", 0.99)),
-        "cpu",
-        cfg.get("pe_lr_scale") or 1.0,
-    )
-    load_training_state(model, optimizer, link)
+    betas = (cfg["beta1"], cfg["beta2"])
+    optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, "cpu", cfg["pe_lr_scale"])
+    load_training_state(model, optimizer, folder)
     path = Path(out_dir) / "ckpt.pt"
     save_checkpoint(ckpt | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     return path

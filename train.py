@@ -30,6 +30,7 @@ import synthetic
 from checkpoint import (
     LINKS,
     CheckpointError,
+    adopt_copied_links,
     load_checkpoint,
     load_sharded_meta,
     load_training_state,
@@ -334,8 +335,6 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
     checkpoint, and a fresh start must not replace a run there unless told to (--overwrite=True). Clears the
     temporary files of saves killed mid-write (returned)."""
     out_dir = Path(cfg["out_dir"])
-    if cfg["init_from"] == "resume":
-        check_resumable(out_dir, sharded=cfg["parallel"] == "fsdp")
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"out_dir={str(out_dir)!r} is a file, not a folder; choose another --out_dir")
     try:
@@ -343,11 +342,16 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
         probe = out_dir / f".write_test.{os.getpid()}.tmp"  # the one sure test: /proc, read-only mounts, permissions
         probe.write_bytes(b"0")
         probe.unlink()
+        if cfg["parallel"] == "fsdp":  # ckpt.dcp is a link to the latest folder of shards
+            probe.symlink_to("shards")
+            probe.unlink()
     except OSError as e:
         raise TrainError(
             f"cannot write checkpoints to out_dir={str(out_dir)!r} ({e.strerror}); choose another --out_dir"
         ) from e
     hold_out_dir(out_dir)  # before the checks below and before clearing temporaries: a live run's are not stale
+    for link in adopt_copied_links(out_dir):
+        print(f"note: {link} was a folder (copied without its link?): moved under shards/ and linked, as saves do")
     found = [name for name in ("ckpt.pt", "ckpt_best.pt", *LINKS) if os.path.lexists(out_dir / name)]
     if found and cfg["init_from"] != "resume" and not cfg["overwrite"]:
         raise TrainError(
@@ -360,21 +364,22 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
 
 def check_resumable(out_dir: Path, sharded: bool) -> None:
     """A resume needs the checkpoint its strategy writes: ckpt.dcp (whole: every shard) for fsdp, else ckpt.pt."""
-    if sharded and os.path.lexists(out_dir / "ckpt.dcp"):
-        sharded_folder(out_dir / "ckpt.dcp")  # names what is missing
-    elif sharded and (out_dir / "ckpt.pt").is_file():
+    mine, other = ("ckpt.dcp", "ckpt.pt") if sharded else ("ckpt.pt", "ckpt.dcp")
+    if os.path.lexists(out_dir / mine):
+        if sharded:
+            sharded_folder(out_dir / mine)  # names what is missing
+        return
+    if sharded and os.path.lexists(out_dir / other):
         raise CheckpointError(
             f"{out_dir} holds an unsharded checkpoint (ckpt.pt), and parallel=fsdp resumes from a sharded one "
             "(ckpt.dcp): resume it with --parallel=ddp (the default), or start a sharded run in another --out_dir"
         )
-    elif not sharded and not (out_dir / "ckpt.pt").is_file() and os.path.lexists(out_dir / "ckpt.dcp"):
+    if os.path.lexists(out_dir / other):
         raise CheckpointError(
             f"{out_dir} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
             f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out_dir}"
         )
-    elif not (out_dir / ("ckpt.dcp" if sharded else "ckpt.pt")).exists():
-        name = "ckpt.dcp" if sharded else "ckpt.pt"
-        raise CheckpointError(f"no checkpoint at {out_dir / name} to resume from; check --out_dir")
+    raise CheckpointError(f"no checkpoint at {out_dir / mine} to resume from; check --out_dir")
 
 
 def get_lr(it: int, cfg: dict) -> float:
@@ -617,19 +622,22 @@ def restore(run: Run, ckpt: dict) -> None:
     if changed and run.best_val_loss < float("inf"):
         log(
             f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
-            f"{run.best_val_loss:.4f} does not compare; ckpt_best.pt goes to this run's best evaluation"
+            f"{run.best_val_loss:.4f} does not compare; ckpt_best goes to this run's best evaluation"
         )
         run.best_val_loss = float("inf")
-    try:
-        if run.sharded:  # the model's weights too; each process reads what its shards cover
+    groups_hint = (  # another number of parameter groups: pe_lr_scale moved to or from 1
+        f"resume with the run's own pe_lr_scale={ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
+    )
+    if run.sharded:  # the model's weights too; each process reads what its shards cover
+        try:
             load_training_state(run.model, run.optimizer, path)
-        else:
+        except (ValueError, KeyError) as e:
+            raise TrainError(f"the checkpoint's optimizer does not fit this run ({e!r}); {groups_hint}") from e
+    else:
+        try:
             run.optimizer.load_state_dict(ckpt["optimizer"])
-    except (ValueError, KeyError) as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
-        raise TrainError(
-            f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale="
-            f"{ckpt.get('config', {}).get('pe_lr_scale', 1.0)}"
-        ) from e
+        except ValueError as e:
+            raise TrainError(f"the checkpoint's optimizer does not fit this run ({e}); {groups_hint}") from e
     if ckpt.get("scaler") and run.scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
         run.scaler.load_state_dict(ckpt["scaler"])
     if "data_rng" in ckpt:
@@ -744,15 +752,17 @@ def save(run: Run, best: bool) -> None:
         "history": run.history,
     }
     out_dir = Path(run.cfg["out_dir"])
+    names = ["ckpt", "ckpt_best"] if best else ["ckpt"]
     if run.sharded:
-        save_sharded(training_state(run.model, run.optimizer), meta, out_dir, LINKS if best else LINKS[:1])
-        return
-    if not procs.master:
-        return
-    ckpt = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **meta}
-    save_checkpoint(ckpt, out_dir / "ckpt.pt")
-    if best:
-        save_checkpoint(ckpt, out_dir / "ckpt_best.pt")
+        save_sharded(training_state(run.model, run.optimizer), meta, out_dir, tuple(f"{n}.dcp" for n in names))
+    elif procs.master:
+        ckpt = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **meta}
+        for n in names:
+            save_checkpoint(ckpt, out_dir / f"{n}.pt")
+    if procs.master:  # the other strategy's checkpoint of the same name is older now: readers must not find it
+        for n in names:
+            (out_dir / f"{n}.{'pt' if run.sharded else 'dcp'}").unlink(missing_ok=True)
+        remove_unlinked_shards(out_dir)
 
 
 def train_iteration(run: Run) -> torch.Tensor:
@@ -904,6 +914,8 @@ def _main(argv: list[str]) -> None:
         return
     cfg = resolve(configure(defaults, argv))
     if int(os.environ.get("RANK", 0)) == 0:  # known before the process group: errors come before any work
+        if cfg["init_from"] == "resume":
+            check_resumable(Path(cfg["out_dir"]), sharded=cfg["parallel"] == "fsdp")
         if not cfg["eval_only"]:  # eval_only writes nothing
             for tmp in prepare_out_dir(cfg):
                 print(f"removed {tmp.name}, left by a save that was killed mid-write")

@@ -150,10 +150,12 @@ def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
     assert all(0 < int(mine) < int(whole) for mine, whole in held), lines
 
 
-def test_one_process_fsdp_checkpoint_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
+def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
     """--parallel=fsdp alone trains unsharded and writes ckpt.dcp (saying so); sample.py reads it; python
-    checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does. A resume
-    with the other strategy, a shard missing, and float16 are each a one-line error, and the checkpoint stays."""
+    checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does, and each
+    run's next save removes the other format's now older checkpoint. A resume (or an evaluation) with the other
+    strategy, a shard missing, and float16 are each a one-line error, and the checkpoint stays. A copy that made
+    ckpt.dcp a folder resumes and saves."""
     data, out = f"--dataset={tiny_data}", tmp_path / "out"
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=4", f"--out_dir={out}")
     assert "parallel=fsdp in one process: it trains unsharded" in capsys.readouterr().out
@@ -167,7 +169,7 @@ def test_one_process_fsdp_checkpoint_reads_consolidates_and_refuses_the_wrong_re
         return r.stderr
 
     assert "resume it with --parallel=fsdp" in error("--init_from=resume")
-    assert f"python checkpoint.py {out}" in error("--init_from=resume")
+    assert f"python checkpoint.py {out}" in error("--init_from=resume", "--eval_only=True")
     assert "use --dtype=bfloat16" in error("--parallel=fsdp", "--dtype=float16")
     assert "choose ddp (the default) or fsdp" in error("--parallel=zero")
     shard = next((out / "ckpt.dcp").glob("*.distcp"))
@@ -178,17 +180,42 @@ def test_one_process_fsdp_checkpoint_reads_consolidates_and_refuses_the_wrong_re
     r = run_cli(checkpoint.main, [str(out)])
     assert r.returncode == 0 and (out / "ckpt.pt").is_file(), r.stderr
     assert load_checkpoint(out / "ckpt.pt")["optimizer"]["state"]  # AdamW's state, by parameter index
-    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    plain, sharded, copied = tmp_path / "plain", tmp_path / "sharded", tmp_path / "copied"
     shutil.copytree(out, plain, symlinks=True)
     shutil.copytree(out, sharded, symlinks=True)
-    for d in (plain / "ckpt.dcp", plain / "ckpt_best.dcp"):
-        d.unlink()  # the plain run resumes from ckpt.pt alone
+    shutil.copytree(out, copied)  # links followed: ckpt.dcp a folder
     train_here(data, *COMMON, "--max_iters=8", "--init_from=resume", f"--out_dir={plain}")
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={sharded}")
-    a, b = load_checkpoint(plain / "ckpt.pt"), checkpoint.load_sharded_model(sharded / "ckpt.dcp")
+    a, b = load_checkpoint(plain / "ckpt.pt"), load_checkpoint(sharded / "ckpt.pt")  # the latter from ckpt.dcp
+    assert a["iter_num"] == b["iter_num"] == 8
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k  # one process, the same arithmetic: exact
+    assert not (sharded / "ckpt.pt").exists() and not (plain / "ckpt.dcp").exists()
+    assert not (plain / "shards").exists() or not any((plain / "shards").iterdir())
     assert "unsharded checkpoint (ckpt.pt)" in error("--parallel=fsdp", "--init_from=resume", f"--out_dir={plain}")
+
+    capsys.readouterr()
+    assert (copied / "ckpt.dcp").is_dir() and not (copied / "ckpt.dcp").is_symlink()
+    train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={copied}")
+    assert "ckpt.dcp was a folder (copied without its link?)" in capsys.readouterr().out
+    assert (copied / "ckpt.dcp").is_symlink() and load_sharded_meta(copied / "ckpt.dcp")["iter_num"] == 8
+
+
+def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
+    """A save whose folder lacks a process's shards (on several machines, an out_dir each machine has its own copy of)
+    fails with the reason, and ckpt.dcp keeps naming the last good checkpoint."""
+    save_sharded({"model": {"w": torch.zeros(8)}}, {"iter_num": 1}, tmp_path, ("ckpt.dcp",))
+    good = (tmp_path / "ckpt.dcp").resolve()
+    save = checkpoint.dcp.save
+
+    def save_then_lose_a_shard(state, checkpoint_id, **kw):
+        save(state, checkpoint_id=checkpoint_id, **kw)
+        next(Path(checkpoint_id).glob("*.distcp")).unlink()
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save_then_lose_a_shard)
+    with pytest.raises(checkpoint.CheckpointError, match="(?s)lacks __0_0.distcp.*a folder that all of them see"):
+        save_sharded({"model": {"w": torch.ones(8)}}, {"iter_num": 2}, tmp_path, ("ckpt.dcp",))
+    assert (tmp_path / "ckpt.dcp").resolve() == good and load_sharded_meta(tmp_path / "ckpt.dcp")["iter_num"] == 1
 
 
 def save_forever(out_dir: Path, ready) -> None:
