@@ -73,7 +73,7 @@ def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
     try:
         ckpt = load_checkpoint(ckpt_path)
     except CheckpointError as e:
-        if not ckpt_path.exists() and not ckpt_path.with_suffix(".dcp").is_symlink():  # nothing there, sharded or not
+        if not ckpt_path.exists() and not ckpt_path.with_suffix(".dcp").exists():  # nothing there, sharded or not
             sys.exit(f"error: {e}\nTrain a model first, e.g.: python train.py config/rope.py --out_dir={out_dir}")
         # unreadable: nothing can resume from it, so never suggest training into this out_dir again
         best = out_dir / "ckpt_best.pt"
