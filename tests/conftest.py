@@ -18,6 +18,12 @@ import torch  # noqa: E402
 
 from model import GPT, POS_ENCODINGS, GPTConfig, KVCache  # noqa: E402
 
+if not torch.cuda.is_available():
+    # FlexAttention called without torch.compile (a CPU's fused path: forward only) runs its math directly instead of
+    # tracing it with dynamo again for every new shape, seconds a call; the outputs are the same. Not on a GPU: its
+    # tests take the unfused path's backward, which the direct mode does not give
+    torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+
 ENCODINGS = list(POS_ENCODINGS)
 RELATIVE = [e for e in ENCODINGS if POS_ENCODINGS[e].relative]
 ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]

@@ -381,8 +381,8 @@ def test_overfits_one_batch(pe):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding=pe))
     idx = tokens(4, 17)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
+    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+    for _ in range(80):  # every encoding ends below 0.004 (measured)
         _, loss = model(idx[:, :-1], idx[:, 1:])
         opt.zero_grad()
         loss.backward()
@@ -852,8 +852,9 @@ def test_fused_attention_note_names_the_head_dim_limit():
 @pytest.mark.parametrize("pe", BIASED)
 @pytest.mark.parametrize("chunks,window,extra", [([7, 1, 1, 5], None, 0), ([4, 1, 9, 1, 1, 14], 6, 0), ([3, 27], 6, 5)])
 def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window, extra):
-    """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the full forward."""
-    model = tiny(pe)
+    """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the full forward. One
+    layer: FlexAttention runs unfused (and slowly) on a CPU, and a layer's heads are tested in the test above."""
+    model = tiny(pe, n_layer=1)
     idx = tokens(2, sum(chunks))
     expected = model(idx, window=window)[0]
     model.fused_attention = True
