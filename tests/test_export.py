@@ -179,7 +179,7 @@ def test_command_and_its_errors(tmp_path):
         assert __import__("re").search(message, lines[0]), lines[0]
     assert not (tmp_path / "x").exists()
     (tmp_path / "rope" / "ckpt.pt").write_bytes(b"not a checkpoint")
-    r = run(str(tmp_path / "rope"), "--out", str(tmp_path / "y"))
+    r = run_cli(export.main, [str(tmp_path / "rope"), "--out", str(tmp_path / "y")])
     assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and not (tmp_path / "y").exists()
     assert run_cli(export.main, [str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite"]).returncode
     assert (tmp_path / "hf-rope" / "config.json").exists()  # a failed export leaves the old directory as it was

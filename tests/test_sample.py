@@ -74,7 +74,7 @@ def test_sample_generates_with_and_without_cache(tmp_path):
         "--temperature=0",
         "--max_context=48",
     )
-    cached, uncached = run_sample(*common), run_sample(*common, "--no_cache")
+    cached, uncached = run_sample(*common), sample_here(*common, "--no_cache")
     assert cached.returncode == 0, cached.stderr
     assert uncached.returncode == 0, uncached.stderr
     assert cached.stdout.startswith("Before we") and len(cached.stdout.rstrip("\n")) == len("Before we") + 40
@@ -232,9 +232,10 @@ def test_sample_options_out_of_range_are_errors(option, message):
 
 
 def test_sample_bad_value_gives_one_line_error(tmp_path):
-    """From the command line, a bad value is one 'error:' line and exit status 1, not a traceback."""
+    """From the command line (cli, as the script runs it), a bad value is one 'error:' line and exit status 1, not a
+    traceback."""
     make_checkpoint(tmp_path)
-    r = run_sample(f"--out_dir={tmp_path}", "--top_p=0")
+    r = sample_here(f"--out_dir={tmp_path}", "--top_p=0")
     assert r.returncode == 1 and r.stderr.startswith("error: top_p=0") and "Traceback" not in r.stderr
 
 

@@ -244,14 +244,10 @@ def test_other_failures_are_not_retried(tiny_data, tmp_path, monkeypatch, enc, e
 
 def test_non_finite_loss_stops_before_the_step(tiny_data, tmp_path):
     """A diverging run stops with a message before the optimizer step; the last good checkpoint stays."""
-    r = train(
-        f"--dataset={tiny_data}",
-        "--learning_rate=1e30",
-        "--decay_lr=False",
-        "--max_iters=50",
-        "--eval_interval=1000",
-        f"--out_dir={tmp_path}",
-    )
+    import train as train_py
+
+    args = ["--learning_rate=1e30", "--decay_lr=False", "--max_iters=50", "--eval_interval=1000"]
+    r = run_cli(train_py.cli, [*TINY, f"--dataset={tiny_data}", *args, f"--out_dir={tmp_path}"])
     assert r.returncode != 0
     assert "non-finite" in r.stderr and "Traceback" not in r.stderr
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
@@ -454,8 +450,7 @@ def test_init_from_local_gpt2_folder(tiny_data, tmp_path):
         transformers.GPT2Config(n_positions=64, vocab_size=128, n_layer=1, n_head=2, n_embd=16)
     )
     hf.save_pretrained(tmp_path / "hf")
-    r = train(f"--dataset={tiny_data}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2", f"--out_dir={tmp_path}")
-    assert_ok(r)
+    train_here(f"--dataset={tiny_data}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2", f"--out_dir={tmp_path}")
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["model_args"]["pos_encoding"] == "learned" and ckpt["model_args"]["block_size"] == 32
     assert ckpt["model"]["transformer.wpe.weight"].shape == (32, 16)
@@ -557,8 +552,7 @@ def test_mixed_precision_and_grad_scaler(tiny_data, tmp_path, dtype):
     first = load_checkpoint(tmp_path / "ckpt.pt")
     scaler = first["scaler"]
     assert (scaler.get("scale", 0) > 0) == (dtype == "float16")
-    r = train(*common, "--max_iters=20", "--init_from=resume")
-    assert_ok(r)
+    train_here(*common, "--max_iters=20", "--init_from=resume")
     last = load_checkpoint(tmp_path / "ckpt.pt")
     assert last["iter_num"] == 20 and last["best_val_loss"] < first["best_val_loss"] < 5.0
 
