@@ -97,9 +97,15 @@ import copy, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from model import GPT, GPTConfig, POS_ENCODINGS
 from torch.distributed.tensor import DTensor
-from train import shard
+from train import non_finite, shard
 dist.init_process_group("gloo")
 rank, lines = dist.get_rank(), []
+# a non-finite loss on one process stops all of them (none waits alone in all_reduce); fp16's inf gradient norms,
+# which the GradScaler skips, stop none
+nan, inf = float("nan"), float("inf")
+a = non_finite(torch.tensor(nan if rank == 1 else 1.0), torch.tensor(1.0), check_norm=True, distributed=True)
+b = non_finite(torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1.0), check_norm=False, distributed=True)
+open({out!r} + f"/non_finite{{rank}}", "w").write(f"{{a}} {{b}}")
 idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
 for pe in POS_ENCODINGS:
     torch.manual_seed(rank)  # each process its own initialisation: shard() starts every one from the first's
@@ -134,11 +140,13 @@ dist.destroy_process_group()
 def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
     """Under shard() (train.py's FSDP2 setup) every encoding's parameters (tables, slopes, KERPLE's and FIRE's) are
     sharded like the model's, start from the first process's initialisation, and two AdamW steps over two processes
-    give the weights of the same steps unsharded over the whole batch."""
+    give the weights of the same steps unsharded over the whole batch. In the same two processes (DDP's and FSDP's
+    alike): non_finite() gives every process the same answer."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_EVERY_ENCODING.format(root=str(ROOT), out=str(tmp_path)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     assert_ok(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV))
+    assert [(tmp_path / f"non_finite{rank}").read_text() for rank in (0, 1)] == ["loss None", "loss None"]
     lines = (tmp_path / "rank0").read_text().splitlines()
     assert [line.split()[0] for line in lines] == list(POS_ENCODINGS)
     # each of the encoding's parameters is split by rows: the first process holds part of it, not all
