@@ -335,6 +335,8 @@ def prepare_out_dir(cfg: dict) -> list[Path]:
     checkpoint, and a fresh start must not replace a run there unless told to (--overwrite=True). Clears the
     temporary files of saves killed mid-write (returned)."""
     out_dir = Path(cfg["out_dir"])
+    if cfg["init_from"] == "resume":
+        check_resumable(out_dir, sharded=cfg["parallel"] == "fsdp")
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"out_dir={str(out_dir)!r} is a file, not a folder; choose another --out_dir")
     try:
@@ -914,7 +916,7 @@ def _main(argv: list[str]) -> None:
         return
     cfg = resolve(configure(defaults, argv))
     if int(os.environ.get("RANK", 0)) == 0:  # known before the process group: errors come before any work
-        if cfg["init_from"] == "resume":
+        if cfg["init_from"] == "resume" and cfg["eval_only"]:  # prepare_out_dir checks it for a training run
             check_resumable(Path(cfg["out_dir"]), sharded=cfg["parallel"] == "fsdp")
         if not cfg["eval_only"]:  # eval_only writes nothing
             for tmp in prepare_out_dir(cfg):
