@@ -270,7 +270,8 @@ def test_tiny_run_learns_the_needle(tmp_path):
 @pytest.mark.slow
 def test_synthetic_resume_is_exact(tmp_path):
     """A synthetic run stopped and resumed gives the same weights and history as one that never stopped."""
-    common = ["config/alibi.py", "config/passkey.py", "--eval_interval=5", "--lr_decay_iters=20"]
+    common = ["config/alibi.py", "config/passkey.py", "--eval_interval=5", "--lr_decay_iters=20", "--batch_size=8"]
+    common += ["--eval_iters=2"]
     train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}"])
     train_in_process([*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}"])
     train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'split'}", "--init_from=resume"])
