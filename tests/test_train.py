@@ -451,20 +451,10 @@ def test_text_recipe_char_and_gpt2(tmp_path):
     """data/text/prepare.py tokenizes any text file; the bins decode back to the text."""
     text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20
     (tmp_path / "in.txt").write_text(text)
+    prepare = runpy.run_path(str(ROOT / "data" / "text" / "prepare.py"))["main"]  # in this process; the command below
     for tokenizer in ("char", "gpt2"):
         out = tmp_path / tokenizer
-        r = subprocess.run(
-            [
-                sys.executable,
-                "data/text/prepare.py",
-                f"--input={tmp_path / 'in.txt'}",
-                f"--tokenizer={tokenizer}",
-                f"--out_dir={out}",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
+        r = run_cli(prepare, [f"--input={tmp_path / 'in.txt'}", f"--tokenizer={tokenizer}", f"--out_dir={out}"])
         assert r.returncode == 0, r.stderr
         from datafiles import load_meta
         from tokenizer import tokenizer_from_meta
