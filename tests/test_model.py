@@ -509,6 +509,7 @@ def test_checkpoint_round_trip(pe, tmp_path):
 # Fused attention (FlexAttention score_mod) against the materialized reference
 
 
+@pytest.mark.slow  # and next to the compile test above: one worker pays inductor's start-up once for both
 @pytest.mark.parametrize("pe, B", [("rope", 1), ("alibi", 1), ("learned", 2)])
 def test_compiled_generation_equals_eager(pe, B):
     """generate(compile=True) (the compiled one-token step; on CPU with batch-1 matmuls decomposed into reductions)

@@ -17,6 +17,7 @@ from model import GPT, GPTConfig
 from tasks import DIGITS
 
 
+@pytest.mark.slow
 def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     out = tmp_path / "sweep"
     cmd = [
@@ -63,6 +64,7 @@ def task_data(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_sweep_with_tasks_side_by_side(task_data, tmp_path):
     """Runs trained with retrieval tasks, two at a time (--jobs 2, each with its own log), are scored on passkey,
     recall and copy at every length: a summary row per encoding, the task tables and the passkey heatmaps."""

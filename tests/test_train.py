@@ -360,6 +360,7 @@ def test_encoding_configs_differ_only_in_pos_encoding():
 # multi-process, wandb, GPT-2 init
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     """torchrun with 2 CPU processes (gloo) gives the weights of one process with the same global batch."""
     common = [f"--dataset={tiny_data}", "--dropout=0.0", "--max_iters=6"]
