@@ -19,6 +19,8 @@ from tasks import DIGITS
 
 @pytest.mark.slow
 def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
+    """Every encoding and seed trained (but a finished run), evaluated at each length with the RoPE scalings, and
+    reported with the seeds' spread; a second run trains nothing."""
     out = tmp_path / "sweep"
     cmd = [
         "--size=cpu",
@@ -40,8 +42,10 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
         "--eval_interval=4",
         f"--dataset={tiny_data}",
     ]
+    finished_run(out, "rope", 2, tiny_data)  # as a run trained earlier leaves it: three runs left to train
     r = run_cli(sweep.main, cmd)  # in this process; its training runs are train.py processes
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("finished earlier, not trained again") == 1
     runs = json.loads((out / "runs.json").read_text())
     assert sorted((x["enc"], x["seed"]) for x in runs) == sorted((e, s) for e in ("rope", "learned") for s in (1, 2))
     report = (out / "report.md").read_text()
