@@ -3,6 +3,7 @@ Tokenized datasets in nanoGPT's layout: data/<name>/{train,val}.bin (uint16 toke
 ({"vocab_size", "tokenizer", "tokens"}). JSON, not pickle: reading a dataset can never run code.
 """
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -68,6 +69,12 @@ def read_embedded_corpus() -> str:
     return lzma.decompress(EMBEDDED_CORPUS.read_bytes()).decode("utf-8")
 
 
+@functools.cache
+def gpt2_tokenizer() -> GPT2Tokenizer:
+    """One GPT-2 tokenizer per process (each of datasets' workers builds its own on first use)."""
+    return GPT2Tokenizer()
+
+
 def prepare_hf(
     dataset_dict, out_dir: str | Path, text_column: str = "text", eot: bool = True, num_proc: int | None = None
 ) -> dict[str, int]:
@@ -76,10 +83,12 @@ def prepare_hf(
     from tqdm import tqdm
 
     num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
-    tok = GPT2Tokenizer()
+    tok = gpt2_tokenizer()
 
     def encode(example):
-        ids = tok.encode(example[text_column]) + ([GPT2_EOT] if eot else [])
+        # the tokenizer by name, not in the closure: datasets pickles the function to hash it and to send it to each
+        # worker, and GPT-2's 50,257-token table took seconds every time
+        ids = gpt2_tokenizer().encode(example[text_column]) + ([GPT2_EOT] if eot else [])
         return {"ids": ids, "len": len(ids)}
 
     out_dir = Path(out_dir)
