@@ -165,30 +165,30 @@ def test_train_cli_error_is_one_line(tmp_path):
 # scoring: an oracle, a context-blind predictor, the loss
 
 
-def oracle_answer(x: np.ndarray, t: int) -> int:
-    """The next token after input position t, read from the inputs x (T,) by each task's rule, independently of the
-    generators: the token after MARK (needle, passkey), k after it (offset), after the earlier copy of the current
-    key (mqar), n + 1 back after SEP (copy)."""
+def oracle_answers(x: np.ndarray) -> np.ndarray:
+    """The next token after every input position of x (T,), read from the inputs by each task's rule, independently
+    of the generators: the token after MARK (needle, passkey), k after it (offset), after the earlier copy of the
+    current key (mqar), n + 1 back after SEP (copy)."""
     T = len(x)
     marks, seps = np.flatnonzero(x == S.MARK), np.flatnonzero(x == S.SEP)
     if len(seps):  # copy: the string is x[s - n : s] and its copy ends at the last target
-        n = T - seps[-1]
-        return int(x[t - n])
-    if x[t] == S.QUERY:
-        return int(x[marks[0] + 1])
-    if T >= 2 and x[T - 2] == S.QUERY and t == T - 1:  # offset: QUERY, k
-        return int(x[marks[0] + x[t] - VOCAB.values[0] + 1])
-    earlier = np.flatnonzero(x[:t] == x[t])  # mqar: the pair of the queried key
-    return int(x[earlier[0] + 1]) if len(earlier) else 0
+        return x[np.arange(T) - (T - seps[-1])]
+    out, first = np.zeros(T, dtype=np.int64), {}  # first: where each token first appears
+    for t in range(T):
+        if x[t] == S.QUERY:
+            out[t] = x[marks[0] + 1]
+        elif T >= 2 and x[T - 2] == S.QUERY and t == T - 1:  # offset: QUERY, k
+            out[t] = x[marks[0] + x[t] - VOCAB.values[0] + 1]
+        elif x[t] in first:  # mqar: the pair of the queried key
+            out[t] = x[first[x[t]] + 1]
+        first.setdefault(x[t], t)
+    return out
 
 
 def oracle(x: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V), one-hot at each position's answer by oracle_answer."""
-    out = torch.zeros(*x.shape, V)
-    for b, row in enumerate(x.numpy()):
-        for t in range(len(row)):
-            out[b, t, oracle_answer(row, t)] = 1.0
-    return out
+    """Logits (B, T, V), one-hot at each position's answer by oracle_answers."""
+    answers = torch.from_numpy(np.stack([oracle_answers(row) for row in x.numpy()]))
+    return torch.nn.functional.one_hot(answers, V).float()
 
 
 @pytest.mark.parametrize("task", TASKS)
