@@ -608,11 +608,22 @@ def main(argv: list[str]) -> None:
         eval_args += ["--rope_scaling", *args.rope_scaling]
     if args.wandb_log:
         eval_args += ["--wandb_log", "--wandb_run_name", f"sweep-{args.size}-eval"]
+    # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
+    # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again
+    inputs = {"eval": eval_args, "tasks": [args.task_trials, args.task_depths]}
+    inputs["runs"] = [[r["dir"], os.stat(Path(r["dir"]) / "ckpt.pt").st_mtime_ns] for r in runs]
+    inputs_path = out_dir / "report_inputs.json"
+    report_path = out_dir / "report.md"
+    if not args.wandb_log and report_path.exists() and inputs_path.exists():
+        if json.loads(inputs_path.read_text()) == inputs:
+            print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
+            return
     report = eval_length.main(eval_args)
     if any(r["task_fraction"] > 0 for r in runs):
         report["tasks"] = evaluate_tasks(runs, lengths, args)
         (out_dir / "tasks.json").write_text(json.dumps(report["tasks"], indent=1))
     path = write_report(out_dir, report, runs, argv)
+    inputs_path.write_text(json.dumps(inputs))
     print(f"[sweep] report: {path}")
 
 

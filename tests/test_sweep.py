@@ -57,6 +57,7 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     assert (out / "length.png").stat().st_size > 10_000 and (out / "position.png").stat().st_size > 10_000
     again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 4
+    assert "up to date: no run or setting changed" in again.stdout  # nothing evaluated again
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +115,19 @@ def finished_run(out_dir: Path, enc: str, seed: int, data: Path) -> GPT:
     return model
 
 
-def test_parameter_column_counts_each_parameter_once(tiny_data, tmp_path):  # noqa: F811
+def test_parameter_column_counts_each_parameter_once(tiny_data, tmp_path, capsys):  # noqa: F811
     """The parameters column counts the tied token embedding / lm_head once and leaves out learned's position
-    table (GPT.get_num_params), where the state_dict holds the tied matrix twice."""
+    table (GPT.get_num_params), where the state_dict holds the tied matrix twice. The report is kept while no run
+    or setting changes, and made again when a checkpoint does."""
     out = tmp_path / "sweep"
     models = {enc: finished_run(out, enc, 1, tiny_data) for enc in ("rope", "learned")}
     argv = ["--encodings", "rope", "learned", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}"]
     sweep.main([*argv, "--rope_scaling"])
+    sweep.main([*argv, "--rope_scaling"])
+    assert "up to date" in capsys.readouterr().out
+    finished_run(out, "rope", 1, tiny_data)  # trained again: a new checkpoint
+    sweep.main([*argv, "--rope_scaling"])
+    assert "up to date" not in capsys.readouterr().out
     runs = {r["enc"]: r["params"] for r in json.loads((out / "runs.json").read_text())}
     for enc, model in models.items():
         unique = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
