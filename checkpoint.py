@@ -20,13 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from datafiles import dataset_dir, load_meta
 from model import GPT, GPTConfig
@@ -106,7 +99,8 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 # Sharded checkpoints. out_dir/ckpt.dcp (and ckpt_best.dcp) is a link to a folder out_dir/shards/<iter>-<id>/ that
 # holds torch.distributed.checkpoint's files (.metadata and one .distcp per process) and meta.pt (the rest of a
 # checkpoint: iteration, config, RNG states...). A save writes a new folder and only then moves the link to it, so a
-# save killed at any moment leaves the last good checkpoint; folders no link names are removed.
+# save killed at any moment leaves the last good checkpoint; folders no link names are removed. torch.distributed's
+# checkpoint and state_dict modules are imported where used: a second to load, which other runs need not pay.
 SHARDS = "shards"
 LINKS = ("ckpt.dcp", "ckpt_best.dcp")
 
@@ -115,6 +109,8 @@ def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str,
     """Every process calls this: each writes its shards of state (training_state's) into a new folder; then the first
     process writes meta, checks the folder whole (every process's shards are there: on several machines out_dir must
     be a folder they share) and points each of links (ckpt.dcp, ckpt_best.dcp) at it."""
+    import torch.distributed.checkpoint as dcp
+
     meta = meta | {"optimizer_saved": "optimizer" in state}
     out_dir, distributed = Path(out_dir), dist.is_initialized()
     name = [f"{meta['iter_num']:08d}-{uuid.uuid4().hex[:8]}"]
@@ -195,6 +191,8 @@ def remove_unlinked_shards(out_dir: str | Path) -> list[Path]:
 def sharded_folder(link: str | Path) -> Path:
     """The folder a ckpt.dcp link names (or the folder itself), checked whole: its meta.pt, .metadata and every shard
     file .metadata lists. Raises CheckpointError naming what is missing."""
+    import torch.distributed.checkpoint as dcp
+
     link = Path(link)
     folder = link.resolve()
     if not folder.is_dir():
@@ -229,6 +227,8 @@ def load_sharded_state(state: dict, folder: str | Path) -> None:
     """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint
     (ckpt.dcp or its folder), in place: each process reads the parts of every shard that its own shards cover,
     whatever the process count that wrote them."""
+    import torch.distributed.checkpoint as dcp
+
     folder = sharded_folder(folder)
     try:
         with single_process_quiet():
@@ -254,6 +254,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     """{"model": ..., "optimizer": ...} as torch.distributed.checkpoint saves and loads them: by parameter name, and
     under FSDP each process's own shards. Before AdamW's first step it has no state, and only the model is there
     (get_state_dict would make one up by taking a step of rate 0, which counts in Adam's bias correction)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if not optimizer.state:
         return {"model": get_model_state_dict(model)}
     msd, osd = get_state_dict(model, optimizer)
@@ -263,6 +265,13 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, link: str | Path) -> None:
     """The model's weights and (if it was saved) AdamW's state from a sharded checkpoint, into model and optimizer as
     they are now: sharded over any number of processes, or not at all."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     folder = sharded_folder(link)
     if load_sharded_meta(folder)["optimizer_saved"]:
         msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below

@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthetic
@@ -657,6 +655,8 @@ def shard(model: GPT, dtype: str) -> None:
     are gathered in bf16 (half the traffic) for autocast's bf16 matmuls; the rest stays float32, as do the residual
     stream, the RoPE angles (bf16 inputs would round them) and the norms (a CPU's layer_norm takes no bf16 weights
     with float32 inputs); the master weights, AdamW and the gradient reductions are float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: a second to import
+
     with torch.no_grad():  # every process starts from the first one's weights (each seeded its own), as DDP does
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
@@ -669,9 +669,9 @@ def shard(model: GPT, dtype: str) -> None:
 
 
 def held_bytes(tensors, whole: bool = False) -> int:
-    """The bytes of these tensors that this process holds (its own shards of FSDP's DTensors), or with whole, the
-    bytes of the whole tensors."""
-    local = [t if whole or not isinstance(t, DTensor) else t.to_local() for t in tensors]
+    """The bytes of these tensors that this process holds (its own shards of FSDP's DTensors, which have to_local),
+    or with whole, the bytes of the whole tensors."""
+    local = [t.to_local() if hasattr(t, "to_local") and not whole else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
 
 
@@ -789,7 +789,7 @@ def train_iteration(run: Run) -> torch.Tensor:
     run.scaler.unscale_(run.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"] or float("inf"))
     # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
-    if isinstance(norm, DTensor):  # FSDP: the norm over every shard, the same on each process
+    if hasattr(norm, "full_tensor"):  # FSDP's DTensor: the norm over every shard, the same on each process
         norm = norm.full_tensor()
     bad = non_finite(loss_sum, norm, check_norm=not run.scaler.is_enabled(), distributed=procs.distributed)
     if bad:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint
 from conftest import run_cli
 from test_train import ENV, ROOT, TINY, assert_ok, tiny_data, train_here  # noqa: F401 (a fixture)
 
@@ -225,13 +226,13 @@ def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
     fails with the reason, and ckpt.dcp keeps naming the last good checkpoint."""
     save_sharded({"model": {"w": torch.zeros(8)}}, {"iter_num": 1}, tmp_path, ("ckpt.dcp",))
     good = (tmp_path / "ckpt.dcp").resolve()
-    save = checkpoint.dcp.save
+    save = torch.distributed.checkpoint.save
 
     def save_then_lose_a_shard(state, checkpoint_id, **kw):
         save(state, checkpoint_id=checkpoint_id, **kw)
         next(Path(checkpoint_id).glob("*.distcp")).unlink()
 
-    monkeypatch.setattr(checkpoint.dcp, "save", save_then_lose_a_shard)
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", save_then_lose_a_shard)
     with pytest.raises(checkpoint.CheckpointError, match="(?s)lacks __0_0.distcp.*a folder that all of them see"):
         save_sharded({"model": {"w": torch.ones(8)}}, {"iter_num": 2}, tmp_path, ("ckpt.dcp",))
     assert (tmp_path / "ckpt.dcp").resolve() == good and load_sharded_meta(tmp_path / "ckpt.dcp")["iter_num"] == 1
