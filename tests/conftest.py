@@ -3,6 +3,7 @@ encoding in model.POS_ENCODINGS puts it under every test parametrized over these
 
 import contextlib
 import io
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -80,6 +81,15 @@ def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def forkserver():
+    """multiprocessing's forkserver context, its server preloading what the checkpoint tests' writers import: a fresh
+    process forked from it starts at once (a spawned one would import torch: two seconds). A process has one server,
+    started with the preload list of the first caller: every test here asks for the same list."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "checkpoint", "torch.distributed.checkpoint"])
+    return ctx
 
 
 def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:

@@ -2,7 +2,6 @@
 of AdamW's state; its sharded checkpoints (ckpt.dcp) resume at another number of processes, survive a kill mid-save,
 load in every reader, and consolidate into a ckpt.pt."""
 
-import multiprocessing
 import re
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint
-from conftest import run_cli
+from conftest import forkserver, run_cli
 from test_train import ENV, ROOT, TINY, assert_ok, tiny_data, train_here  # noqa: F401 (a fixture)
 
 import checkpoint
@@ -250,8 +249,7 @@ def save_forever(out_dir: Path, ready) -> None:
 def test_a_killed_sharded_save_leaves_the_last_good_checkpoint(tmp_path):
     """SIGKILL at random moments while sharded checkpoints are written: ckpt.dcp always names a whole one, and the
     next run's start removes the unfinished folders."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "checkpoint"])
+    ctx = forkserver()
     rng = np.random.default_rng(0)
     for _ in range(4):
         ready = ctx.Event()

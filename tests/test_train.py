@@ -1,7 +1,6 @@
 """Tests for train.py and the data pipeline: exact resume, Ctrl-C, atomic checkpoints, config errors, DDP, wandb,
 the dataset recipes offline."""
 
-import multiprocessing
 import os
 import runpy
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, train_in_process
+from conftest import forkserver, run_cli, train_in_process
 
 from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
@@ -309,10 +308,7 @@ def write_checkpoints_forever(path: Path, ready) -> None:
 def test_checkpoint_survives_kill_during_save(tmp_path):
     """SIGKILL at random moments while checkpoints are being written never leaves a half-written ckpt.pt."""
     path = tmp_path / "ckpt.pt"
-    # each writer a fresh process forked from a server that imported torch once (a spawned one would import it
-    # each time: two seconds)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "checkpoint"])
+    ctx = forkserver()  # each writer a fresh process, forked from a server that imported torch once
     rng = np.random.default_rng(0)
     for _ in range(5):
         ready = ctx.Event()
