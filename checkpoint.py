@@ -213,23 +213,32 @@ def sharded_folder(link: str | Path) -> Path:
     return folder
 
 
-def load_sharded_meta(folder: str | Path) -> dict:
+def load_sharded_meta(link: str | Path) -> dict:
     """A sharded checkpoint's meta.pt (ckpt.dcp or its folder): every key of a ckpt.pt but the model and optimizer
     states."""
-    path = sharded_folder(folder) / "meta.pt"
+    return _read_meta(sharded_folder(link))
+
+
+def _read_meta(folder: Path) -> dict:
+    """meta.pt of a folder sharded_folder has checked (its .metadata is read once, there)."""
+    path = folder / "meta.pt"
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
 
 
-def load_sharded_state(state: dict, folder: str | Path) -> None:
+def load_sharded_state(state: dict, link: str | Path) -> None:
     """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint
     (ckpt.dcp or its folder), in place: each process reads the parts of every shard that its own shards cover,
     whatever the process count that wrote them."""
+    _read_state(state, sharded_folder(link))
+
+
+def _read_state(state: dict, folder: Path) -> None:
+    """load_sharded_state from a folder sharded_folder has checked."""
     import torch.distributed.checkpoint as dcp
 
-    folder = sharded_folder(folder)
     try:
         with single_process_quiet():
             dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
@@ -242,11 +251,11 @@ def load_sharded_state(state: dict, folder: str | Path) -> None:
 def load_sharded_model(link: str | Path) -> dict:
     """A sharded checkpoint as load_checkpoint returns a ckpt.pt: meta.pt's keys and the model's full weights."""
     folder = sharded_folder(link)  # once: a save may move the link meanwhile
-    ckpt = load_sharded_meta(folder)
+    ckpt = _read_meta(folder)
     with torch.device("meta"):  # shapes only, no initialisation: every value is read from the shards
         model = GPT(GPTConfig(**ckpt["model_args"]))
     state = {"model": model.to_empty(device="cpu").state_dict()}
-    load_sharded_state(state, folder)
+    _read_state(state, folder)
     return ckpt | state
 
 
@@ -273,22 +282,22 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     )
 
     folder = sharded_folder(link)
-    if load_sharded_meta(folder)["optimizer_saved"]:
+    if _read_meta(folder)["optimizer_saved"]:
         msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below
         state = {"model": msd, "optimizer": osd}
-        load_sharded_state(state, folder)
+        _read_state(state, folder)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
         state = {"model": get_model_state_dict(model)}
-        load_sharded_state(state, folder)
+        _read_state(state, folder)
         set_model_state_dict(model, state["model"])
 
 
 def consolidate(out_dir: str | Path) -> Path:
     """Write out_dir/ckpt.pt from out_dir/ckpt.dcp: the model, AdamW's state and the rest, as an unsharded run
     (--parallel=ddp, or one process) resumes from it. Returns the path written."""
-    folder = sharded_folder(Path(out_dir) / "ckpt.dcp")
-    ckpt = load_sharded_meta(folder)
+    folder = sharded_folder(Path(out_dir) / "ckpt.dcp")  # once; load_training_state checks the folder itself again
+    ckpt = _read_meta(folder)
     cfg = ckpt["config"]
     model = GPT(GPTConfig(**ckpt["model_args"]))
     betas = (cfg["beta1"], cfg["beta2"])

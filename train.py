@@ -764,7 +764,8 @@ def save(run: Run, best: bool) -> None:
     if procs.master:  # the other strategy's checkpoint of the same name is older now: readers must not find it
         for n in names:
             (out_dir / f"{n}.{'pt' if run.sharded else 'dcp'}").unlink(missing_ok=True)
-        remove_unlinked_shards(out_dir)
+        if not run.sharded:  # the shards the removed links named (save_sharded clears its own)
+            remove_unlinked_shards(out_dir)
 
 
 def train_iteration(run: Run) -> torch.Tensor:
