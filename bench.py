@@ -302,31 +302,38 @@ def bench_attention(args, device: str) -> None:
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
-def bench_shapes(args, device: str) -> None:
-    """Does `train.py config/<encoding>.py` train at each shape (compiled in bf16 on a GPU), and on which attention
-    path? Each cell is a fresh train.py process of a few iterations, so a crash is a cell, not the end of the table."""
+def run_train_py(cmd: list[str]) -> tuple[str, list[float], str | None]:
+    """A train.py command (python train.py ..., or torchrun's) run in a temporary out_dir: its stdout, the step times
+    it logged (ms), and if it failed, the last line it wrote."""
     import subprocess
     import tempfile
 
-    root = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as out:
+        r = subprocess.run(
+            [*cmd, f"--out_dir={out}"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True
+        )
+    times = [float(t) for t in re.findall(r"^iter \d+: .*?time ([\d.]+)ms", r.stdout, re.M)]
+    if r.returncode == 0:
+        return r.stdout, times, None
+    lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+    return r.stdout, times, lines[-1][:120] if lines else f"exit {r.returncode}"
+
+
+def bench_shapes(args, device: str) -> None:
+    """Does `train.py config/<encoding>.py` train at each shape (compiled in bf16 on a GPU), and on which attention
+    path? Each cell is a fresh train.py process of a few iterations, so a crash is a cell, not the end of the table."""
     print(f"\n### train.py at every shape, {args.shape_iters} iterations each ({device})\n")
     print("| encoding | shape | result | ms/iteration (last) | notes |")
     print("|---|---|---|---:|---|")
     for enc in args.shape_encodings:
         for shape in args.shapes:
-            with tempfile.TemporaryDirectory() as out:
-                cmd = [sys.executable, "train.py", f"config/{enc}.py", *SHAPES[shape], f"--device={device}"]
-                cmd += [f"--max_iters={args.shape_iters}", f"--eval_interval={args.shape_iters}", "--eval_iters=1"]
-                cmd += ["--log_interval=1", "--warmup_iters=0", f"--out_dir={out}", *args.shape_train]
-                r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-            times = re.findall(r"^iter \d+: .*?time ([\d.]+)ms", r.stdout, re.M)
-            notes = [ln[6:].split(";")[0] for ln in r.stdout.splitlines() if ln.startswith("note: ")]
-            if r.returncode == 0:
-                result = "trains"
-            else:
-                lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
-                result = "FAILS: " + (lines[-1][:120] if lines else f"exit {r.returncode}")
-            cell = times[-1] if times else "-"
+            cmd = [sys.executable, "train.py", f"config/{enc}.py", *SHAPES[shape], f"--device={device}"]
+            cmd += [f"--max_iters={args.shape_iters}", f"--eval_interval={args.shape_iters}", "--eval_iters=1"]
+            cmd += ["--log_interval=1", "--warmup_iters=0", *args.shape_train]
+            stdout, times, failed = run_train_py(cmd)
+            notes = [ln[6:].split(";")[0] for ln in stdout.splitlines() if ln.startswith("note: ")]
+            result = f"FAILS: {failed}" if failed else "trains"
+            cell = f"{times[-1]:.1f}" if times else "-"
             print(f"| {enc} | {shape} | {result} | {cell} | {'; '.join(notes)[:200]} |", flush=True)
 
 
@@ -334,28 +341,22 @@ def bench_parallel(args, device: str) -> None:
     """DDP against FSDP (train.py --parallel) at args.parallel_procs processes of torchrun: the median step time after
     the first iterations, and what each process holds of the parameters and of AdamW's state (train.py measures
     its tensors: its shards under FSDP), with the GPU's peak allocation where there is one."""
-    import subprocess
-    import tempfile
-
-    root = Path(__file__).resolve().parent
     n = args.parallel_procs
     print(f"\n### DDP and FSDP at {n} processes, {args.parallel_iters} iterations each ({device})\n")
     print("| strategy | ms/iteration (median) | parameters per process | AdamW's state per process | peak (GPU) |")
     print("|---|---:|---:|---:|---:|")
     for strategy in ("ddp", "fsdp"):
-        with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
-            cmd += [*args.parallel_config, f"--device={device}", f"--parallel={strategy}", "--log_interval=1"]
-            cmd += [f"--max_iters={args.parallel_iters}", f"--eval_interval={args.parallel_iters}", "--eval_iters=1"]
-            cmd += [f"--gradient_accumulation_steps={n}", f"--out_dir={out}", *args.parallel_train]
-            r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-        if r.returncode:
-            lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
-            print(f"| {strategy} | FAILS: {lines[-1][:120] if lines else r.returncode} | | | |", flush=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
+        cmd += [*args.parallel_config, f"--device={device}", f"--parallel={strategy}", "--log_interval=1"]
+        cmd += [f"--max_iters={args.parallel_iters}", f"--eval_interval={args.parallel_iters}", "--eval_iters=1"]
+        cmd += [f"--gradient_accumulation_steps={n}", *args.parallel_train]
+        stdout, times, failed = run_train_py(cmd)
+        if failed:
+            print(f"| {strategy} | FAILS: {failed} | | | |", flush=True)
             continue
-        times = [float(t) for t in re.findall(r"^iter (?:\d+): .*?time ([\d.]+)ms", r.stdout, re.M)][2:]
-        held = re.search(r"parameters ([\d.,]+) MiB of ([\d.,]+), AdamW's state ([\d.,]+) MiB of ([\d.,]+)", r.stdout)
-        peak = re.search(r"peak allocated ([\d.,]+) MiB", r.stdout)
+        times = times[2:]  # after compilation and warm-up
+        held = re.search(r"parameters ([\d.,]+) MiB of ([\d.,]+), AdamW's state ([\d.,]+) MiB of ([\d.,]+)", stdout)
+        peak = re.search(r"peak allocated ([\d.,]+) MiB", stdout)
         p, p_all, o, o_all = held.groups() if held else ("-",) * 4
         cells = [f"{statistics.median(times):.1f}" if times else "-", f"{p} of {p_all} MiB", f"{o} of {o_all} MiB"]
         print(f"| {strategy} | {' | '.join(cells)} | {peak.group(1) + ' MiB' if peak else '-'} |", flush=True)
