@@ -49,7 +49,9 @@ def pytest_collection_modifyitems(items: list) -> None:
     for w, share in enumerate(shares):
         size = left // (workers - w)  # as xdist splits the list
         left -= size
-        ordered += share + [fast.pop(0) for _ in range(max(0, size - len(share))) if fast]
+        fill = max(0, size - len(share))
+        ordered += share + fast[:fill]
+        fast = fast[fill:]
     items[:] = ordered + fast
 
 

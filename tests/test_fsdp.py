@@ -5,7 +5,6 @@ load in every reader, and consolidate into a ckpt.pt."""
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 from conftest import forkserver, run_cli
-from test_train import ENV, ROOT, TINY, assert_ok, tiny_data, train_here  # noqa: F401 (a fixture)
+from test_train import ROOT, TINY, assert_ok, tiny_data, torchrun, train_here  # noqa: F401 (a fixture)
 
 import checkpoint
 import sample
@@ -27,9 +26,8 @@ TOL = dict(atol=1e-5, rtol=1e-4)
 COMMON = ["--dropout=0.0", "--eval_interval=4"]
 
 
-def torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
-    return subprocess.run([*cmd, *TINY, *args], capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+def train_torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(n, "train.py", *TINY, *args)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -49,7 +47,7 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
         train_here(data, *COMMON, "--batch_size=8", f"--max_iters={iters}", f"--out_dir={tmp_path / f'one{iters}'}")
     two = tmp_path / "two"
     fsdp2 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]  # 2 micro-steps a process
-    r = torchrun(2, data, *COMMON, *fsdp2, "--max_iters=4", f"--out_dir={two}")
+    r = train_torchrun(2, data, *COMMON, *fsdp2, "--max_iters=4", f"--out_dir={two}")
     assert_ok(r)
     assert "on 2 process(es) (fsdp)" in r.stdout
     (held,) = re.findall(r"parameters ([\d.]+) MiB of ([\d.]+), AdamW's state ([\d.]+) MiB of ([\d.]+)", r.stdout)
@@ -64,7 +62,7 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     shutil.copytree(two, at4, symlinks=True)
     train_here(data, *COMMON, *fsdp2, "--max_iters=8", "--init_from=resume", f"--out_dir={at1}")
     fsdp4 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]
-    r = torchrun(4, data, *COMMON, *fsdp4, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
+    r = train_torchrun(4, data, *COMMON, *fsdp4, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
     assert_ok(r)
     assert f"resuming from {at4 / 'ckpt.dcp'} at iteration 4" in r.stdout
     for resumed in (at1, at4):
@@ -153,8 +151,7 @@ def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
     autocast over the whole batch to bf16's precision."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_EVERY_ENCODING.format(root=str(ROOT), out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    assert_ok(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV))
+    assert_ok(torchrun(2, str(script)))
     assert [(tmp_path / f"non_finite{rank}").read_text() for rank in (0, 1)] == ["loss None", "loss None"]
     lines = (tmp_path / "rank0").read_text().splitlines()
     assert lines[-2:] == ["rope bf16", "fire bf16"]

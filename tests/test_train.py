@@ -54,6 +54,12 @@ def train(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.C
     )
 
 
+def torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
+    """torchrun with n CPU processes (gloo) on one machine: args are the script and its options."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+
+
 def train_here(*args: str) -> None:
     train_in_process([*TINY, *args])
 
@@ -361,26 +367,8 @@ def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     """torchrun with 2 CPU processes (gloo) gives the weights of one process with the same global batch."""
     common = [f"--dataset={tiny_data}", "--dropout=0.0", "--max_iters=6"]
     train_here(*common, "--batch_size=8", "--gradient_accumulation_steps=1", f"--out_dir={tmp_path / 'one'}")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "train.py",
-            *TINY,
-            *common,
-            "--batch_size=4",
-            "--gradient_accumulation_steps=2",
-            f"--out_dir={tmp_path / 'two'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env=ENV,
-    )
+    r = torchrun(2, "train.py", *TINY, *common, "--batch_size=4", "--gradient_accumulation_steps=2",
+                 f"--out_dir={tmp_path / 'two'}")  # fmt: skip
     assert_ok(r)
     one, two = load_checkpoint(tmp_path / "one" / "ckpt.pt"), load_checkpoint(tmp_path / "two" / "ckpt.pt")
     assert len(two["rng"]) == 2 and two["iter_num"] == 6
