@@ -76,14 +76,35 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
         return load_sharded_model(path.with_suffix(".dcp"))
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
+    ckpt = _load(path, map_location)
     missing = [k for k in ("model", "model_args") if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a nanoPE/nanoGPT checkpoint: it lacks {', '.join(missing)}")
     return ckpt
+
+
+def _load(path: Path, map_location: str) -> dict:
+    """torch.load with weights_only (tensors and plain data: nothing in the file can run code). A file it cannot read
+    is named as damaged or not a checkpoint; torch's own advice to retry with weights_only=False is not passed on, as
+    that would run whatever code the file holds."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        what = (
+            "it is not a file torch.save wrote (check the path)"
+            if path.stat().st_size and not _zip_or_pickle(path)
+            else "it is damaged (truncated by a full disk or an interrupted copy?)"
+        )
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint: {what} ({type(e).__name__}); restore it from a copy, or train again"
+        ) from None
+
+
+def _zip_or_pickle(path: Path) -> bool:
+    """Whether the file starts as torch.save writes: a zip archive (PK), or an older pickle (protocol 2+, 0x80)."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return head == b"PK" or head[:1] == b"\x80"
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
@@ -203,8 +224,16 @@ def sharded_folder(link: str | Path) -> Path:
             metadata = dcp.FileSystemReader(folder).read_metadata()
         except Exception as e:
             raise CheckpointError(f"{folder}/.metadata is not readable (truncated or corrupt?): {e}") from e
-        files = {info.relative_path for info in metadata.storage_data.values()}
-        missing = sorted(f for f in files if not (folder / f).is_file())
+        ends: dict[str, int] = {}  # each shard file's size as .metadata describes it: its last record's end
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        missing = sorted(f for f in ends if not (folder / f).is_file())
+        short = sorted(f for f in ends if f not in missing and (folder / f).stat().st_size < ends[f])
+        if short:
+            raise CheckpointError(
+                f"the sharded checkpoint {link} is damaged: in {folder}, {', '.join(short)} is shorter than its "
+                ".metadata says (truncated by a copy or a full disk?); copy the whole folder again"
+            )
     if missing:
         raise CheckpointError(
             f"the sharded checkpoint {link} is incomplete: {folder} lacks {', '.join(missing)}; copy the whole "
@@ -221,11 +250,7 @@ def load_sharded_meta(link: str | Path) -> dict:
 
 def _read_meta(folder: Path) -> dict:
     """meta.pt of a folder sharded_folder has checked (its .metadata is read once, there)."""
-    path = folder / "meta.pt"
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
+    return _load(folder / "meta.pt", "cpu")
 
 
 def load_sharded_state(state: dict, link: str | Path) -> None:
@@ -246,6 +271,11 @@ def _read_state(state: dict, folder: Path) -> None:
         raise CheckpointError(
             f"{folder} went away while it was read (a newer checkpoint replaced it): try again"
         ) from e
+    except dcp.api.CheckpointException as e:  # a shard that its size check let through, yet cannot be read
+        raise CheckpointError(
+            f"the sharded checkpoint in {folder} cannot be read: a shard file is damaged (its bytes are not what was "
+            "saved); copy the whole folder again from where the run wrote it"
+        ) from None
 
 
 def load_sharded_model(link: str | Path) -> dict:
@@ -296,6 +326,19 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def consolidate(out_dir: str | Path) -> Path:
     """Write out_dir/ckpt.pt from out_dir/ckpt.dcp: the model, AdamW's state and the rest, as an unsharded run
     (--parallel=ddp, or one process) resumes from it. Returns the path written."""
+    if not os.path.lexists(Path(out_dir) / "ckpt.dcp"):
+        raise CheckpointError(
+            f"no sharded checkpoint {Path(out_dir) / 'ckpt.dcp'} to consolidate (train.py --parallel=fsdp writes one)"
+        )
+    probe = Path(out_dir) / f".write_test.{os.getpid()}.tmp"  # before reading: the one sure test of permissions
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write {Path(out_dir) / 'ckpt.pt'} ({e.strerror}); copy the run's folder somewhere writable "
+            "(cp -r keeps ckpt.dcp's link) and consolidate the copy"
+        ) from None
     folder = sharded_folder(Path(out_dir) / "ckpt.dcp")  # once; load_training_state checks the folder itself again
     ckpt = _read_meta(folder)
     cfg = ckpt["config"]
@@ -319,14 +362,51 @@ class TrainedRun:
     dataset: str = ""
 
 
-def load_run(out_dir: str | Path, device: str = "cpu", val: bool = False, data_dir: str | None = None) -> TrainedRun:
+def load_run(
+    out_dir: str | Path, device: str = "cpu", val: bool = False, data_dir: str | None = None, text: bool = False
+) -> TrainedRun:
     """Load out_dir/ckpt.pt and build its model; with val, also the validation split of its dataset (data_dir, a
-    prepared folder, overrides the checkpoint's). Raises CheckpointError or DataError naming the fix."""
-    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+    prepared folder, overrides the checkpoint's), which must be written with the model's tokenizer. text (implied by
+    val): the caller reads text, which a run trained on a synthetic task does not. Raises CheckpointError or
+    DataError naming the fix."""
+    from datafiles import DataError, tokenizer_difference
+
+    out_dir = Path(out_dir)
+    if out_dir.is_file():
+        raise CheckpointError(f"{out_dir} is a file; give the run's folder (train.py's out_dir), e.g. {out_dir.parent}")
+    if not any(os.path.lexists(out_dir / name) for name in ("ckpt.pt", "ckpt.dcp")):
+        what = (
+            f"{out_dir} holds no checkpoint (ckpt.pt)" if out_dir.is_dir() else f"the folder {out_dir} does not exist"
+        )
+        raise CheckpointError(f"{what}; give a run's folder (train.py's out_dir, where it wrote ckpt.pt)")
+    ckpt = load_checkpoint(out_dir / "ckpt.pt")
+    cfg = ckpt.get("config") or {}
+    if (val or text) and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
+        raise CheckpointError(
+            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
+            f"python synthetic.py {out_dir}"
+        )
     run = TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
     if val:
-        path = Path(data_dir) if data_dir else dataset_dir(ckpt.get("config", {}).get("dataset", "shakespeare_char"))
-        load_meta(path)  # names a missing or unprepared dataset and how to prepare it
+        trained_on = cfg.get("dataset") or "shakespeare_char"
+        path = Path(data_dir) if data_dir else dataset_dir(trained_on)
+        meta = load_meta(path)  # names a missing or unprepared dataset and how to prepare it
+        V, tok = run.model.config.vocab_size, ckpt.get("tokenizer")
+        if tok:  # else a nanoGPT checkpoint: at least every token id must be in its vocabulary
+            problem = tokenizer_difference(meta["tokenizer"], tok)
+        else:
+            problem = (
+                f"has {meta['vocab_size']} token ids, more than the model's {V}" if meta["vocab_size"] > V else None
+            )
+        if problem:
+            fix = (
+                f"leave out --data_dir to use the dataset it trained on ({trained_on}), or give one prepared with "
+                "the same tokenizer"
+                if data_dir
+                else "the dataset was prepared again since the run trained on it: prepare it as it was, or give "
+                "--data_dir a dataset prepared with the run's tokenizer"
+            )
+            raise DataError(f"{out_dir}: {path} {problem}; {fix}")
         run.val, run.dataset = np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
     return run
 

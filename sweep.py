@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ import synthetic
 import tasks
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
+from outputs import write_atomic
 from tokenizer import tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parent
@@ -52,13 +54,32 @@ SIZES = {  # train.py arguments and evaluation lengths per size; the training le
 }
 
 
+# train.py options that the sweep sets for each run itself: given again after --train, they would override it (every
+# seed trained with one --seed, every run in one out_dir)
+SET_BY_SWEEP = ("out_dir", "seed", "init_from", "wandb_log", "wandb_run_name", "overwrite")
+
+
 def run_dir(out_dir: Path, enc: str, seed: int) -> Path:
     return out_dir / f"{enc}-seed{seed}"
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON file the sweep wrote, or None where it is missing or unreadable (a file left truncated by an older
+    version, or edited by hand): the sweep then makes it again."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def progress(ckpt: dict) -> tuple[int, int | None]:
+    """(iterations trained, max_iters) of a checkpoint; max_iters None for a checkpoint without train.py's config."""
+    return ckpt.get("iter_num", 0), ckpt.get("config", {}).get("max_iters")
+
+
 def finished(d: Path) -> bool | None:
-    """True if d holds a finished run, False if an unfinished one (to resume), None if none. An unreadable
-    ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run."""
+    """True if d holds a finished run (it reached max_iters), False if an unfinished one (to resume), None if none.
+    An unreadable ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run."""
     path = d / "ckpt.pt"
     if not path.exists():
         return None
@@ -66,8 +87,24 @@ def finished(d: Path) -> bool | None:
         ckpt = load_checkpoint(path)
     except CheckpointError as e:
         sys.exit(f"[sweep] {e}\n[sweep] not training over it: move {d} aside (or delete it), then re-run")
-    max_iters = ckpt.get("config", {}).get("max_iters")
-    return max_iters is None or ckpt.get("iter_num", 0) >= max_iters
+    done, max_iters = progress(ckpt)
+    return max_iters is None or done >= max_iters
+
+
+def finished_checkpoint(d: Path) -> dict:
+    """The checkpoint of a finished run, for the report; a run that stopped early (Ctrl-C, SIGTERM) or is missing
+    stops the sweep: reporting it as trained would put a half-trained model beside trained ones."""
+    try:
+        ckpt = load_checkpoint(d / "ckpt.pt")
+    except CheckpointError as e:
+        sys.exit(f"[sweep] {e}")
+    done, max_iters = progress(ckpt)
+    if max_iters is not None and done < max_iters:
+        sys.exit(
+            f"[sweep] {d.parent.name}/{d.name} stopped at iteration {done:,} of {max_iters:,} (interrupted?): re-run "
+            "the same command to resume it"
+        )
+    return ckpt
 
 
 def train_command(enc: str, seed: int, d: Path, args, configs: list[str]) -> list[str] | None:
@@ -92,44 +129,69 @@ def train_command(enc: str, seed: int, d: Path, args, configs: list[str]) -> lis
 
 def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
     """Run the training commands, n_parallel at a time. One at a time, a run prints as it goes; side by side, each
-    writes <run>/train.log and the CPU threads are shared out. Finished runs record their wall-clock seconds."""
+    writes <run>/train.log and the CPU threads are shared out. Finished runs record their wall-clock seconds. A run
+    that exits without reaching max_iters (stopped from outside) stops the sweep, as a failed one does. Ctrl-C stops
+    the runs in progress (each saves a checkpoint) and the sweep: the same command resumes them."""
     threads = max(1, (os.cpu_count() or 1) // n_parallel)
     env = os.environ | ({"OMP_NUM_THREADS": str(threads)} if n_parallel > 1 else {})
     running: list[tuple[Path, subprocess.Popen, float, object]] = []
     t0, done, total = time.time(), 0, len(jobs)
     queue = list(jobs)
-    while queue or running:
-        while queue and len(running) < n_parallel:
-            d, cmd = queue.pop(0)
-            d.mkdir(parents=True, exist_ok=True)
-            print(f"[sweep] {d.parent.name}/{d.name}: {' '.join(cmd[1:])}", flush=True)
-            log = open(d / "train.log", "a") if n_parallel > 1 else None
-            running.append((d, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), time.time(), log))
-        time.sleep(0.2)
-        for item in list(running):
-            d, proc, start, log = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
+
+    def stop_running() -> None:
+        for _, other, _, _ in running:
+            if other.poll() is None:
+                other.send_signal(signal.SIGTERM)  # once: train.py saves a checkpoint, and the next sweep resumes it
+        for _, other, _, log in running:
+            other.wait()
             if log:
                 log.close()
-            if proc.returncode != 0:
-                for _, other, _, _ in running:
-                    other.terminate()  # SIGTERM: each saves a checkpoint, and the next sweep resumes it
-                    other.wait()
+
+    try:
+        while queue or running:
+            while queue and len(running) < n_parallel:
+                d, cmd = queue.pop(0)
+                d.mkdir(parents=True, exist_ok=True)
+                print(f"[sweep] {d.parent.name}/{d.name}: {' '.join(cmd[1:])}", flush=True)
+                log = open(d / "train.log", "a") if n_parallel > 1 else None
+                # a session of its own: a Ctrl-C in the terminal reaches the sweep alone, which stops each run once
+                # (a second signal would make train.py quit without saving)
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+                running.append((d, proc, time.time(), log))
+            time.sleep(0.2)
+            for item in list(running):
+                d, proc, start, log = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                if log:
+                    log.close()
                 where = f"; its log: {d / 'train.log'}" if log else ""
-                sys.exit(
-                    f"[sweep] training {d.parent.name}/{d.name} failed (exit {proc.returncode}){where}; fix it and "
-                    "re-run: finished runs are kept"
+                if proc.returncode != 0:
+                    stop_running()
+                    sys.exit(
+                        f"[sweep] training {d.parent.name}/{d.name} failed (exit {proc.returncode}){where}; fix it "
+                        "and re-run: finished runs are kept"
+                    )
+                if not finished(d):
+                    stop_running()
+                    sys.exit(
+                        f"[sweep] training {d.parent.name}/{d.name} stopped before max_iters (a signal from outside "
+                        f"the sweep?){where}; re-run the same command to resume it"
+                    )
+                timing = {"seconds": time.time() - start, "parallel": n_parallel}
+                write_atomic(d / "sweep.json", json.dumps(timing))
+                done += 1
+                elapsed = time.time() - t0
+                print(
+                    f"[sweep] {d.parent.name}/{d.name}: trained ({done}/{total}, ETA "
+                    f"{elapsed / done * (total - done) / 60:.0f} min)",
+                    flush=True,
                 )
-            (d / "sweep.json").write_text(json.dumps({"seconds": time.time() - start, "parallel": n_parallel}))
-            done += 1
-            elapsed = time.time() - t0
-            print(
-                f"[sweep] {d.parent.name}/{d.name}: trained ({done}/{total}, ETA "
-                f"{elapsed / done * (total - done) / 60:.0f} min)",
-                flush=True,
-            )
+    except KeyboardInterrupt:
+        print("\n[sweep] interrupted: stopping the runs in progress (each saves a checkpoint) ...", flush=True)
+        stop_running()
+        raise
 
 
 def evaluate_tasks(runs: list[dict], lengths: list[int], args) -> dict:
@@ -312,7 +374,7 @@ def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str])
         lines += retrieval_lines(report, runs, out_dir)
     plot_report(agg, report, out_dir)
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines))
+    write_atomic(path, "\n".join(lines))
     return path
 
 
@@ -356,21 +418,21 @@ def plot_report(agg: dict, report: dict, out_dir: Path) -> None:
 SYNTHETIC_FACTORS = (1, 2, 4, 8)  # evaluation lengths, in training lengths (16x costs as much as these together)
 
 
-def evaluate_synthetic(d: Path, factors, trials: int) -> dict:
-    """A run's accuracy at each length (cached in <run>/synthetic.json, for these lengths and trials), whether and when
-    it learned its task, and its training seconds."""
-    ckpt = load_checkpoint(d / "ckpt.pt")
+def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
+    """A run's accuracy at each length (default: SYNTHETIC_FACTORS times its training length; cached in
+    <run>/synthetic.json, for these lengths and trials), whether and when it learned its task, its training seconds."""
+    ckpt = finished_checkpoint(d)
     cfg = ckpt["config"]
-    lengths = [cfg["block_size"] * k for k in factors]
+    lengths = lengths or [cfg["block_size"] * k for k in SYNTHETIC_FACTORS]
     cache = d / "synthetic.json"
     key = {"lengths": lengths, "trials": trials, "iter": ckpt["iter_num"]}
-    if cache.exists() and (old := json.loads(cache.read_text())).get("key") == key:
+    if (old := read_json(cache)) and old.get("key") == key:
         return old
     t0 = time.time()
     model = model_from_checkpoint(ckpt).eval()
     acc = synthetic.evaluate_checkpoint(model, cfg, lengths, trials)
     history = ckpt.get("history", [])
-    timing = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").exists() else {}
+    timing = read_json(d / "sweep.json") or {}
     out = {
         "key": key,
         "task": cfg["task"],
@@ -382,7 +444,7 @@ def evaluate_synthetic(d: Path, factors, trials: int) -> dict:
         "seconds": timing.get("seconds", 0.0),
         "eval_seconds": time.time() - t0,
     }
-    cache.write_text(json.dumps(out, indent=1))
+    write_atomic(cache, json.dumps(out, indent=1))
     return out
 
 
@@ -438,8 +500,8 @@ def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float)
     lines += ["", "![accuracy by length, per task](synthetic.png)", ""]
     plot_synthetic(results, lengths, train_len, out_dir / "synthetic.png")
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines))
-    (out_dir / "results.json").write_text(json.dumps({"seeds": seeds, "results": results}, indent=1))
+    write_atomic(path, "\n".join(lines))
+    write_atomic(out_dir / "results.json", json.dumps({"seeds": seeds, "results": results}, indent=1))
     return path
 
 
@@ -480,11 +542,9 @@ def plot_synthetic(results: dict, lengths: list[int], train_len: int, path: Path
     plt.close(fig)
 
 
-def synthetic_suite(args, argv: list[str]) -> None:
+def synthetic_suite(args, argv: list[str], out_dir: Path) -> None:
     """Train every encoding on each task and seed (resuming, skipping finished runs), score, report."""
     t0 = time.time()
-    out_dir = Path(args.out_dir or "sweep-synthetic")
-    out_dir.mkdir(parents=True, exist_ok=True)
     # a seed at a time, so that an interrupted suite has whole seeds to report
     triples = [(t, e, s) for s in args.seeds for t in args.synthetic for e in args.encodings]
     dirs = {x: out_dir / x[0] / f"{x[1]}-seed{x[2]}" for x in triples}
@@ -496,21 +556,54 @@ def synthetic_suite(args, argv: list[str]) -> None:
     train_all(jobs, args.jobs)
     results: dict = {}
     trials = args.task_trials or 400
-    # --jobs evaluations side by side, each on its share of the cores
+    # --jobs evaluations side by side, each on its share of the cores; Ctrl-C reaches the sweep alone, which lets the
+    # evaluations in progress end (each a few seconds) and drops the rest: the next run evaluates them
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    with ProcessPoolExecutor(args.jobs, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
-        futures = [pool.submit(evaluate_synthetic, dirs[x], SYNTHETIC_FACTORS, trials) for x in triples]
-        for i, ((t, e, s), future) in enumerate(zip(triples, futures, strict=True)):
-            try:
-                r = future.result()
-            except (CheckpointError, synthetic.SyntheticError) as err:
-                sys.exit(f"[sweep] {err}")
-            results.setdefault(t, {}).setdefault(e, []).append(r)
-            print(f"[sweep] evaluated {t}/{e}-seed{s} ({i + 1}/{len(triples)})", flush=True)
+    with ProcessPoolExecutor(args.jobs, initializer=evaluation_worker, initargs=(threads,)) as pool:
+        futures = [pool.submit(evaluate_synthetic, dirs[x], args.lengths, trials) for x in triples]
+        try:
+            for i, ((t, e, s), future) in enumerate(zip(triples, futures, strict=True)):
+                try:
+                    r = future.result()
+                except (CheckpointError, synthetic.SyntheticError) as err:
+                    pool.shutdown(cancel_futures=True)
+                    sys.exit(f"[sweep] {err}")
+                results.setdefault(t, {}).setdefault(e, []).append(r)
+                print(f"[sweep] evaluated {t}/{e}-seed{s} ({i + 1}/{len(triples)})", flush=True)
+        except KeyboardInterrupt:
+            print("\n[sweep] interrupted: finishing the evaluations in progress ...", flush=True)
+            pool.shutdown(cancel_futures=True)
+            raise
     print(f"[sweep] report: {synthetic_report(out_dir, results, argv, time.time() - t0)}")
 
 
+def evaluation_worker(threads: int) -> None:
+    """A process of the evaluation pool: its share of the cores, and deaf to Ctrl-C (the sweep answers it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str]) -> None:
+    """The command: Ctrl-C stops it with one line (the runs in progress save their checkpoints), never a traceback."""
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        sys.exit("[sweep] interrupted; run the same command again to resume (finished runs are kept)")
+
+
+def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
+    """--train's options go to every run; one the sweep sets per run itself would make the runs copies of each
+    other (every seed trained with one --seed)."""
+    for opt in options:
+        key = opt[2:].split("=", 1)[0] if opt.startswith("--") else None
+        if key in SET_BY_SWEEP:
+            p.error(
+                f"--train {opt}: the sweep sets {key} for each run itself (--seeds, --out_dir, --wandb_log); drop it "
+                "from the options after --train"
+            )
+
+
+def _main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default="cpu" if not torch.cuda.is_available() else "gpu")
     p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
@@ -550,31 +643,33 @@ def main(argv: list[str]) -> None:
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds) < 0:
         p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
-    if args.jobs < 1 or (args.task_trials or 1) < 1 or args.task_depths < 2 or (args.eval_tokens or 1) < 1:
-        p.error("--jobs, --task_trials and --eval_tokens must be at least 1, --task_depths at least 2")
+    for name, least in (("jobs", 1), ("task_trials", 1), ("eval_tokens", 1), ("task_depths", 2)):
+        if (x := getattr(args, name)) is not None and x < least:
+            p.error(f"--{name}={x}: must be at least {least}")
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
-    if args.synthetic is not None:
-        return synthetic_suite(args, argv)
-    args.task_trials = args.task_trials or 5
-    out_dir = Path(args.out_dir or f"sweep-{args.size}")
+    check_train_options(p, args.train)
+    out_dir = Path(args.out_dir or ("sweep-synthetic" if args.synthetic is not None else f"sweep-{args.size}"))
     if out_dir.exists() and not out_dir.is_dir():
-        p.error(f"--out_dir={out_dir} is a file, not a folder")
+        p.error(f"--out_dir={out_dir} is a file, not a folder; choose a folder for the runs and the report")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write_test.{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as e:
-        p.error(f"--out_dir={out_dir}: cannot create it: {e.strerror}")
+        p.error(f"--out_dir={out_dir}: cannot write there ({e.strerror}); choose another folder")
+    if args.synthetic is not None:
+        return synthetic_suite(args, argv, out_dir)
+    args.task_trials = args.task_trials or 5
     size = SIZES[args.size]
     pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
     jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args, size["train"]))]
     train_all(jobs, args.jobs)
     runs = []
     for enc, seed, d in pairs:
-        try:
-            ckpt = load_checkpoint(d / "ckpt.pt")
-        except CheckpointError as e:
-            sys.exit(f"[sweep] {e}")
-        timing = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").exists() else {}
+        ckpt = finished_checkpoint(d)
+        timing = read_json(d / "sweep.json") or {}
         cfg = ckpt.get("config", {})
         runs.append(
             dict(
@@ -592,7 +687,7 @@ def main(argv: list[str]) -> None:
                 task_fraction=cfg.get("task_fraction", 0.0),
             )
         )
-    (out_dir / "runs.json").write_text(json.dumps(runs, indent=1))
+    write_atomic(out_dir / "runs.json", json.dumps(runs, indent=1))
     lengths = args.lengths or size["lengths"]
     eval_args = [r["dir"] for r in runs] + [
         "--lengths",
@@ -615,15 +710,15 @@ def main(argv: list[str]) -> None:
     inputs_path = out_dir / "report_inputs.json"
     report_path = out_dir / "report.md"
     if not args.wandb_log and report_path.exists() and inputs_path.exists():
-        if json.loads(inputs_path.read_text()) == inputs:
+        if read_json(inputs_path) == inputs:
             print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
             return
     report = eval_length.main(eval_args)
     if any(r["task_fraction"] > 0 for r in runs):
         report["tasks"] = evaluate_tasks(runs, lengths, args)
-        (out_dir / "tasks.json").write_text(json.dumps(report["tasks"], indent=1))
+        write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
     path = write_report(out_dir, report, runs, argv)
-    inputs_path.write_text(json.dumps(inputs))
+    write_atomic(inputs_path, json.dumps(inputs))
     print(f"[sweep] report: {path}")
 
 

@@ -35,13 +35,13 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 MARK, QUERY, SEP = 0, 1, 2
 N_SPECIAL = 3
+EVAL_MEMORY = 2 * 2**30  # bytes an evaluation batch may take
 LEARNED = 0.9  # accuracy at the training length from which a run counts as having learned its task
 
 
@@ -163,10 +163,13 @@ def fixed_tokens(task: str, pairs: int = 8, queries: int = 4) -> int:
     return {"needle": 4, "passkey": 4, "mqar": 2 * pairs + 2 * queries, "copy": 3, "offset": 4 + OFFSETS}[task]
 
 
-def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4) -> None:
-    """Raise SyntheticError, naming the fix, where the task cannot be made at this length with this vocabulary."""
+def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4, knob: str = "raise block_size") -> None:
+    """Raise SyntheticError, naming the fix, where the task cannot be made at this length with this vocabulary. knob
+    is the fix for a length too short: training's block size, or an evaluation's lengths."""
     if task not in TASKS:
         raise SyntheticError(f"task={task!r} is not a synthetic task; choose one of {', '.join(TASKS)}")
+    if task == "mqar" and pairs < 1:
+        raise SyntheticError(f"task_pairs={pairs} must be at least 1 (key-value pairs per sequence)")
     if task == "mqar" and not 1 <= queries <= pairs:
         raise SyntheticError(
             f"task_queries={queries} must be between 1 and task_pairs={pairs} (each query asks one pair's key)"
@@ -174,8 +177,7 @@ def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4) 
     need = fixed_tokens(task, pairs, queries)
     if length + 1 < need:
         raise SyntheticError(
-            f"task={task!r} needs a length of at least {need - 1} tokens (its fixed parts alone), got {length}; "
-            f"raise block_size"
+            f"task={task!r} needs a length of at least {need - 1} tokens (its fixed parts alone), got {length}; {knob}"
         )
     v = Vocab(vocab)
     # each range must give the task a choice: two keys at least, and mqar's keys distinct
@@ -245,9 +247,10 @@ def evaluate_checkpoint(model, cfg: dict, lengths: list[int], n: int, seed: int 
     task, vocab = cfg["task"], cfg["task_vocab"]
     out = {}
     for L in lengths:
-        check(task, L, vocab, **task_options(cfg))
+        check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
+        B = max(1, min(50, EVAL_MEMORY // sequence_bytes(model, L)))  # long sequences go a few at a time
         out[L] = (
-            accuracy(model, task, vocab, L, n, seed, device=device, **task_options(cfg))
+            accuracy(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
             if model.encoding.reaches(L)
             else None
         )
@@ -259,40 +262,84 @@ def learned_at(history: list[dict], threshold: float = LEARNED) -> int | None:
     return next((h["iter"] for h in history if h.get("acc", 0) >= threshold), None)
 
 
+def sequence_bytes(model, length: int) -> int:
+    """About the memory one evaluation sequence of `length` tokens takes in a float32 forward: its activations, and
+    the (nh, L, L) scores or bias that the reference attention path materializes."""
+    c = model.config
+    return length * 64 * c.n_embd * c.n_layer + 8 * c.n_head * length * length
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a process can take here without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        return int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_memory(model, lengths: list[int], device: str) -> None:
+    """Refuse, before any work, a length whose single sequence would not fit in this machine's memory (a CPU's; on a
+    GPU the evaluation's batches shrink to fit)."""
+    free = available_memory() if device == "cpu" else None
+    for L in lengths:
+        if free is not None and (need := sequence_bytes(model, L)) > free:
+            raise SyntheticError(
+                f"length {L:,} needs about {need / 2**30:,.1f} GiB for one sequence, and this machine has "
+                f"{free / 2**30:,.1f} GiB available; evaluate shorter lengths"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError, load_run
+    from configurator import ConfigError, check_device
+    from outputs import OutputError, check_output, write_atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 1, 2, 4, 8 and 16 times training's")
     p.add_argument("--n", type=int, default=400, help="sequences per length")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which sequences (the same for every checkpoint); >= 0")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out_json", default="")
+    p.add_argument("--out_json", default="", help="also write the accuracies to this JSON file")
     args = p.parse_args(argv)
     if args.n < 1 or (args.lengths and min(args.lengths) < 1):
         p.error("--n and every length must be at least 1")
-    report = {}
-    for d in args.out_dirs:
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed={args.seed}: must be in [0, 2**63) (numpy's generators take non-negative seeds)")
+    try:
+        check_device(args.device)
+        if args.out_json:
+            check_output(args.out_json, "--out_json", ("json",))
+    except (ConfigError, OutputError) as e:
+        p.error(str(e))
+    runs = {}
+    for d in args.out_dirs:  # every checkpoint and length checked before any is evaluated
         try:
             run = load_run(d, args.device)
         except CheckpointError as e:
             sys.exit(f"error: {e}")
-        ckpt, model = run.ckpt, run.model
-        cfg = ckpt.get("config", {})
+        cfg = run.ckpt.get("config", {})
         if not cfg.get("task"):
             sys.exit(f"error: {d} was not trained on a synthetic task (train with task= one of {', '.join(TASKS)})")
-        T = cfg["block_size"]
-        lengths = args.lengths or [T * k for k in (1, 2, 4, 8, 16)]
+        lengths = args.lengths or [cfg["block_size"] * k for k in (1, 2, 4, 8, 16)]
         try:
-            acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
+            for L in lengths:
+                check(cfg["task"], L, cfg["task_vocab"], **task_options(cfg), knob="evaluate at longer lengths")
+            check_memory(run.model, lengths, args.device)
         except SyntheticError as e:
             sys.exit(f"error: {d}: {e}")
+        runs[d] = (run, lengths)
+    report = {}
+    for d, (run, lengths) in runs.items():
+        ckpt, model = run.ckpt, run.model
+        cfg = ckpt["config"]
+        acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
         report[d] = {"task": cfg["task"], "accuracy": acc, "learned_at": learned_at(ckpt.get("history", []))}
         cells = " | ".join("n/a" if a is None else f"{100 * a:.1f}%" for a in acc.values())
         print(f"| {d} | {cfg['task']} | " + " | ".join(map(str, lengths)) + " |\n| | | " + cells + " |")
     if args.out_json:
-        Path(args.out_json).write_text(json.dumps(report, indent=1))
+        write_atomic(args.out_json, json.dumps(report, indent=1))
     return report
 
 

@@ -127,6 +127,8 @@ EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files i
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
+TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_mix")  # the synthetic tasks' (synthetic.py)
+MQAR_OPTIONS = ("task_pairs", "task_queries")
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 
 
@@ -200,7 +202,14 @@ def check_encoding_options(cfg: dict) -> None:
 
 def check_task(cfg: dict) -> None:
     """A synthetic task makes its own sequences: it cannot also read a text dataset or mix tasks into text, and it
-    must fit the block size and its vocabulary."""
+    must fit the block size and its vocabulary. An option of the synthetic tasks that the chosen task does not read (any
+    of them on a text run, task_pairs with needle) would do nothing: an error."""
+    for key in TASK_OPTIONS:
+        task = cfg["task"]
+        if cfg[key] != defaults[key] and (not task or key in MQAR_OPTIONS and task != "mqar"):
+            reads = "task=mqar" if key in MQAR_OPTIONS else "a synthetic task (--task=...)"
+            runs = f"task={task!r}" if task else "a text run"
+            raise ConfigError(f"{key}={cfg[key]!r} is read by {reads} and this is {runs}: drop it, or train on {reads}")
     if not cfg["task"]:
         return
     for key, text_only in (("dataset", cfg["dataset"]), ("task_fraction", cfg["task_fraction"])):

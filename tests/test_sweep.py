@@ -2,6 +2,7 @@
 second run reuses finished runs instead of training them again."""
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from conftest import run_cli
 from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 import sweep
-from checkpoint import save_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
 from tasks import DIGITS
@@ -144,7 +145,7 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
     ckpt = sweep.run_dir(out, "rope", 1) / "ckpt.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     before = ckpt.read_bytes()
-    with pytest.raises(SystemExit, match="(?s)not a readable checkpoint.*not training over it: move"):
+    with pytest.raises(SystemExit, match="(?s)not a readable checkpoint: it is damaged.*not training over it: move"):
         sweep.main(["--encodings", "rope", "--seeds", "1", f"--out_dir={out}"])
     assert ckpt.read_bytes() == before and sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt.pt"]
 
@@ -158,6 +159,12 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--lengths", "1", "64"], "--lengths: every length must be >= 2"),
         (["--rope_scaling", "foo"], "invalid choice: 'foo'"),
         (["--out_dir", "FILE"], "is a file, not a folder"),
+        (["--synthetic", "needle", "--out_dir", "FILE"], "is a file, not a folder"),
+        (["--task_trials", "0"], "--task_trials=0: must be at least 1"),
+        (["--eval_tokens", "0"], "--eval_tokens=0: must be at least 1"),
+        (["--task_depths", "1"], "--task_depths=1: must be at least 2"),
+        (["--seeds", "1", "2", "--train", "--seed=5"], "--train --seed=5: the sweep sets seed for each run itself"),
+        (["--train", "--out_dir=x"], "--train --out_dir=x: the sweep sets out_dir"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
@@ -168,3 +175,64 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
         sweep.main([f"--out_dir={tmp_path / 'sweep'}", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.glob("sweep/*"))
+
+
+def fake_training(d: Path, script: str) -> list[str]:
+    """A command that stands in for train.py in train_all: python running script (with `d`, the run's folder)."""
+    return [sys.executable, "-c", f"from pathlib import Path; d = Path({str(d)!r}); " + script]
+
+
+def test_a_run_stopped_before_max_iters_stops_the_sweep(tiny_data, tmp_path):  # noqa: F811
+    """A run that exits 0 short of max_iters (stopped by a signal from outside: it saved and quit) is not reported as
+    trained: the sweep stops, names it and says how to resume, writes no timing for it; the report refuses it too."""
+    d = sweep.run_dir(tmp_path, "rope", 1)
+    finished_run(tmp_path, "rope", 1, tiny_data)
+    ckpt = load_checkpoint(d / "ckpt.pt") | {"iter_num": 2}  # saved at iteration 2 of 4
+    save_checkpoint(ckpt, d / "stopped.pt")
+    (d / "ckpt.pt").unlink()
+    cmd = fake_training(d, "(d / 'stopped.pt').rename(d / 'ckpt.pt')")  # 'trains', exit status 0
+    with pytest.raises(SystemExit, match="rope-seed1 stopped before max_iters.*re-run the same command to resume"):
+        sweep.train_all([(d, cmd)], 1)
+    assert not (d / "sweep.json").exists()
+    with pytest.raises(SystemExit, match="rope-seed1 stopped at iteration 2 of 4 .*re-run the same command"):
+        sweep.finished_checkpoint(d)
+
+
+def test_ctrl_c_stops_each_run_once_and_is_one_line(tmp_path, monkeypatch):
+    """Ctrl-C in the sweep sends each run in progress one SIGTERM (train.py's signal to save and stop; a second
+    would make it quit without saving) and waits for it; the command ends with one line, no traceback."""
+    d = tmp_path / "run"
+    d.mkdir()
+    script = (
+        "import signal, time; n = []; signal.signal(signal.SIGTERM, lambda *a: n.append(1)); "
+        "(d / 'started').touch(); t = time.time()\n"
+        "while time.time() - t < 3: time.sleep(0.05)\n"
+        "(d / 'signals').write_text(str(len(n)))"
+    )
+    real_sleep = sweep.time.sleep
+
+    def ctrl_c_once_started(seconds):
+        real_sleep(seconds)
+        if (d / "started").exists():
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep.time, "sleep", ctrl_c_once_started)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.train_all([(d, fake_training(d, script))], 1)
+    assert (d / "signals").read_text() == "1"  # the run got one SIGTERM and was waited for
+    monkeypatch.setattr(sweep, "_main", lambda argv: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = run_cli(sweep.main, [])
+    assert r.returncode == 1 and r.stderr.strip().startswith("[sweep] interrupted; run the same command again")
+
+
+def test_unreadable_sweep_files_are_made_again(tiny_data, tmp_path, capsys):  # noqa: F811
+    """An empty or truncated sweep.json (a run's timing) and report_inputs.json, left by a kill mid-write in an older
+    version, are read as missing: the report is made, no traceback."""
+    out = tmp_path / "sweep"
+    finished_run(out, "rope", 1, tiny_data)
+    (sweep.run_dir(out, "rope", 1) / "sweep.json").write_text("")
+    (out / "report_inputs.json").write_text('{"eval": [')
+    (out / "report.md").write_text("old")
+    sweep.main(["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"])
+    assert "up to date" not in capsys.readouterr().out and (out / "report.md").read_text() != "old"
+    assert json.loads((out / "report_inputs.json").read_text())["eval"]

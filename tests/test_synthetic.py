@@ -143,6 +143,10 @@ def test_unknown_task_and_bad_queries_are_errors():
         (["--task=needle", "--dataset=shakespeare_char"], "dataset='shakespeare_char' is for text"),
         (["--task=needle", "--task_fraction=0.1"], "task_fraction=0.1 is for text"),
         (["--task=needle", "--task_mix=1.0"], "task_mix=1.0 must be in"),
+        (["--task=needle", "--task_pairs=-3"], "task_pairs=-3 is read by task=mqar and this is task='needle'"),
+        (["--task=mqar", "--task_pairs=0", "--task_queries=0"], "task_pairs=0 must be at least 1"),
+        (["--task_mix=0.5"], "task_mix=0.5 is read by a synthetic task .* and this is a text run"),
+        (["--task_vocab=7"], "task_vocab=7 is read by a synthetic task"),
     ],
 )
 def test_train_rejects_bad_synthetic_options(args, message):
@@ -299,3 +303,56 @@ def test_synthetic_suite_end_to_end(tmp_path):
     assert set(results) == {"alibi", "learned"} and results["alibi"][0]["iters"] == 30
     again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 2
+
+
+def synthetic_checkpoint(out_dir, task: str = "needle") -> None:
+    """A random model's checkpoint as train.py writes one for a synthetic task (block 64, vocabulary 128)."""
+    from dataclasses import asdict
+
+    from checkpoint import save_checkpoint
+
+    config = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=16, pos_encoding="alibi")
+    cfg = {"task": task, "task_vocab": V, "task_pairs": 8, "task_queries": 4, "block_size": 64, "max_iters": 1}
+    ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "config": cfg, "iter_num": 1}
+    save_checkpoint(ckpt | {"tokenizer": {"kind": "ids", "vocab_size": V}, "best_val_loss": 1.0}, out_dir / "ckpt.pt")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", "-1"], "--seed=-1: must be in [0, 2**63)"),
+        (["--device=foo"], "device='foo' is not a device"),
+        (["--device=cuda:7"], "device='cuda:7' but"),
+        (["--out_json", "DIR"], "is a folder; give a file name"),
+        (["--out_json", "DIR/missing/x.json"], "does not exist; create it"),
+        (["--lengths", "2"], "needs a length of at least 3 tokens (its fixed parts alone), got 2; evaluate at longer"),
+        (["--lengths", "10000000"], "length 10,000,000 needs about 1,490,1"),
+    ],
+)
+def test_synthetic_cli_bad_values_are_one_line_errors_before_work(tmp_path, args, message, monkeypatch):
+    """synthetic.py's options are checked before any evaluation: one line naming the value and the fix, no
+    traceback, nothing written."""
+    synthetic_checkpoint(tmp_path / "run")
+    monkeypatch.setattr(S, "accuracy", lambda *a, **k: pytest.fail("evaluated before the checks"))
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    r = run_cli(S.main, [str(tmp_path / "run"), *args])
+    assert r.returncode in (1, 2) and message in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_unreadable_synthetic_cache_is_evaluated_again(tmp_path):
+    """A truncated synthetic.json (a kill mid-write in an older version) is read as missing: the run is evaluated
+    again and the cache written whole."""
+    d = tmp_path / "needle" / "alibi-seed1"
+    synthetic_checkpoint(d)
+    (d / "synthetic.json").write_text('{"key": {"lengths": [64')
+    out = sweep.evaluate_synthetic(d, [64], 5)
+    assert 0 <= out["accuracy"]["64"] <= 1 and json.loads((d / "synthetic.json").read_text()) == out
+
+
+def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
+    """--lengths with --synthetic are the lengths the suite scores at (not silently the default 1x to 8x)."""
+    d = tmp_path / "needle" / "alibi-seed1"
+    synthetic_checkpoint(d)
+    out = sweep.evaluate_synthetic(d, [64, 96], 5)
+    assert list(out["accuracy"]) == ["64", "96"]

@@ -1,0 +1,82 @@
+"""checkpoint.py's readers on files that are not what they should be: each a CheckpointError naming the file and the
+fix, never torch's own exception or its advice to unpickle the file."""
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import CheckpointError, load_checkpoint, save_sharded
+
+
+def test_random_bytes_are_not_a_checkpoint_and_no_unpickling_is_suggested(tmp_path):
+    """A ckpt.pt of random bytes, and one cut short, are named as such; torch's 'weights_only=False will likely
+    succeed' (which would run the file's code) is never passed on."""
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert "not a readable checkpoint: it is not a file torch.save wrote" in str(e.value)
+    torch.save({"model": {}, "model_args": {}}, path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CheckpointError) as e2:
+        load_checkpoint(path)
+    assert "it is damaged" in str(e2.value)
+    for err in (e, e2):
+        assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
+
+
+def sharded(tmp_path: Path) -> Path:
+    """A one-process sharded checkpoint, as train.py --parallel=fsdp writes it (model weights and meta.pt)."""
+    meta = {"iter_num": 3, "model_args": {}, "config": {}}
+    save_sharded({"model": {"w": torch.arange(1000.0)}}, meta, tmp_path, ("ckpt.dcp",))
+    return (tmp_path / "ckpt.dcp").resolve()
+
+
+def test_a_truncated_shard_is_named_before_any_read(tmp_path):
+    """A shard file shorter than .metadata says (a copy cut short) is an error naming the file, at the check that
+    every reader (resume, sample.py, export.py, checkpoint.py) goes through, not torch's CheckpointException."""
+    folder = sharded(tmp_path)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"damaged: in .*, {shard.name} is shorter than its \.metadata says"):
+        checkpoint.sharded_folder(tmp_path / "ckpt.dcp")
+    with pytest.raises(CheckpointError, match="shorter than its .metadata"):
+        load_checkpoint(tmp_path / "ckpt.pt")  # falls back to ckpt.dcp, as sample.py and export.py read it
+
+
+def test_a_damaged_shard_of_the_right_size_is_a_checkpoint_error(tmp_path):
+    """A shard of the right size whose bytes are wrong reaches torch.distributed.checkpoint's reader: its failure
+    comes back as a one-line CheckpointError."""
+    folder = sharded(tmp_path)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    state = {"model": {"w": torch.empty(1000)}}
+    try:
+        checkpoint.load_sharded_state(state, tmp_path / "ckpt.dcp")
+    except CheckpointError as e:
+        assert "cannot be read" in str(e) and "\n" not in str(e)
+    else:  # raw tensor bytes carry no checksum: random bytes read as other numbers, which is no crash
+        assert not torch.equal(state["model"]["w"], torch.arange(1000.0))
+
+
+def test_consolidating_a_run_that_cannot_be_written_says_so_first(tmp_path, monkeypatch):
+    """checkpoint.py OUT_DIR on a folder it cannot write (read-only) stops before reading the shards, with the fix;
+    on a folder without ckpt.dcp it names what is missing."""
+    with pytest.raises(CheckpointError, match="no sharded checkpoint .*ckpt.dcp to consolidate"):
+        checkpoint.consolidate(tmp_path)
+    sharded(tmp_path)
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if self.parent == tmp_path:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    monkeypatch.setattr(checkpoint, "sharded_folder", lambda *a: pytest.fail("read before the write check"))
+    with pytest.raises(CheckpointError, match="cannot write .*ckpt.pt \\(Read-only file system\\); copy the run's"):
+        checkpoint.consolidate(tmp_path)
