@@ -187,6 +187,31 @@ def _tokenizer_problem(meta: dict) -> str | None:
     return None
 
 
+def describe_tokenizer(tok: dict) -> str:
+    """A tokenizer description (meta.json's or a checkpoint's) in words, for errors."""
+    kind = tok.get("kind") if isinstance(tok, dict) else None
+    if kind == "char":
+        return f"a character vocabulary of {len(tok.get('chars', ''))} characters"
+    if kind == "gpt2":
+        return "GPT-2's BPE"
+    if kind == "ids":
+        return f"a synthetic task's token ids (vocabulary {tok.get('vocab_size')})"
+    return repr(tok)
+
+
+def tokenizer_difference(data_tok: dict, model_tok: dict) -> str | None:
+    """How a dataset's tokenizer differs from the one a model reads (a checkpoint's), or None where they are the same:
+    only then does each token id stand for the text the model learned it as."""
+    if data_tok == model_tok:
+        return None
+    text = f"is tokenized with {describe_tokenizer(data_tok)}, but the model reads {describe_tokenizer(model_tok)}"
+    if data_tok.get("kind") == model_tok.get("kind") == "char":
+        differ = sorted(set(data_tok["chars"]) ^ set(model_tok["chars"]))
+        shown = ", ".join(repr(ch) for ch in differ[:10]) + (" …" if len(differ) > 10 else "")
+        text += f" (they differ in {shown})" if differ else " (the same characters in another order)"
+    return text
+
+
 def get_batch(
     data_dir: str | Path,
     split: str,
