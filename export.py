@@ -16,12 +16,18 @@ Export a checkpoint to a Hugging Face `transformers` directory (safetensors, con
     python export.py out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
 
 bias_rpe, t5, kerple and fire have no architecture in transformers: a one-line error names those that export.
+
+Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a folder this script
+wrote (its nanope.json lists its files, and it holds nothing else), and never the run's folder or one above it. The
+export is written in a new folder beside --out and renamed into place; every check comes before any work.
 """
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import torch
@@ -33,6 +39,15 @@ from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what an export wrote before nanope.json listed its files
+LEGACY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "nanope.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 HF_ROPE_TYPES = {"none": "default", "ntk": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
 
 
@@ -285,9 +300,142 @@ def hf_tokenizer(meta: dict):
     raise ExportError(f"tokenizer kind {kind!r} does not export")
 
 
-def export(ckpt: dict, out: Path, dtype: str | None = None, n_positions: int | None = None) -> Path:
+def memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_positions(model: GPT, target: str, n_positions: int | None) -> int | None:
+    """The length GPT-2's position table or MPT's ALiBi buffer spans, checked before anything is allocated: at least
+    the training length (a shorter one fails on a training-length input), small enough to build, and only where the
+    export has such a table (elsewhere the flag would be ignored)."""
+    T, pe = model.config.block_size, model.encoding
+    if target not in ("gpt2", "mpt"):
+        if n_positions is not None:
+            raise ExportError(
+                f"--n_positions sizes GPT-2's position table and MPT's ALiBi buffer; this {model.config.pos_encoding} "
+                f"export has neither and reads any length its encoding reaches: drop --n_positions"
+            )
+        return None
+    if n_positions is None:
+        n_positions = T if pe.max_len is not None else 16 * T
+    if n_positions < T:
+        raise ExportError(
+            f"--n_positions={n_positions} is below the training length block_size={T}, which the model would then "
+            f"fail to read: use --n_positions >= {T}"
+        )
+    if pe.max_len is not None and n_positions > pe.max_len:
+        raise ExportError(f"--n_positions={n_positions}: a learned table has {pe.max_len} rows; leave it out")
+    # float32 values: GPT-2's (n_positions, n_embd) table, built a few times over (init, ours, the copy saved); MPT's
+    # (1, nh, 1, n_positions) bias, built again at every forward
+    width, what = (
+        (model.config.n_embd, "GPT-2's position table")
+        if target == "gpt2"
+        else (model.config.n_head, "MPT's ALiBi buffer")
+    )
+    need, memory = 4 * 4 * n_positions * width, memory_bytes()
+    if memory is not None and need > memory:
+        raise ExportError(
+            f"--n_positions={n_positions} makes {what} {n_positions} x {width} float32 values, about "
+            f"{need / 1e9:.3g} GB to build, more than this machine's {memory / 1e9:.3g} GB: lower --n_positions "
+            f"(the default is {16 * T}, as far as this project evaluates)"
+        )
+    return n_positions
+
+
+def written_by_export(folder: Path) -> str | None:
+    """None where folder is an export this script wrote (its nanope.json, and no file it did not write), else what
+    it holds that an export does not."""
+    try:
+        info = json.loads((folder / "nanope.json").read_text())
+    except (OSError, ValueError):
+        return "it has no nanope.json, the mark of an export"
+    files = set(info.get("files", LEGACY_FILES)) if isinstance(info, dict) else set()
+    others = sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in folder.iterdir()
+        if p.name not in files or not p.is_file() or p.is_symlink()
+    )
+    if others:
+        return f"it holds what no export writes ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+    return None
+
+
+def check_out(out: Path, overwrite: bool = False, ckpt_path: Path | None = None) -> Path:
+    """out is a folder this export may write: new, empty, or (with overwrite) an earlier export, never the folder
+    of the checkpoint being exported or one that holds it; and its parent folder takes files. Raises ExportError
+    naming the problem and the fix before anything is written; returns out, resolved."""
+    flag = f"--out {str(out)!r}"
+    if out.is_symlink():
+        raise ExportError(f"{flag} is a symbolic link; give the folder itself")
+    out = out.resolve()
+    if ckpt_path is not None:
+        run = ckpt_path.resolve().parent
+        if run == out or out in run.parents:
+            raise ExportError(
+                f"{flag} {'is' if run == out else 'holds'} the run being exported ({run}): replacing it would delete "
+                f"its checkpoints; write the export elsewhere, e.g. --out {run.parent / ('hf-' + run.name)}"
+            )
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{flag} is a file, and an export is a folder: give a new folder's name")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"{out} exists and is not empty: choose another --out, or pass --overwrite to replace it")
+        problem = written_by_export(out)
+        if problem:
+            raise ExportError(
+                f"--overwrite replaces only an earlier export, and {out} is not one: {problem}; choose another --out"
+            )
+    if not out.parent.is_dir():
+        raise ExportError(f"{flag}: the folder {out.parent} does not exist; create it, or write elsewhere")
+    probe = out.parent / f".{out.name}.{os.getpid()}.probe"  # the one sure test: permissions, read-only mounts
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ExportError(f"{flag}: cannot write in {out.parent} ({e.strerror}); write elsewhere") from e
+    return out
+
+
+def new_folder(out: Path, kind: str) -> Path:
+    """A folder beside out that this process creates (mkdir fails on an existing one, so nothing of a user's is
+    reused or later deleted), with the permissions of any new folder (mkdtemp's are the owner's alone)."""
+    folder = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.{kind}"
+    folder.mkdir()
+    return folder
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Move the finished export tmp to out: onto nothing or an empty folder, or in place of an earlier export, which
+    is moved aside first and deleted only once the new one is in place."""
+    if not (out.is_dir() and any(out.iterdir())):
+        os.replace(tmp, out)  # POSIX renames a folder onto an empty one
+        return
+    old = new_folder(out, "old")
+    os.replace(out, old)  # onto the empty folder just made
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old)
+
+
+def export(
+    ckpt: dict,
+    out: Path,
+    dtype: str | None = None,
+    n_positions: int | None = None,
+    overwrite: bool = False,
+    ckpt_path: Path | None = None,
+) -> Path:
     """Write the Hugging Face directory for a loaded checkpoint; returns out. dtype: the weights' dtype in the files
-    (default: the checkpoint's training dtype where it is bf16/fp16, else float32)."""
+    (default: the checkpoint's training dtype where it is bf16/fp16, else float32). out must be new or empty, or with
+    overwrite an earlier export; ckpt_path, the checkpoint's file, must not be in it."""
+    out = check_out(Path(out), overwrite, ckpt_path)
     model = model_from_checkpoint(ckpt).float().eval()
     target = architecture(type(model.encoding))
     if target is None:
@@ -300,30 +448,30 @@ def export(ckpt: dict, out: Path, dtype: str | None = None, n_positions: int | N
         raise ExportError("the checkpoint stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
     dtype = dtype or ckpt.get("config", {}).get("dtype") or "float32"
     dtype = dtype if dtype in DTYPES else "float32"
-    T = model.config.block_size
+    n_positions = check_positions(model, target, n_positions)
     if target == "mpt":
-        hf = to_mpt(model, n_positions or 16 * T)
+        hf = to_mpt(model, n_positions)
     elif target == "gpt2":
-        n_positions = n_positions or (T if model.encoding.max_len is not None else 16 * T)
-        if model.encoding.max_len is not None and n_positions > model.encoding.max_len:
-            raise ExportError(f"n_positions={n_positions}: a learned table has {model.encoding.max_len} rows")
         hf = to_gpt2(model, n_positions)
     else:
         hf = to_neox(model)
     tok = hf_tokenizer(ckpt["tokenizer"])
-    hf.config.torch_dtype = dtype
+    hf.config.dtype = dtype
     if ckpt["tokenizer"]["kind"] == "gpt2":  # generate stops at GPT-2's end of text
         hf.config.bos_token_id = hf.config.eos_token_id = GPT2_EOT
         hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = GPT2_EOT
-    tmp = out.with_name(f".{out.name}.tmp")  # written whole, then renamed: never half an export
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    info = {"pos_encoding": model.config.pos_encoding, "architecture": target, "dtype": dtype}
-    (tmp / "nanope.json").write_text(json.dumps(info, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    # written whole in a new folder beside out, then renamed: never half an export, never a user's folder reused
+    tmp = new_folder(out, "tmp")
+    try:
+        hf.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        info = {"pos_encoding": model.config.pos_encoding, "architecture": target, "dtype": dtype}
+        info["files"] = sorted([p.name for p in tmp.iterdir()] + ["nanope.json"])  # what --overwrite may replace
+        (tmp / "nanope.json").write_text(json.dumps(info, indent=1))
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -333,17 +481,21 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--out", required=True, help="the directory to write")
     p.add_argument("--ckpt", default="ckpt.pt", help="which checkpoint of the run (ckpt_best.pt: the best)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the run's dtype (float32 on CPU)")
-    p.add_argument("--n_positions", type=int, default=None, help="GPT-2's table (default: 16x block_size; learned: it)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument(
+        "--n_positions",
+        type=int,
+        default=None,
+        help="GPT-2's position table, MPT's ALiBi buffer: at least block_size (default: 16x block_size; learned: it)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier export")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if args.n_positions is not None and args.n_positions < 1:
-        p.error("--n_positions must be at least 1")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        sys.exit(f"error: {out} exists and is not empty: choose another --out, or pass --overwrite to replace it")
+    ckpt_path = Path(args.out_dir) / args.ckpt
     try:
-        ckpt = load_checkpoint(Path(args.out_dir) / args.ckpt)
-        path = export(ckpt, out, args.dtype, args.n_positions)
+        if args.n_positions is not None and args.n_positions < 1:
+            raise ExportError(f"--n_positions={args.n_positions} must be at least 1 (and at least block_size)")
+        check_out(Path(args.out), args.overwrite, ckpt_path)  # before the checkpoint loads; export() checks again
+        ckpt = load_checkpoint(ckpt_path)
+        path = export(ckpt, Path(args.out), args.dtype, args.n_positions, args.overwrite, ckpt_path)
     except (CheckpointError, ExportError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {path}: AutoModelForCausalLM.from_pretrained({str(path)!r}) and AutoTokenizer load it")

@@ -2,6 +2,9 @@
 and none; GPT-NeoX for RoPE and its scalings; MPT for ALiBi), its tokenizer, and the errors before anything is
 written."""
 
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,10 +179,114 @@ def test_command_and_its_errors(tmp_path):
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-        assert __import__("re").search(message, lines[0]), lines[0]
+        assert re.search(message, lines[0]), lines[0]
     assert not (tmp_path / "x").exists()
     (tmp_path / "rope" / "ckpt.pt").write_bytes(b"not a checkpoint")
     r = run_cli(export.main, [str(tmp_path / "rope"), "--out", str(tmp_path / "y")])
     assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and not (tmp_path / "y").exists()
     assert run_cli(export.main, [str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite"]).returncode
     assert (tmp_path / "hf-rope" / "config.json").exists()  # a failed export leaves the old directory as it was
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under root, by relative path: what a command must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def saved_run(folder: Path, pe: str = "rope", **kw) -> Path:
+    """A run's folder as train.py leaves it: ckpt.pt and ckpt_best.pt of a tiny model."""
+    ckpt, _ = checkpoint(pos_encoding=pe, **kw)
+    for name in ("ckpt.pt", "ckpt_best.pt"):
+        save_checkpoint(ckpt, folder / name)
+    return folder
+
+
+def refused(args: list[str], message: str) -> None:
+    """The command exits 1 with one line, 'error: ...' matching message, and no traceback."""
+    r = run_cli(export.main, args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_out_never_holds_the_run_being_exported(tmp_path, monkeypatch):
+    """--out naming the run's folder, or a folder above it (., .., an absolute parent), is refused even with
+    --overwrite, and every file stays: the checkpoints, and a user's file beside the run."""
+    runs = tmp_path / "runs"
+    run = saved_run(runs / "out-rope")
+    (runs / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    for cwd, out in [(tmp_path, run), (tmp_path, runs), (tmp_path, tmp_path), (runs, "."), (run, ".."), (run, ".")]:
+        monkeypatch.chdir(cwd)
+        refused([str(run), "--out", str(out), "--overwrite"], r"(is|holds) the run being exported .* elsewhere")
+        refused([str(run), "--out", str(out)], r"(is|holds) the run being exported")
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path):
+    """--overwrite replaces a folder export.py wrote (its nanope.json and only the files it lists, or an export's
+    six files from before the list), and refuses any other folder, or an export holding a file of the user's, leaving
+    it as it was."""
+    run = saved_run(tmp_path / "out-rope")
+    sin = saved_run(tmp_path / "out-sin", "sinusoidal")
+    hf, user = tmp_path / "hf", tmp_path / "mine"
+    assert run_cli(export.main, [str(run), "--out", str(hf)]).returncode == 0
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (hf / "results.json").write_text("{}")  # e.g. an evaluation saved into the export
+    before = tree(tmp_path)
+    refused([str(sin), "--out", str(user), "--overwrite"], "replaces only an earlier export.* no nanope.json")
+    refused([str(sin), "--out", str(hf), "--overwrite"], r"not one: it holds what no export writes \(results.json\)")
+    assert tree(tmp_path) == before
+    (hf / "results.json").unlink()
+    r = run_cli(export.main, [str(sin), "--out", str(hf), "--overwrite"])
+    assert r.returncode == 0, r.stderr
+    assert '"pos_encoding": "sinusoidal"' in (hf / "nanope.json").read_text()
+    info = json.loads((hf / "nanope.json").read_text())
+    (hf / "nanope.json").write_text(json.dumps({k: v for k, v in info.items() if k != "files"}))  # an older export
+    assert run_cli(export.main, [str(run), "--out", str(hf), "--overwrite"]).returncode == 0
+    assert '"pos_encoding": "rope"' in (hf / "nanope.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine", "out-rope", "out-sin"]  # no folder left
+
+
+def test_bad_out_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--out . (a folder of the user's), a file, a folder in a missing or read-only folder: one line each, nothing
+    written, no temporary folder left."""
+    run = saved_run(tmp_path / "out-rope")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data.txt").write_text("mine")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.access(ro, os.W_OK):  # root ignores the mode: sysfs takes no new file from anyone
+        ro = Path("/sys") if Path("/sys").is_dir() else pytest.skip("no read-only folder to write in")
+    before = tree(tmp_path)
+    monkeypatch.chdir(work)
+    refused([str(run), "--out", "."], "exists and is not empty")
+    refused([str(run), "--out", ".", "--overwrite"], "replaces only an earlier export")
+    refused([str(run), "--out", "data.txt"], "is a file, and an export is a folder")
+    refused([str(run), "--out", "data.txt", "--overwrite"], "is a file, and an export is a folder")
+    refused([str(run), "--out", "missing/hf"], r"the folder .*missing does not exist")
+    refused([str(run), "--out", str(ro / "hf")], r"cannot write in .* write elsewhere")
+    (tmp_path / "ro").chmod(0o755)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "pe, kw, n, message",
+    [
+        ("sinusoidal", {}, 4, "--n_positions=4 is below the training length block_size=32"),
+        ("alibi", {"bias": False}, 31, "--n_positions=31 is below the training length block_size=32"),
+        ("rope", {}, 7, "this rope export has neither .* drop --n_positions"),
+        ("sinusoidal", {}, 10**12, r"position table 1000000000000 x 32 float32 values.* more than this machine's"),
+        ("alibi", {"bias": False}, 10**12, r"ALiBi buffer 1000000000000 x 4 float32 values.* more than this machine's"),
+        ("learned", {}, 0, "--n_positions=0 must be at least 1"),
+    ],
+)
+def test_n_positions_is_checked_before_any_work(pe, kw, n, message, tmp_path):
+    """An --n_positions the export could not read its training length with, one an encoding has no use for, or one
+    too big to build: a one-line error, and nothing written."""
+    run = saved_run(tmp_path / "run", pe, **kw)
+    refused([str(run), "--out", str(tmp_path / "hf"), f"--n_positions={n}"], message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
