@@ -420,12 +420,13 @@ SYNTHETIC_FACTORS = (1, 2, 4, 8)  # evaluation lengths, in training lengths (16x
 
 def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
     """A run's accuracy at each length (default: SYNTHETIC_FACTORS times its training length; cached in
-    <run>/synthetic.json, for these lengths and trials), whether and when it learned its task, its training seconds."""
+    <run>/synthetic.json, for these lengths and trials), per answer token and per whole sequence, whether and when it
+    learned its task, its task options and its training seconds."""
     ckpt = finished_checkpoint(d)
     cfg = ckpt["config"]
     lengths = lengths or [cfg["block_size"] * k for k in SYNTHETIC_FACTORS]
     cache = d / "synthetic.json"
-    key = {"lengths": lengths, "trials": trials, "iter": ckpt["iter_num"]}
+    key = {"lengths": lengths, "trials": trials, "iter": ckpt["iter_num"], "version": SYNTHETIC_VERSION}
     if (old := read_json(cache)) and old.get("key") == key:
         return old
     t0 = time.time()
@@ -436,7 +437,9 @@ def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
     out = {
         "key": key,
         "task": cfg["task"],
-        "accuracy": {str(L): a for L, a in acc.items()},
+        "task_options": {"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)},
+        "accuracy": {str(L): None if a is None else a["token"] for L, a in acc.items()},
+        "whole_sequence": {str(L): None if a is None else a["sequence"] for L, a in acc.items()},
         "learned_at": synthetic.learned_at(history),
         "final_val_acc": history[-1]["acc"] if history else None,
         "iters": ckpt["iter_num"],
@@ -448,26 +451,54 @@ def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
     return out
 
 
-def synthetic_cell(rs: list[dict], L: int, train_len: int) -> str:
-    """Accuracy at L over the seeds that learned the task (mean ± std); where none did, the mean over all seeds in
-    parentheses, at the training length only."""
+SYNTHETIC_VERSION = 2  # the generators' version a cached evaluation was made with (2: mqar without its leak)
+
+
+def task_floors(results: dict, trials: int) -> dict:
+    """{task: {length: the shortcut's accuracy (synthetic.floor)}} on the sequences the runs were scored on."""
+    out = {}
+    for task, by_enc in results.items():
+        r = next(iter(by_enc.values()))[0]
+        opts = dict(r["task_options"])
+        vocab = opts.pop("vocab")
+        out[task] = {L: synthetic.floor(task, vocab, int(L), trials, **opts) for L in r["accuracy"]}
+    return out
+
+
+def seed_cells(rs: list[dict], L: int, key: str = "accuracy") -> tuple[str, str]:
+    """At length L: (mean ± std over every seed, mean ± std over the seeds that learned the task, '-' if none)."""
     learned = [r for r in rs if r["learned_at"] is not None]
-    xs = [r["accuracy"][str(L)] for r in learned]
-    if any(x is None for x in xs) or (not learned and rs[0]["accuracy"][str(L)] is None):
-        return "n/a"
-    if learned:
-        return pct(xs)
-    return f"({pct([r['accuracy'][str(L)] for r in rs])})" if L == train_len else "-"
+    if rs[0][key][str(L)] is None:
+        return "n/a", "n/a"  # no positions there (learned)
+    return pct([r[key][str(L)] for r in rs]), pct([r[key][str(L)] for r in learned]) if learned else "-"
 
 
-def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float) -> Path:
-    """report.md: per task, seeds learned and accuracy by length per encoding; a plot per task; the cost."""
+def synthetic_table(by_enc: dict, lengths: list[int], train_len: int, floors: dict, key: str, part: int) -> list[str]:
+    """One task's table of key (accuracy or whole_sequence) by length: over every seed (part 0) or over the seeds
+    that learned (part 1), under a row of the floor."""
+    lines = [
+        "| encoding | learned | at step | " + " | ".join(f"{L} ({L // train_len}×)" for L in lengths) + " |",
+        "|---|---:|---:|" + "---:|" * len(lengths),
+        "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[str(L)]:.0f}%*" for L in lengths) + " |",
+    ]
+    for enc, rs in by_enc.items():
+        steps = [r["learned_at"] for r in rs if r["learned_at"] is not None]
+        at = f"{statistics.mean(steps):,.0f}" if steps else "-"
+        cells = [seed_cells(rs, L, key)[part] for L in lengths]
+        lines.append(f"| {enc} | {len(steps)} of {len(rs)} | {at} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float, trials: int) -> Path:
+    """report.md: per task, the floor, seeds learned and accuracy by length per encoding over every seed and over
+    the seeds that learned; a plot per task; the cost."""
     first = next(iter(next(iter(results.values())).values()))[0]
     train_len = int(next(iter(first["accuracy"])))
     lengths = [int(L) for L in first["accuracy"]]
     runs = [r for by_enc in results.values() for rs in by_enc.values() for r in rs]
     train_min, eval_min = sum(r["seconds"] for r in runs) / 60, sum(r["eval_seconds"] for r in runs) / 60
     seeds = max(len(rs) for by_enc in results.values() for rs in by_enc.values())
+    floors = task_floors(results, trials)
     lines = [
         "# Synthetic tasks: retrieval past the training length",
         "",
@@ -477,35 +508,36 @@ def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float)
         f"{train_min:.0f} CPU-minutes (each run's wall clock, one thread each when side by side), evaluation "
         f"{eval_min:.0f} minutes; this invocation {wall / 60:.0f} minutes of wall clock.",
         "",
-        f"A run *learned* its task when its validation accuracy at the training length reached "
-        f"{synthetic.LEARNED:.0%} at some evaluation; **learned** counts those seeds and gives the step (the first "
-        "evaluation at or above it, mean over them). Accuracy is exact match per answer token over "
-        f"{first['key']['trials']} sequences per length, the same sequences for every run, averaged over the seeds "
-        "that learned (mean ± std). Where no seed learned, the training-length cell gives the mean over all seeds in "
-        "parentheses.",
+        f"A run *learned* its task when its validation accuracy at the training length (on the evaluation's "
+        f"distribution) reached {synthetic.LEARNED:.0%} at some evaluation; **learned** counts those seeds and gives "
+        "the step (the first evaluation at or above it, mean over them). Accuracy is exact match per answer token over "
+        f"{trials} sequences per length, the same sequences for every run, mean ± std over seeds: first over every "
+        "seed, then over the seeds that learned. The *floor* is what a strategy that retrieves nothing scores on the "
+        "same sequences (synthetic.shortcut: passkey the most frequent key, mqar a value present in the context, "
+        "offset the token right after the marker, copy a token that followed an earlier occurrence of the current "
+        "one, needle chance among the keys): a cell at the floor has learned the shortcut, not the task.",
     ]
     for task, by_enc in results.items():
-        lines += [
-            "",
-            f"## {task}",
-            "",
-            "| encoding | learned | at step | " + " | ".join(f"{L} ({L // train_len}×)" for L in lengths) + " |",
-            "|---|---:|---:|" + "---:|" * len(lengths),
-        ]
-        for enc, rs in by_enc.items():
-            steps = [r["learned_at"] for r in rs if r["learned_at"] is not None]
-            at = f"{statistics.mean(steps):,.0f}" if steps else "-"
-            cells = [synthetic_cell(rs, L, train_len) for L in lengths]
-            lines.append(f"| {enc} | {len(steps)} of {len(rs)} | {at} | " + " | ".join(cells) + " |")
-    lines += ["", "![accuracy by length, per task](synthetic.png)", ""]
-    plot_synthetic(results, lengths, train_len, out_dir / "synthetic.png")
+        token_floor = {L: f["token"] for L, f in floors[task].items()}
+        lines += ["", f"## {task}", "", "Every seed:", ""]
+        lines += synthetic_table(by_enc, lengths, train_len, token_floor, "accuracy", 0)
+        lines += ["", "The seeds that learned it:", ""]
+        lines += synthetic_table(by_enc, lengths, train_len, token_floor, "accuracy", 1)
+        if task == "copy":  # per token, the shortcut copies most of a string; the whole string is the task
+            lines += ["", "Whole string exact (every copied token right), every seed:", ""]
+            seq_floor = {L: f["sequence"] for L, f in floors[task].items()}
+            lines += synthetic_table(by_enc, lengths, train_len, seq_floor, "whole_sequence", 0)
+    lines += ["", "![accuracy by length, per task, every seed; dashed: the floor](synthetic.png)", ""]
+    plot_synthetic(results, floors, lengths, train_len, out_dir / "synthetic.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
-    write_atomic(out_dir / "results.json", json.dumps({"seeds": seeds, "results": results}, indent=1))
+    summary = {"seeds": seeds, "trials": trials, "floors": floors, "results": results}
+    write_atomic(out_dir / "results.json", json.dumps(summary, indent=1))
     return path
 
 
-def plot_synthetic(results: dict, lengths: list[int], train_len: int, path: Path) -> None:
+def plot_synthetic(results: dict, floors: dict, lengths: list[int], train_len: int, path: Path) -> None:
+    """A panel per task: accuracy by length, mean ± std over every seed, and the task's floor (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -515,28 +547,26 @@ def plot_synthetic(results: dict, lengths: list[int], train_len: int, path: Path
     for ax, (task, by_enc) in zip(axes[0], results.items(), strict=True):
         ax.set_prop_cycle(eval_length.line_styles())
         for enc, rs in by_enc.items():
-            learned = [r for r in rs if r["learned_at"] is not None]
-            pts = [(L, [r["accuracy"][str(L)] for r in learned]) for L in lengths]
-            pts = [(L, xs) for L, xs in pts if xs and None not in xs]
-            label = f"{enc} ({len(learned)}/{len(rs)})"
-            if not pts:
-                ax.plot([], [], label=label)  # keeps its colour and legend entry: learned by no seed
-                continue
+            learned = sum(r["learned_at"] is not None for r in rs)
+            pts = [(L, [r["accuracy"][str(L)] for r in rs]) for L in lengths]
+            pts = [(L, xs) for L, xs in pts if None not in xs]
             ax.errorbar(
                 [L for L, _ in pts],
                 [100 * statistics.mean(xs) for _, xs in pts],
                 yerr=[100 * statistics.stdev(xs) if len(xs) > 1 else 0 for _, xs in pts],
                 marker="o",
                 capsize=3,
-                label=label,
+                label=f"{enc} ({learned}/{len(rs)})",
             )
+        floor = [100 * floors[task][str(L)]["token"] for L in lengths]
+        ax.plot(lengths, floor, color="black", ls="--", lw=1.2, label="floor (no retrieval)")
         ax.axvline(train_len, color="gray", ls=":", lw=1)
         ax.set(xscale="log", xlabel="evaluation length (tokens)", title=task, ylim=(-3, 103))
         ax.set_xticks(lengths, [str(L) for L in lengths])
         ax.minorticks_off()  # a log axis labels its minor ticks too (6×10¹ over 64)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, title="encoding (seeds learned)", title_fontsize=7)
-    axes[0][0].set_ylabel("accuracy (%), seeds that learned")
+    axes[0][0].set_ylabel("accuracy (%), mean over every seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -574,7 +604,7 @@ def synthetic_suite(args, argv: list[str], out_dir: Path) -> None:
             print("\n[sweep] interrupted: finishing the evaluations in progress ...", flush=True)
             pool.shutdown(cancel_futures=True)
             raise
-    print(f"[sweep] report: {synthetic_report(out_dir, results, argv, time.time() - t0)}")
+    print(f"[sweep] report: {synthetic_report(out_dir, results, argv, time.time() - t0, trials)}")
 
 
 def evaluation_worker(threads: int) -> None:

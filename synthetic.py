@@ -78,8 +78,14 @@ class Vocab:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Generators: each returns tokens (L + 1,) int64 and answer (L + 1,) bool, the answer tokens' places. `train` asks for
-# the training distribution (copy varies its length), otherwise the evaluation one.
+# Generators: each returns the inputs x (L,) int64 and the targets y (L,) int64, which are -1 (no loss, no trial)
+# except where the model must answer: y[t] is the token it must predict after reading x[:t + 1]. `train` asks for the
+# training distribution (copy varies its length, mqar its number of pairs), otherwise the evaluation one.
+
+
+def _shifted(tokens: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence of L + 1 tokens whose answers are its own next tokens (teacher forcing) as (x, y) of L each."""
+    return tokens[:-1], np.where(answer[1:], tokens[1:], -1)
 
 
 def _lookup(v: Vocab, L: int, rng: np.random.Generator, filler: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -89,11 +95,12 @@ def _lookup(v: Vocab, L: int, rng: np.random.Generator, filler: tuple[int, int])
     tokens[at], tokens[at + 1], tokens[L - 1], tokens[L] = MARK, key, QUERY, key
     answer = np.zeros(L + 1, dtype=bool)
     answer[L] = True
-    return tokens, answer
+    return _shifted(tokens, answer)
 
 
 def needle(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
-    """Filler, MARK, key at a uniform depth, filler, QUERY, key: the only key-range token, found by its content."""
+    """Filler, MARK, key at a uniform depth, filler, QUERY: the answer is the key, the only token of its range in the
+    sequence, found by its content."""
     return _lookup(v, L, rng, v.filler)
 
 
@@ -102,28 +109,43 @@ def passkey(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_
     return _lookup(v, L, rng, v.keys)
 
 
+MQAR_LAYOUTS = ("scattered", "zoology")
+
+
 def mqar(
-    v: Vocab, L: int, rng: np.random.Generator, train: bool = False, pairs: int = 8, queries: int = 4, **_
+    v: Vocab,
+    L: int,
+    rng: np.random.Generator,
+    train: bool = False,
+    pairs: int = 8,
+    queries: int = 4,
+    layout: str = "scattered",
+    **_,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`pairs` (key, value) pairs with distinct keys spread at random through filler, then `queries` distinct keys
-    of them, each followed by its value (the answers). In training, any number of pairs from 1 to `pairs`: with one
-    or two, the value is found by its range alone, and that lookup is learned before the binding of key and value."""
+    """`pairs` (key, value) pairs, keys distinct and values distinct, then `queries` distinct keys of them; the answer
+    at each query is its key's value, which never enters the input (a later query cannot rule out values answered
+    before it). Layout scattered: the pairs at random places in filler, the queries together at the end. Layout
+    zoology (Arora et al. 2023): the pairs together at the start, the queries at random places in the filler after
+    them. In training, any number of pairs from 1 to `pairs`: with one or two the value is found by its range alone,
+    and that lookup is learned before the binding of key and value."""
     if train:
         pairs = int(rng.integers(1, pairs + 1))
         queries = min(queries, pairs)
-    keys, values = v.draw(rng, v.keys, pairs, distinct=True), v.draw(rng, v.values, pairs)
-    n_fill = L + 1 - 2 * pairs - 2 * queries
-    gaps = np.bincount(rng.integers(0, pairs + 1, n_fill), minlength=pairs + 1)  # filler before each pair and after
-    at = np.cumsum(gaps[:-1]) + 2 * np.arange(pairs)  # each key's place: the filler and pairs before it
-    body = np.empty(n_fill + 2 * pairs, dtype=np.int64)
-    filler = np.ones(len(body), dtype=bool)
-    filler[at] = filler[at + 1] = False
-    body[at], body[at + 1], body[filler] = keys, values, v.draw(rng, v.filler, n_fill)
+    keys, values = v.draw(rng, v.keys, pairs, distinct=True), v.draw(rng, v.values, pairs, distinct=True)
     asked = rng.choice(pairs, queries, replace=False)
-    tokens = np.concatenate([body, np.stack([keys[asked], values[asked]], 1).ravel()])
-    answer = np.zeros(L + 1, dtype=bool)
-    answer[L + 2 - 2 * queries :: 2] = True  # each query's value
-    return tokens, answer
+    x = v.draw(rng, v.filler, L)
+    y = np.full(L, -1, dtype=np.int64)
+    if layout == "zoology":
+        x[0 : 2 * pairs : 2], x[1 : 2 * pairs : 2] = keys, values
+        at = np.sort(rng.choice(np.arange(2 * pairs, L), queries, replace=False))  # each query's place
+    else:
+        n_fill = L - 2 * pairs - queries
+        gaps = np.bincount(rng.integers(0, pairs + 1, n_fill), minlength=pairs + 1)  # filler before each pair, after
+        first = np.cumsum(gaps[:-1]) + 2 * np.arange(pairs)  # each key's place: the filler and pairs before it
+        x[first], x[first + 1] = keys, values
+        at = np.arange(L - queries, L)
+    x[at], y[at] = keys[asked], values[asked]
+    return x, y
 
 
 def copy(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
@@ -136,12 +158,12 @@ def copy(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -
     tokens = np.concatenate([v.draw(rng, v.filler, pad), s, [SEP], s]).astype(np.int64)
     answer = np.zeros(L + 1, dtype=bool)
     answer[L + 1 - n :] = True
-    return tokens, answer
+    return _shifted(tokens, answer)
 
 
 def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_) -> tuple[np.ndarray, np.ndarray]:
     """Filler from the key range with MARK at a uniform depth, then QUERY and a number k from 1 to OFFSETS (the
-    first OFFSETS value tokens), then the token k places after MARK: found by position alone."""
+    first OFFSETS value tokens): the answer is the token k places after MARK, found by position alone."""
     tokens = v.draw(rng, v.keys, L + 1)
     k = int(rng.integers(1, OFFSETS + 1))
     at = int(rng.integers(0, L - 2 - k))  # MARK at 0 … L - 3 - k: the k-th token after it comes before QUERY
@@ -149,7 +171,7 @@ def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_)
     tokens[L] = tokens[at + k]
     answer = np.zeros(L + 1, dtype=bool)
     answer[L] = True
-    return tokens, answer
+    return _shifted(tokens, answer)
 
 
 OFFSETS = 4  # offset asks for the 1st to the 4th token after the marker
@@ -159,15 +181,26 @@ SUITE = ("needle", "passkey", "mqar", "offset")
 
 
 def fixed_tokens(task: str, pairs: int = 8, queries: int = 4) -> int:
-    """The fewest tokens a sequence of the task holds (its fixed parts): the shortest length is this minus one."""
-    return {"needle": 4, "passkey": 4, "mqar": 2 * pairs + 2 * queries, "copy": 3, "offset": 4 + OFFSETS}[task]
+    """The fewest tokens a sequence of the task holds (its fixed parts) and its answer: the shortest length is this
+    minus one."""
+    return {"needle": 4, "passkey": 4, "mqar": 2 * pairs + queries + 1, "copy": 3, "offset": 4 + OFFSETS}[task]
 
 
-def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4, knob: str = "raise block_size") -> None:
+def check(
+    task: str,
+    length: int,
+    vocab: int,
+    pairs: int = 8,
+    queries: int = 4,
+    layout: str = "scattered",
+    knob: str = "raise block_size",
+) -> None:
     """Raise SyntheticError, naming the fix, where the task cannot be made at this length with this vocabulary. knob
     is the fix for a length too short: training's block size, or an evaluation's lengths."""
     if task not in TASKS:
         raise SyntheticError(f"task={task!r} is not a synthetic task; choose one of {', '.join(TASKS)}")
+    if task == "mqar" and layout not in MQAR_LAYOUTS:
+        raise SyntheticError(f"task_layout={layout!r}: choose {' or '.join(MQAR_LAYOUTS)}")
     if task == "mqar" and pairs < 1:
         raise SyntheticError(f"task_pairs={pairs} must be at least 1 (key-value pairs per sequence)")
     if task == "mqar" and not 1 <= queries <= pairs:
@@ -191,7 +224,7 @@ def check(task: str, length: int, vocab: int, pairs: int = 8, queries: int = 4, 
 
 
 def sequence(task: str, vocab: int, length: int, rng: np.random.Generator, train: bool = False, **kw):
-    """One sequence of the task: tokens (length + 1,) int64 and answer (length + 1,) bool."""
+    """One sequence of the task: inputs x (length,) and targets y (length,), -1 except at the answers."""
     return TASKS[task](Vocab(vocab), length, rng, train=train, **kw)
 
 
@@ -201,14 +234,16 @@ def batch(
     """Inputs x and targets y (B, T) of B sequences; y is -1 (ignored by the loss) except at the answers. Each row is
     a needle row with probability mix (the curriculum of task_mix), else one of the task's."""
     seqs = [sequence("needle" if rng.uniform() < mix else task, vocab, T, rng, train, **kw) for _ in range(B)]
-    tokens = np.stack([t for t, _ in seqs])
-    answer = np.stack([a for _, a in seqs])
-    return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(np.where(answer[:, 1:], tokens[:, 1:], -1))
+    return torch.from_numpy(np.stack([x for x, _ in seqs])), torch.from_numpy(np.stack([y for _, y in seqs]))
 
 
 def task_options(cfg: dict) -> dict:
     """The generator options of a train.py config (or a checkpoint's)."""
-    return {"pairs": cfg.get("task_pairs", 8), "queries": cfg.get("task_queries", 4)}
+    return {
+        "pairs": cfg.get("task_pairs", 8),
+        "queries": cfg.get("task_queries", 4),
+        "layout": cfg.get("task_layout", "scattered"),  # checkpoints from before the option: the scattered layout
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -221,14 +256,15 @@ def eval_rng(seed: int, task: str, length: int) -> np.random.Generator:
 
 
 @torch.no_grad()
-def accuracy(
+def scores(
     model, task: str, vocab: int, length: int, n: int, seed: int = 0, batch_size: int = 50, device: str = "cpu", **kw
-) -> float:
-    """Exact-match accuracy over the answer tokens of n evaluation sequences of the task at this length: the argmax
-    at each answer position given the true tokens before it (every answer token is one trial). model is a GPT, or
-    any callable from inputs (B, T) to logits (B, T, V)."""
+) -> dict[str, float]:
+    """Exact-match accuracy over n evaluation sequences of the task at this length: "token", over the answer tokens
+    (the argmax at each answer position given the true tokens before it; every answer token is one trial), and
+    "sequence", the share of sequences whose answers are all right (copy's whole string). model is a GPT, or any
+    callable from inputs (B, T) to logits (B, T, V)."""
     rng = eval_rng(seed, task, length)
-    right = total = 0
+    right = total = whole = 0
     for i in range(0, n, batch_size):
         x, y = batch(task, vocab, min(batch_size, n - i), length, rng, train=False, **kw)
         x, y = x.to(device), y.to(device)
@@ -237,20 +273,75 @@ def accuracy(
             logits = model.lm_head(model.features(x)[mask])
         else:
             logits = model(x)[mask]
-        right += int((logits.argmax(-1) == y[mask]).sum())
+        hit = torch.zeros_like(y, dtype=torch.bool)
+        hit[mask] = logits.argmax(-1) == y[mask]
+        right += int(hit.sum())
         total += int(mask.sum())
-    return right / total
+        whole += int((hit | ~mask).all(1).sum())
+    return {"token": right / total, "sequence": whole / n}
 
 
-def evaluate_checkpoint(model, cfg: dict, lengths: list[int], n: int, seed: int = 0, device: str = "cpu") -> dict:
-    """{length: accuracy or None (no positions there)} for the checkpoint's own task."""
+def accuracy(model, task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> float:
+    """Exact-match accuracy over the answer tokens (scores' "token")."""
+    return scores(model, task, vocab, length, n, seed, **kw)["token"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Floors: what a model scores without retrieving anything. Each task has a shortcut that reads the sequence without
+# finding the answer where the task hides it; its accuracy, computed on the evaluation's own sequences, is the floor a
+# table must be read against (chance is below it: a model at the floor has learned the shortcut, not the task).
+
+
+def shortcut(task: str, x: np.ndarray, t: int, v: Vocab) -> np.ndarray:
+    """The tokens a no-retrieval strategy picks among, uniformly, for the answer after x[:t + 1]:
+    needle: any key (chance: the key is found by content, which is retrieval);
+    passkey: the most frequent key so far (the key after MARK is one more occurrence of it);
+    mqar: a value present in the context (the answers never enter the input, so none can be ruled out);
+    offset: the token right after MARK (right when k = 1);
+    copy: a token that followed an earlier occurrence of the current one (right where the string does not repeat)."""
+    seen = x[: t + 1]
+    if task == "passkey":
+        counts = np.bincount(seen[(seen >= v.keys[0]) & (seen < v.keys[1])] - v.keys[0], minlength=v.n)
+        return v.keys[0] + np.flatnonzero(counts == counts.max())
+    if task == "mqar":
+        return np.unique(seen[(seen >= v.values[0]) & (seen < v.values[1])])
+    if task == "offset":
+        return x[np.flatnonzero(seen == MARK)[:1] + 1]
+    if task == "copy":
+        earlier = np.flatnonzero(seen[:-1] == x[t])
+        if len(earlier):
+            return np.unique(x[earlier + 1])
+    return np.arange(*v.keys)
+
+
+FLOOR_SEQUENCES = 2000  # at 400 sequences a floor of 27% moves by about 2 points from one length to the next
+
+
+def floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict[str, float]:
+    """The shortcut's expected accuracy on the sequences that scores() reads (its n, and more up to FLOOR_SEQUENCES):
+    "token" (each answer right with probability 1/|candidates| if it is among them) and "sequence" (every answer of a
+    sequence right)."""
+    v, rng = Vocab(vocab), eval_rng(seed, task, length)
+    p_tokens, p_sequences = [], []
+    for _ in range(max(n, FLOOR_SEQUENCES)):  # scores()'s n sequences first, then more: a steadier estimate
+        x, y = sequence(task, vocab, length, rng, **kw)
+        p = [float(y[t] in (c := shortcut(task, x, t, v))) / len(c) for t in np.flatnonzero(y >= 0)]
+        p_tokens += p
+        p_sequences.append(float(np.prod(p)))
+    return {"token": float(np.mean(p_tokens)), "sequence": float(np.mean(p_sequences))}
+
+
+def evaluate_checkpoint(
+    model, cfg: dict, lengths: list[int], n: int, seed: int = 0, device: str = "cpu"
+) -> dict[int, dict | None]:
+    """{length: scores (token and sequence accuracy) or None (no positions there)} for the checkpoint's own task."""
     task, vocab = cfg["task"], cfg["task_vocab"]
     out = {}
     for L in lengths:
         check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
         B = max(1, min(50, EVAL_MEMORY // sequence_bytes(model, L)))  # long sequences go a few at a time
         out[L] = (
-            accuracy(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
+            scores(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
             if model.encoding.reaches(L)
             else None
         )
@@ -334,10 +425,22 @@ def main(argv: list[str] | None = None) -> dict:
     for d, (run, lengths) in runs.items():
         ckpt, model = run.ckpt, run.model
         cfg = ckpt["config"]
+        task, opts = cfg["task"], task_options(cfg)
         acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
-        report[d] = {"task": cfg["task"], "accuracy": acc, "learned_at": learned_at(ckpt.get("history", []))}
-        cells = " | ".join("n/a" if a is None else f"{100 * a:.1f}%" for a in acc.values())
-        print(f"| {d} | {cfg['task']} | " + " | ".join(map(str, lengths)) + " |\n| | | " + cells + " |")
+        floors = {L: floor(task, cfg["task_vocab"], L, args.n, args.seed, **opts) for L in lengths}
+        report[d] = {
+            "task": task,
+            "accuracy": {L: None if a is None else a["token"] for L, a in acc.items()},
+            "whole_sequence": {L: None if a is None else a["sequence"] for L, a in acc.items()},
+            "floor": {L: f["token"] for L, f in floors.items()},
+            "learned_at": learned_at(ckpt.get("history", [])),
+        }
+        print(f"| {d} | {task} | " + " | ".join(map(str, lengths)) + " |")
+        rows = [("accuracy", "accuracy"), ("floor", "floor (no retrieval)")]
+        rows += [("whole_sequence", "whole string")] if task == "copy" else []
+        for key, name in rows:
+            cells = " | ".join("n/a" if a is None else f"{100 * a:.1f}%" for a in report[d][key].values())
+            print(f"| | {name} | {cells} |")
     if args.out_json:
         write_atomic(args.out_json, json.dumps(report, indent=1))
     return report

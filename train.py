@@ -84,10 +84,12 @@ defaults = dict(
     # copy; answers-only targets), e.g. 0.05; validation stays text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
     # synthetic token-level tasks instead of text (synthetic.py; config/<task>.py have their recipes)
-    task="",  # needle | passkey | mqar | copy: train on the task's sequences, loss on the answers only
+    task="",  # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers only
     task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
     task_pairs=8,  # mqar: key-value pairs per sequence
     task_queries=4,  # mqar: keys asked per sequence, each one trial
+    task_layout="scattered",  # mqar: scattered (pairs at random places in filler, the queries at the end) | zoology
+    # (the pairs together first, the queries at random places after them)
     task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
     # then found through the marker); validation has the task's rows alone
     # model
@@ -127,8 +129,8 @@ EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files i
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
-TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_mix")  # the synthetic tasks' (synthetic.py)
-MQAR_OPTIONS = ("task_pairs", "task_queries")
+TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix")  # synthetic.py's tasks'
+MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 
 
@@ -219,7 +221,7 @@ def check_task(cfg: dict) -> None:
                 f"drop --{key} for the synthetic task, or drop --task to train on text"
             )
     try:
-        synthetic.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], cfg["task_pairs"], cfg["task_queries"])
+        synthetic.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], **synthetic.task_options(cfg))
     except synthetic.SyntheticError as e:
         raise ConfigError(str(e)) from e
 
@@ -609,8 +611,12 @@ class Run:
         if cfg["task"]:
             seed = int(torch.randint(2**62, (1,), generator=generator))
             rng = np.random.default_rng([seed, SPLITS.index(split), p.rank])
-            mix = cfg["task_mix"] if split == "train" else 0.0
-            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, mix=mix, **synthetic.task_options(cfg))
+            # validation reads the rows the evaluation scores (no curriculum, the full task), so that "learned" and
+            # the 1x column of synthetic.py measure one distribution
+            train = split == "train"
+            mix = cfg["task_mix"] if train else 0.0
+            opts = synthetic.task_options(cfg)
+            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, train=train, mix=mix, **opts)
             return x.to(p.device), y.to(p.device)
         return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
 

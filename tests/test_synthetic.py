@@ -37,53 +37,77 @@ def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("train_rows", [False, True])
 def test_generator_lengths_and_reproducibility(task, train_rows):
-    """Every sequence is L + 1 tokens with at least one answer, inside the vocabulary, from the shortest length the
-    task allows up; the same seed gives the same sequences and another seed others."""
+    """Every sequence is L inputs and L targets with at least one answer, inside the vocabulary, from the shortest
+    length the task allows up; the same seed gives the same sequences and another seed others."""
     shortest = S.fixed_tokens(task) - 1
     for L in (shortest, shortest + 1, 64, 200):
         a = [S.sequence(task, V, L, np.random.default_rng(7), train_rows) for _ in range(2)]
         b = S.sequence(task, V, L, np.random.default_rng(8), train_rows)
-        tokens, answer = a[0]
-        assert tokens.shape == answer.shape == (L + 1,) and tokens.dtype == np.int64 and answer.dtype == bool
-        assert answer.any() and not answer[0] and in_range(tokens, (0, V))
+        x, y = a[0]
+        assert x.shape == y.shape == (L,) and x.dtype == y.dtype == np.int64
+        assert (y >= 0).any() and in_range(x, (0, V)) and in_range(y[y >= 0], (0, V)) and (y[y < 0] == -1).all()
         assert np.array_equal(a[0][0], a[1][0]) and np.array_equal(a[0][1], a[1][1])
         if L >= 64:
-            assert not np.array_equal(tokens, b[0])
+            assert not np.array_equal(x, b[0])
 
 
 @pytest.mark.parametrize("task", ["needle", "passkey"])
 def test_lookup_layout(task):
-    """needle and passkey: one MARK, the key after it, QUERY before the last token, which is the key and the only
-    answer; needle's filler is the filler range (the key is the only key token), passkey's the key range."""
+    """needle and passkey: one MARK, the key after it, QUERY last, and the one answer after it is the key; needle's
+    filler is the filler range (the key is the only key token), passkey's the key range."""
     rng = np.random.default_rng(0)
     depths = []
     for _ in range(300):
-        t, a = S.sequence(task, V, 64, rng)
-        (at,) = np.flatnonzero(t == S.MARK)
-        assert t[-2] == S.QUERY and t[-1] == t[at + 1] and np.flatnonzero(a).tolist() == [64]
-        assert in_range(t[at + 1 : at + 2], VOCAB.keys)
-        rest = np.delete(t[:-2], [at, at + 1])
+        x, y = S.sequence(task, V, 64, rng)
+        (at,) = np.flatnonzero(x == S.MARK)
+        assert x[-1] == S.QUERY and y[-1] == x[at + 1] and np.flatnonzero(y >= 0).tolist() == [63]
+        assert in_range(x[at + 1 : at + 2], VOCAB.keys)
+        rest = np.delete(x[:-1], [at, at + 1])
         assert in_range(rest, VOCAB.filler if task == "needle" else VOCAB.keys)
         depths.append(at)
     assert min(depths) <= 3 and max(depths) >= 58  # the key is hidden at every depth
 
 
-def test_mqar_layout():
-    """mqar: task_pairs pairs with distinct keys, each key once before the queries; the answers are the values that
-    follow each queried key at the end, and the filler is from the filler range."""
+@pytest.mark.parametrize("layout", S.MQAR_LAYOUTS)
+def test_mqar_layout(layout):
+    """mqar: task_pairs pairs, keys distinct and values distinct, each key and value once before the queries; each
+    query is a key of them, whose target is its value; scattered puts the queries together at the end, zoology the
+    pairs together at the start; the filler is from the filler range."""
     rng = np.random.default_rng(0)
-    for L, pairs, queries in ((64, 8, 4), (23, 8, 4), (300, 6, 6), (40, 3, 1)):
-        t, a = S.sequence("mqar", V, L, rng, pairs=pairs, queries=queries)
-        qs = t[L + 1 - 2 * queries :]
-        assert np.flatnonzero(a).tolist() == list(range(L + 2 - 2 * queries, L + 1, 2))
-        context = t[: L + 1 - 2 * queries]
+    for L, pairs, queries in ((64, 8, 4), (20, 8, 4), (300, 6, 6), (40, 3, 1)):
+        x, y = S.sequence("mqar", V, L, rng, pairs=pairs, queries=queries, layout=layout)
+        at = np.flatnonzero(y >= 0)
+        assert len(at) == queries and len(set(x[at].tolist())) == queries
+        if layout == "scattered":
+            assert at.tolist() == list(range(L - queries, L))
+        else:
+            assert in_range(x[0 : 2 * pairs : 2], VOCAB.keys) and in_range(x[1 : 2 * pairs : 2], VOCAB.values)
+            assert at.min() >= 2 * pairs
+        context = x[: at.min()]
         keys = context[(context >= VOCAB.keys[0]) & (context < VOCAB.keys[1])]
-        assert len(keys) == pairs == len(set(keys.tolist()))
-        for k, v in zip(qs[0::2], qs[1::2], strict=True):
-            (where,) = np.flatnonzero(context == k)
-            assert context[where + 1] == v and in_range(np.array([v]), VOCAB.values)
-        is_pair = np.isin(context, keys) | np.isin(np.arange(len(context)) - 1, np.flatnonzero(np.isin(context, keys)))
-        assert in_range(context[~is_pair], VOCAB.filler)
+        values = context[(context >= VOCAB.values[0]) & (context < VOCAB.values[1])]
+        assert len(keys) == len(set(keys.tolist())) == pairs and len(values) == len(set(values.tolist())) == pairs
+        for t in at:
+            (where,) = np.flatnonzero(context == x[t])
+            assert context[where + 1] == y[t]
+        others = np.ones(L, dtype=bool)
+        others[at] = False
+        others[: at.min()] &= ~(np.isin(context, keys) | np.isin(context, values))
+        assert in_range(x[others], VOCAB.filler)
+
+
+@pytest.mark.parametrize("layout", S.MQAR_LAYOUTS)
+def test_mqar_answers_never_enter_the_input(layout):
+    """No mqar answer is in the input after its pair: a value occurs once, right after its key, so a model cannot
+    rule out values already answered (before, a query's value followed it, and the last query was 100% by
+    exclusion); training rows too."""
+    rng = np.random.default_rng(1)
+    for train_rows in (False, True):
+        for _ in range(300):
+            x, y = S.sequence("mqar", V, 64, rng, train_rows, pairs=8, queries=8, layout=layout)
+            for t in np.flatnonzero(y >= 0):
+                (where,) = np.flatnonzero(x == y[t])
+                assert where < t and x[where - 1] == x[t]
 
 
 def test_copy_layout():
@@ -91,25 +115,27 @@ def test_copy_layout():
     take every length from 1 up."""
     rng = np.random.default_rng(0)
     for L in (2, 3, 64, 65):
-        t, a = S.sequence("copy", V, L, rng)
-        n = L // 2
-        assert a.sum() == n and t[L - n] == S.SEP and np.array_equal(t[L + 1 - n :], t[L - 2 * n : L - n])
-    lengths = {int(S.sequence("copy", V, 64, rng, train=True)[1].sum()) for _ in range(500)}
+        x, y = S.sequence("copy", V, L, rng)
+        tokens, n = np.append(x, y[-1]), L // 2
+        assert (y >= 0).sum() == n and tokens[L - n] == S.SEP
+        assert np.array_equal(tokens[L + 1 - n :], tokens[L - 2 * n : L - n])
+        assert np.array_equal(y[y >= 0], tokens[L + 1 - n :])
+    lengths = {int((S.sequence("copy", V, 64, rng, train=True)[1] >= 0).sum()) for _ in range(500)}
     assert lengths == set(range(1, 33))
 
 
 def test_offset_layout():
-    """offset: QUERY and a number k in 1..4 before the answer, which is the token k places after the one MARK; the
+    """offset: QUERY and a number k in 1..4 last, and the answer is the token k places after the one MARK; the
     filler is from the key range, so only the position tells it."""
     rng = np.random.default_rng(0)
     ks = set()
     for _ in range(300):
-        t, a = S.sequence("offset", V, 64, rng)
-        (at,) = np.flatnonzero(t == S.MARK)
-        k = t[-2] - VOCAB.values[0] + 1
+        x, y = S.sequence("offset", V, 64, rng)
+        (at,) = np.flatnonzero(x == S.MARK)
+        k = x[-1] - VOCAB.values[0] + 1
         ks.add(int(k))
-        assert t[-3] == S.QUERY and t[-1] == t[at + k] and at + k < 62 and np.flatnonzero(a).tolist() == [64]
-        assert in_range(np.delete(t[:-3], at), VOCAB.keys)
+        assert x[-2] == S.QUERY and y[-1] == x[at + k] and at + k < 62 and np.flatnonzero(y >= 0).tolist() == [63]
+        assert in_range(np.delete(x[:-2], at), VOCAB.keys)
     assert ks == set(range(1, S.OFFSETS + 1))
 
 
@@ -138,7 +164,7 @@ def test_unknown_task_and_bad_queries_are_errors():
     "args, message",
     [
         (["--task=neddle"], "not a synthetic task"),
-        (["--task=mqar", "--block_size=16"], "at least 23 tokens"),
+        (["--task=mqar", "--block_size=16"], "at least 20 tokens"),
         (["--task=needle", "--task_vocab=8"], "task_vocab=8 is too small"),
         (["--task=needle", "--dataset=shakespeare_char"], "dataset='shakespeare_char' is for text"),
         (["--task=needle", "--task_fraction=0.1"], "task_fraction=0.1 is for text"),
@@ -220,6 +246,80 @@ def test_context_blind_predictor_scores_chance(task):
     assert abs(acc - p) < 5 * (p * (1 - p) / trials) ** 0.5 + 1e-9, acc
 
 
+def reference_floor(task: str, L: int, n: int, **kw) -> float:
+    """Each task's no-retrieval baseline, written here from the task's description (not synthetic.shortcut), on the
+    evaluation's sequences: the expected accuracy of guessing uniformly among the baseline's candidates."""
+    rng, hits = S.eval_rng(0, task, L), []
+    for _ in range(n):
+        x, y = S.sequence(task, V, L, rng, **kw)
+        for t in np.flatnonzero(y >= 0):
+            before = x[: t + 1].tolist()
+            if task == "passkey":  # the most frequent key so far
+                keys = [tok for tok in before if VOCAB.keys[0] <= tok < VOCAB.keys[1]]
+                top = max(keys.count(k) for k in set(keys))
+                guesses = {k for k in set(keys) if keys.count(k) == top}
+            elif task == "mqar":  # a value present in the context
+                guesses = {tok for tok in before if VOCAB.values[0] <= tok < VOCAB.values[1]}
+            elif task == "offset":  # the token right after the marker
+                guesses = {before[before.index(S.MARK) + 1]}
+            elif task == "copy":  # a token that followed the current one earlier
+                guesses = {before[i + 1] for i in range(t) if before[i] == before[t]} or set(range(*VOCAB.keys))
+            else:  # needle: chance among the keys
+                guesses = set(range(*VOCAB.keys))
+            hits.append((y[t] in guesses) / len(guesses))
+    return float(np.mean(hits))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_floor_is_the_no_retrieval_baseline(task):
+    """synthetic.floor equals a baseline written independently on the same sequences; mqar's is one over the pairs
+    (every value stays a candidate: none is ruled out by an answer in the input), needle's chance among the keys,
+    offset's about the k = 1 share (a quarter), and each is far below what retrieval scores (100%)."""
+    kw = {"pairs": 4, "queries": 4, "layout": "zoology"} if task == "mqar" else {}
+    n = 300
+    got = S.floor(task, V, 64, n, **kw)["token"]
+    S.FLOOR_SEQUENCES, saved = n, S.FLOOR_SEQUENCES  # the reference reads n sequences: the floor too
+    try:
+        assert S.floor(task, V, 64, n, **kw)["token"] == pytest.approx(reference_floor(task, 64, n, **kw), abs=1e-12)
+    finally:
+        S.FLOOR_SEQUENCES = saved
+    expected = {"mqar": 1 / 4, "needle": 1 / VOCAB.n}
+    if task in expected:
+        assert got == pytest.approx(expected[task])
+    if task == "offset":
+        assert 0.24 < got < 0.30
+    assert got < 0.75
+
+
+def test_whole_sequence_score_needs_every_answer():
+    """scores(): "sequence" counts a copy right only when every copied token is; a reader wrong at one token of each
+    string keeps nearly all its token accuracy and none of its whole strings."""
+
+    def wrong_last(x: torch.Tensor) -> torch.Tensor:
+        logits = oracle(x)
+        logits[:, -1] = logits[:, -1].roll(1, -1)  # the last copied token: another token
+        return logits
+
+    assert S.scores(oracle, "copy", V, 64, 20) == {"token": 1.0, "sequence": 1.0}
+    wrong = S.scores(wrong_last, "copy", V, 64, 20)
+    assert wrong["sequence"] == 0.0 and wrong["token"] == pytest.approx(31 / 32)
+
+
+def test_validation_reads_the_evaluation_distribution():
+    """train.py's validation rows are the evaluation's (every mqar row has task_pairs pairs and task_queries
+    queries, no needle rows), its training rows the curriculum's (1 to task_pairs pairs, needle rows)."""
+    cfg = train.resolve(configure(train.defaults, ["config/rope.py", "config/mqar.py"]))
+    run = train.Run(cfg, train.Processes(False, 0, 0, 1, "cpu"), None, None, None, None, None)
+    g = torch.Generator().manual_seed(0)
+    pairs = {}
+    for split in ("train", "val"):
+        x, y = run.batch(split, g)
+        is_value = (x >= VOCAB.values[0]) & (x < VOCAB.values[1])
+        pairs[split] = set(is_value.sum(1).tolist())
+        assert split == "train" or set((y >= 0).sum(1).tolist()) == {cfg["task_queries"]}
+    assert pairs["val"] == {cfg["task_pairs"]} and len(pairs["train"]) > 1
+
+
 def test_answer_only_loss_is_masked_cross_entropy():
     """The model's loss on a synthetic batch equals the cross-entropy computed by hand over the answer tokens alone."""
     torch.manual_seed(0)
@@ -295,7 +395,8 @@ def test_synthetic_suite_end_to_end(tmp_path):
     r = run_cli(sweep.main, cmd)  # in this process; its training runs are train.py processes
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = (out / "report.md").read_text()
-    assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report
+    assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report and "Every seed:" in report
+    assert "| *floor (no retrieval)* | | | *2%* | *2%* | *2%* | *2%* |" in report  # needle: chance, 1 in 41 keys
     learned_row = next(line for line in report.splitlines() if line.startswith("| learned | "))
     assert " of 1 |" in learned_row and learned_row.count("n/a") == 3  # 2x, 4x, 8x: no positions past its block
     assert (out / "synthetic.png").stat().st_size > 10_000
