@@ -20,8 +20,10 @@ Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a pl
 """
 
 import argparse
+import io
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from checkpoint import CheckpointError, load_run, model_from_checkpoint
 from configurator import ConfigError, autocast, check_device
 from datafiles import DataError
 from model import GPT, ROPE_SCALINGS
+from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
 MODES = ("nonoverlapping", "sliding")
 
@@ -66,6 +69,30 @@ def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
     return max(1, int(budget_bytes // per_window))
 
 
+def forward_bytes(model: GPT, L: int, B: int = 1, logits: bool = True) -> int:
+    """The least memory a forward of B windows of L tokens takes without gradients: the hidden states and the MLP's
+    (fp32, a layer at a time), the logits and the loss's copy, and for an encoding with a bias the (nh, L, L) bias
+    and the (L, L) distances that the reference attention path materializes (once for the batch). A forward that
+    needs more than the device has cannot run at all."""
+    c = model.config
+    square = (4 * c.n_head + 9) * L * L if model.encoding.has_bias else 0
+    return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
+
+
+def device_memory(device: str) -> int | None:
+    """The device's memory in bytes (the GPU's, or the machine's for cpu); None where it cannot be told."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device == "cpu" else None
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def gb(n: float) -> str:
+    return f"{n / 2**30:,.1f} GB"
+
+
 @torch.no_grad()
 def evaluate(
     model: GPT,
@@ -93,7 +120,7 @@ def evaluate(
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(len(chunk), L)
         except torch.OutOfMemoryError:
             if B == 1:
-                raise
+                sys.exit(f"error: out of memory at one window of {L} tokens on {device}; evaluate shorter lengths")
             B = max(1, B // 2)  # shrink and retry this batch, not silently fail
             torch.cuda.empty_cache()
             tqdm.write(f"out of memory at {len(chunk)} windows of {L} tokens: retrying with {B}")
@@ -128,12 +155,19 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dtype={args.dtype}: choose float32, bfloat16 or float16")
     try:
         check_device(args.device)
-    except ConfigError as e:
+        for flag, suffixes in (("out_json", ()), ("out_md", ()), ("plot", PLOT_FORMATS)):
+            if getattr(args, flag):  # empty: not written
+                check_output(getattr(args, flag), f"--{flag}", suffixes)
+    except (ConfigError, OutputError) as e:
         p.error(str(e))
-    for flag in ("out_json", "out_md", "plot"):
-        path = getattr(args, flag)
-        if path and not Path(path).resolve().parent.is_dir():
-            p.error(f"--{flag}={path}: the folder {Path(path).parent} does not exist")
+    memory = device_memory(args.device)
+    if args.memory_gb is not None and memory and args.memory_gb * 2**30 > memory:
+        p.error(f"--memory_gb={args.memory_gb}: more than the {gb(memory)} of {args.device}")
+    if args.wandb_log:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            p.error("--wandb_log needs wandb, which is not installed: pip install wandb, or leave out --wandb_log")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -150,9 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory for one batch (default: 2, or 1/2 the GPU's)")
-    p.add_argument("--out_json", default="eval_length.json")
-    p.add_argument("--out_md", default=None)
-    p.add_argument("--plot", default="eval_length.png")
+    p.add_argument("--out_json", default="eval_length.json", help="the numbers ('': none)")
+    p.add_argument("--out_md", default=None, help="the table, as stdout shows it")
+    p.add_argument("--plot", default="eval_length.png", help=f"{', '.join(PLOT_FORMATS)} ('': none)")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--wandb_project", default="nanope")
     p.add_argument("--wandb_run_name", default="eval_length")
@@ -198,6 +232,19 @@ def main(argv: list[str] | None = None) -> dict:
         max_len = r["model"].encoding.max_len
         return max_len is None or L <= max_len
 
+    if not any(feasible(r, L) for r in runs for L in lengths):
+        longest = max(r["model"].encoding.max_len for r in runs)
+        sys.exit(f"error: every length is past what the checkpoints' positions reach ({longest}); add lengths up to it")
+    memory = device_memory(device)
+    for r in runs:
+        L = max((L for L in lengths if feasible(r, L)), default=0)
+        need = forward_bytes(r["model"], L)
+        if memory and L and need > memory:
+            sys.exit(
+                f"error: {r['out_dir']}: one window of {L} tokens needs at least {gb(need)}, more than the "
+                f"{gb(memory)} of {device}; evaluate shorter lengths"
+            )
+
     work = sum(
         len(r["data"]) * (1 if m == "nonoverlapping" else L / sliding_stride(L, args.stride))
         for r in runs
@@ -234,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown_table(report)
     print(table)
     if args.out_md:
-        Path(args.out_md).write_text(table + "\n")
-    Path(args.out_json).write_text(json.dumps(report, indent=1))
+        write_atomic(args.out_md, table + "\n")
+    if args.out_json:
+        write_atomic(args.out_json, json.dumps(report, indent=1))
     if args.plot:
         plot(report, args.plot)
     if args.wandb_log:
@@ -289,7 +337,8 @@ def plot(report: dict, path: str) -> None:
     mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
     for r in report["runs"]:
         pts = [(L, res["ppl"]) for L, res in r["results"][mode].items() if res is not None]
-        axes[0].plot(*zip(*pts, strict=True), marker="o", label=r["name"])
+        if pts:  # none where every length is past a learned table's block size
+            axes[0].plot(*zip(*pts, strict=True), marker="o", label=r["name"])
     axes[0].set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=f"perplexity ({mode})")
     axes[0].set_title("Train short, test long")
     train_len = min(r["train_len"] for r in report["runs"])
@@ -306,10 +355,13 @@ def plot(report: dict, path: str) -> None:
         axes[1].set(xlabel="position in the window", ylabel="loss (nats)", title="Loss by position, longest windows")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
+    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=110)
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Writes a markdown table (stdout), the numbers (--out_json) and a plot (--plot).
 """
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ import torch
 from checkpoint import CheckpointError, load_run
 from configurator import ConfigError, check_device
 from datafiles import DataError
+from eval_length import device_memory, forward_bytes, gb
 from model import GPT
+from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
 
 @torch.no_grad()
@@ -77,11 +80,27 @@ def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
     return bias.float().cpu().numpy()
 
 
+def check_length(model: GPT, length: int) -> None:
+    """Raise ValueError where the model cannot be probed at this length: within its training length (no key is far
+    yet), or past its positions (learned)."""
+    if length <= model.config.block_size:
+        raise ValueError(
+            f"--length {length} must exceed the training length {model.config.block_size}: no key is past it before"
+        )
+    if not model.encoding.reaches(length):
+        raise ValueError(f"{model.config.pos_encoding} has no positions past its block size")
+
+
+def probe_bytes(model: GPT, length: int) -> int:
+    """The least memory probing one window takes: a forward, and a layer's probabilities (nh, L, L) with the
+    products far_share makes of them."""
+    return forward_bytes(model, length) + (8 * model.config.n_head + 12) * length * length
+
+
 def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str = "cpu") -> dict:
     """Far-attention shares (n_layer, n_head) over `windows` windows of `length` tokens, and the bias curves."""
     far, first = model.config.block_size, length - length // 4
-    if length <= far:
-        raise ValueError(f"--length {length} must exceed the training length {far}: no key is past it before")
+    check_length(model, length)
     starts = np.linspace(0, len(data) - length - 1, windows).astype(int)
     shares = []
     for s in starts:  # one window at a time: a probability matrix per layer is (nh, L, L)
@@ -137,8 +156,10 @@ def plot(report: dict, path: str) -> None:
         ax_a.set_xticks(range(share.shape[1]))
         ax_a.set_yticks(range(share.shape[0]))
     fig.colorbar(im, ax=axes[:, 1].tolist(), label="share of attention")
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
+    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=110)
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,38 +170,57 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--windows", type=int, default=8, help="validation windows averaged over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
-    p.add_argument("--out_json", default="probe.json")
-    p.add_argument("--plot", default="probe.png")
+    p.add_argument("--out_json", default="probe.json", help="the numbers ('': none)")
+    p.add_argument("--plot", default="probe.png", help=f"{', '.join(PLOT_FORMATS)} ('': none)")
     args = p.parse_args(argv)
+    if args.length < 2:
+        p.error(f"--length {args.length}: must be past the training length (at least 2)")
     if args.windows < 1:
         p.error("--windows must be at least 1")
     try:
         check_device(args.device)
-    except ConfigError as e:
+        for flag, suffixes in (("out_json", ()), ("plot", PLOT_FORMATS)):
+            if getattr(args, flag):  # empty: not written
+                check_output(getattr(args, flag), f"--{flag}", suffixes)
+    except (ConfigError, OutputError) as e:
         p.error(str(e))
     names = args.names or [Path(d).name for d in args.out_dirs]
     if len(names) != len(args.out_dirs) or len(set(names)) != len(names):
         p.error("--names: one distinct label per checkpoint (folders with the same name need --names)")
-    report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
-    for name, out_dir in zip(names, args.out_dirs, strict=True):
+    runs, memory = {}, device_memory(args.device)
+    for name, out_dir in zip(names, args.out_dirs, strict=True):  # every checkpoint checked before any is probed
         try:
             run = load_run(out_dir, args.device, val=True, data_dir=args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        model, data = run.model, run.val
-        model.fused_attention = False  # the reference path: every encoding, any length, any device
-        if not model.encoding.reaches(args.length):
-            sys.exit(f"error: {out_dir}: {model.config.pos_encoding} has no positions past its block size")
-        if len(data) < args.length + 1:
-            sys.exit(f"error: the validation split has {len(data)} tokens, fewer than --length {args.length} + 1")
         try:
-            report["checkpoints"][name] = probe(model, data, args.length, args.windows, args.device)
+            check_length(run.model, args.length)
         except ValueError as e:
             sys.exit(f"error: {out_dir}: {e}")
+        run.model.fused_attention = False  # the reference path: every encoding, any length, any device
+        n, need = len(run.val) - args.length, probe_bytes(run.model, args.length)  # n: distinct windows
+        if n < 1:
+            sys.exit(
+                f"error: {out_dir}: the validation split has {len(run.val)} tokens, fewer than --length "
+                f"{args.length} + 1; use a shorter --length"
+            )
+        if args.windows > n:
+            sys.exit(f"error: --windows {args.windows}: the validation split has {n} windows of {args.length} tokens")
+        if memory and need > memory:
+            sys.exit(
+                f"error: {out_dir}: probing {args.length} tokens needs at least {gb(need)}, more than the "
+                f"{gb(memory)} of {args.device}; use a shorter --length"
+            )
+        runs[name] = (out_dir, run)
+    report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
+    for name, (out_dir, run) in runs.items():
+        report["checkpoints"][name] = probe(run.model, run.val, args.length, args.windows, args.device)
         print(f"{out_dir}: done", file=sys.stderr)
     print(markdown_table(report))
-    Path(args.out_json).write_text(json.dumps(report))
-    plot(report, args.plot)
+    if args.out_json:
+        write_atomic(args.out_json, json.dumps(report))
+    if args.plot:
+        plot(report, args.plot)
     return report
 
 

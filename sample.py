@@ -8,6 +8,7 @@ Sample from a trained model, rebuilt (with its tokenizer) from the checkpoint al
 """
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,9 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype, script_usage
+from eval_length import device_memory, forward_bytes, gb
 from model import GPT, ROPE_SCALINGS
-from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
+from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
 defaults = dict(
@@ -63,7 +65,41 @@ def check_options(cfg: dict) -> None:
     need(cfg["rope_factor"] == 0 or cfg["rope_factor"] >= 1, "rope_factor", "must be >= 1 (0: the default)")
     need(cfg["dtype"] in ("", "float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     need(cfg["ckpt"] != "", "ckpt", "name a checkpoint file in out_dir, e.g. ckpt.pt or ckpt_best.pt")
+    need(0 <= cfg["seed"] < 2**64, "seed", "must be an integer from 0 to 2**64 - 1")
     check_device(cfg["device"])
+
+
+def checkpoint_advice(out_dir: Path, ckpt_path: Path) -> str:
+    """What to do when ckpt_path cannot be loaded: advice that train.py accepts for out_dir, and that never has it
+    replace a run that might still be read."""
+    if out_dir.is_file():
+        return (
+            f"--out_dir={out_dir} is a file; give the folder that holds the checkpoint, e.g. --out_dir={out_dir.parent}"
+        )
+    if not os.path.lexists(ckpt_path) and not os.path.lexists(ckpt_path.with_suffix(".dcp")):  # nothing there
+        found = [n for n in ("ckpt.pt", "ckpt_best.pt", "ckpt.dcp", "ckpt_best.dcp") if os.path.lexists(out_dir / n)]
+        if found:  # --ckpt=ckpt.pt reads a sharded ckpt.dcp where it is alone
+            return f"{out_dir} holds {', '.join(found)}: sample from one with --ckpt={found[0].replace('.dcp', '.pt')}"
+        return f"Train a model first, e.g.: python train.py config/rope.py --out_dir={out_dir}"
+    best = out_dir / "ckpt_best.pt"
+    if best != ckpt_path:
+        try:
+            load_checkpoint(best)
+            return (
+                f"A run cannot be resumed from it either; {best} is readable: sample from it with --ckpt=ckpt_best.pt"
+            )
+        except CheckpointError:
+            pass
+    if not ckpt_path.is_file():  # a sharded checkpoint whose folder of shards is missing or incomplete
+        return (
+            f"Restore the folder its link names (the run's shards/, copied whole), or start afresh in {out_dir}, "
+            f"replacing the run: python train.py config/rope.py --out_dir={out_dir} --overwrite=True"
+        )
+    # unreadable: nothing can resume from it, so never suggest training into this out_dir again
+    return (
+        f"A run cannot be resumed from it either; train a new model into a new folder, e.g. --out_dir={out_dir}-2, "
+        f"and keep {out_dir} as it is"
+    )
 
 
 def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
@@ -73,16 +109,7 @@ def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
     try:
         ckpt = load_checkpoint(ckpt_path)
     except CheckpointError as e:
-        if not ckpt_path.exists() and not ckpt_path.with_suffix(".dcp").exists():  # nothing there, sharded or not
-            sys.exit(f"error: {e}\nTrain a model first, e.g.: python train.py config/rope.py --out_dir={out_dir}")
-        # unreadable: nothing can resume from it, so never suggest training into this out_dir again
-        best = out_dir / "ckpt_best.pt"
-        try:
-            load_checkpoint(best)
-            hint = f"{best} is readable: sample from it with --ckpt=ckpt_best.pt"
-        except CheckpointError:
-            hint = f"train a new model into a new folder, e.g. --out_dir={out_dir}-2, and keep {out_dir} as it is"
-        sys.exit(f"error: {e}\nA run cannot be resumed from it either; {hint}")
+        sys.exit(f"error: {e}\n{checkpoint_advice(out_dir, ckpt_path)}")
     model = model_from_checkpoint(ckpt)
     V = model.config.vocab_size
     if "tokenizer" in ckpt:
@@ -98,6 +125,15 @@ def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
     else:
         sys.exit(f"error: {ckpt_path} does not record its tokenizer and its vocabulary is not GPT-2's")
     return model, tok
+
+
+def generation_bytes(model: GPT, prompt: int, new: int, window: int, cache: bool) -> int:
+    """The least memory generate takes: the tokens, the KV cache (keys and values of every layer, fp32, for the window
+    and a prompt's chunk) and the largest forward (the prompt's prefill, or without the cache the whole window)."""
+    c = model.config
+    slots = window - 1 + min(prompt, window) if model.encoding.relative else window
+    kv = 8 * c.n_layer * c.n_embd * slots if cache else 0
+    return 8 * (prompt + new) + kv + forward_bytes(model, min(prompt, window) if cache else window, logits=False)
 
 
 def main(argv: list[str]) -> None:
@@ -140,17 +176,31 @@ def main(argv: list[str]) -> None:
             start = Path(start[5:]).read_text(encoding="utf-8")
         except OSError as e:
             sys.exit(f"error: cannot read the prompt file: {e}")
+        except UnicodeDecodeError as e:
+            sys.exit(
+                f"error: the prompt file {start[5:]} is not UTF-8 text (byte {e.start}: {e.reason}); give a text file"
+            )
     try:
         ids = tok.encode(start)
         max_context = model.context_window(cfg["max_context"])
     except ValueError as e:
         sys.exit(f"error: {e}")
     if not ids:
-        sys.exit("error: the prompt is empty after tokenization; pass --start=... with some text")
+        example = "0 17 5" if isinstance(tok, IdsTokenizer) else "Once upon a time"
+        sys.exit(f"error: the prompt is empty after tokenization; pass --start with some, e.g. --start='{example}'")
     if model.encoding.max_len is not None and len(ids) > max_context:
         sys.exit(
             f"error: the prompt is {len(ids)} tokens, but this {model.config.pos_encoding}-position model takes at "
             f"most {max_context}; shorten the prompt"
+        )
+    # the context never outgrows the prompt and the new tokens: a longer window changes only the memory it takes
+    max_context = min(max_context, len(ids) + cfg["max_new_tokens"])
+    need = generation_bytes(model, len(ids), cfg["max_new_tokens"], max_context, not cfg["no_cache"])
+    memory = device_memory(device)
+    if memory and need > memory:
+        sys.exit(
+            f"error: generating {cfg['max_new_tokens']} tokens with a context of {max_context} needs at least "
+            f"{gb(need)}, more than the {gb(memory)} of {device}; use a smaller --max_context or --max_new_tokens"
         )
     x = torch.tensor(ids, dtype=torch.long, device=device)[None]
 

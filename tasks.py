@@ -23,12 +23,15 @@ iff every teacher-forced argmax in it is right. Learned positions have no positi
 """
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DIGITS = "0123456789"
@@ -303,12 +306,17 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
     axes[0][0].set_ylabel("depth of the key")
     fig.colorbar(im, ax=axes[0].tolist(), label="exact-match accuracy")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
+    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=120, bbox_inches="tight")
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError, load_run
+    from configurator import ConfigError, check_device
+    from datafiles import DataError
+    from eval_length import device_memory, forward_bytes, gb
     from tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,34 +328,61 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out_json", default="tasks.json")
-    p.add_argument("--plot", default="passkey.png")
+    p.add_argument("--out_json", default="tasks.json", help="the numbers ('': none)")
+    p.add_argument("--plot", default="passkey.png", help=f"the passkey heatmaps: {', '.join(PLOT_FORMATS)} ('': none)")
     args = p.parse_args(argv)
     if min(args.lengths) < 1 or args.depths < 2 or args.trials < 1 or args.batch_size < 1:
         p.error("lengths and --trials, --batch_size must be at least 1, --depths at least 2")
+    if args.depths > min(args.lengths) + 1:  # depths are token positions in the filler: more would repeat them
+        p.error(f"--depths={args.depths}: more depths than the shortest length has tokens ({min(args.lengths)})")
+    if args.seed < 0:
+        p.error(f"--seed={args.seed}: must be >= 0")
+    lengths = list(dict.fromkeys(args.lengths))  # each once: a length is a column
+    try:
+        check_device(args.device)
+        for flag, suffixes in (("out_json", ()), ("plot", PLOT_FORMATS)):
+            if getattr(args, flag) and (flag != "plot" or "passkey" in args.tasks):  # empty: not written
+                check_output(getattr(args, flag), f"--{flag}", suffixes)
+    except (ConfigError, OutputError) as e:
+        p.error(str(e))
+    names = [Path(d).name for d in args.out_dir]
+    if len(set(names)) != len(names):  # sweeps' folders share names: then the paths as given label the rows
+        names = list(args.out_dir)
+    if len(set(names)) != len(names):
+        p.error("--out_dir: a folder is given twice")
     depths = np.linspace(0, 1, args.depths).round(3).tolist()
-    report = {"lengths": args.lengths, "depths": depths, "trials": args.trials, "seed": args.seed, "checkpoints": {}}
-    for out_dir in args.out_dir:
+    runs, memory = {}, device_memory(args.device)
+    for name, out_dir in zip(names, args.out_dir, strict=True):  # every checkpoint checked before any is evaluated
         try:
-            run = load_run(out_dir, args.device)
-        except CheckpointError as e:
+            run = load_run(out_dir, args.device, text=True)
+        except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        ckpt, model = run.ckpt, run.model
-        if "tokenizer" not in ckpt:
+        if "tokenizer" not in run.ckpt:
             sys.exit(f"error: {out_dir}/ckpt.pt stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
-        tok = tokenizer_from_meta(ckpt["tokenizer"])
-        try:
-            r = evaluate_checkpoint(
-                model, tok, args.lengths, depths, args.trials, args.seed, args.tasks, args.batch_size, args.device
+        tok = tokenizer_from_meta(run.ckpt["tokenizer"])
+        L = max((L for L in lengths if run.model.encoding.reaches(L)), default=0)  # the longest evaluated
+        need = forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L
+        if memory and need > memory:
+            sys.exit(
+                f"error: {out_dir}: evaluating {L} tokens needs at least {gb(need)}, more than the "
+                f"{gb(memory)} of {args.device}; use shorter --lengths, fewer --trials or a smaller --batch_size"
             )
+        try:
+            check_tasks(tok, min(lengths), args.tasks)
         except TaskError as e:
             sys.exit(f"error: {out_dir}: {e}")
-        report["checkpoints"][Path(out_dir).name] = r
+        runs[name] = (out_dir, run.model, tok)
+    report = {"lengths": lengths, "depths": depths, "trials": args.trials, "seed": args.seed, "checkpoints": {}}
+    for name, (out_dir, model, tok) in runs.items():
+        report["checkpoints"][name] = evaluate_checkpoint(
+            model, tok, lengths, depths, args.trials, args.seed, args.tasks, args.batch_size, args.device
+        )
         print(f"{out_dir}: done", file=sys.stderr)
-    print(markdown_table(report, args.lengths, args.tasks))
-    Path(args.out_json).write_text(json.dumps(report, indent=1))
-    if "passkey" in args.tasks:
-        plot_heatmaps(report, args.lengths, depths, args.plot)
+    print(markdown_table(report, lengths, args.tasks))
+    if args.out_json:
+        write_atomic(args.out_json, json.dumps(report, indent=1))
+    if args.plot and "passkey" in args.tasks:
+        plot_heatmaps(report, lengths, depths, args.plot)
     return report
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 
 import eval_length
 from checkpoint import save_checkpoint
@@ -17,32 +18,45 @@ from datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
 
 
+def save_run(out_dir: Path, tokenizer: dict, vocab_size: int, config: dict, pos_encoding: str = "rope", seed: int = 0):
+    """A random checkpoint (block 16) as train.py writes one: config holds the dataset, or a synthetic task."""
+    torch.manual_seed(seed)
+    model_config = GPTConfig(
+        block_size=16, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16, pos_encoding=pos_encoding, bias=False
+    )
+    ckpt = {
+        "model": GPT(model_config).state_dict(),
+        "model_args": vars(model_config).copy(),
+        "config": config,
+        "tokenizer": tokenizer,
+        "iter_num": 0,
+        "best_val_loss": 0.0,
+    }
+    save_checkpoint(ckpt, out_dir / "ckpt.pt")
+
+
+def save_synthetic_run(out_dir: Path) -> None:
+    """A checkpoint of a run trained on the synthetic passkey task: token ids, no text dataset."""
+    save_run(out_dir, {"kind": "ids", "vocab_size": 128}, 128, {"dataset": "", "task": "passkey", "task_vocab": 128})
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
-    """One random checkpoint per encoding (block 16) on a small character dataset, as train.py writes them."""
+    """One random checkpoint per encoding (block 16) on a small character dataset, as train.py writes them; a run of
+    a synthetic task; and datasets in another character vocabulary and in GPT-2's BPE."""
     root = tmp_path_factory.mktemp("eval")
     data = root / "data"
-    prepare_text(read_embedded_corpus()[:60_000], data, "char")
+    text = read_embedded_corpus()[:60_000]
+    prepare_text(text, data, "char")
     meta = load_meta(data)
     out = {}
     for i, enc in enumerate(["rope", "alibi", "learned", "sinusoidal"]):
-        torch.manual_seed(i)
-        config = GPTConfig(
-            block_size=16, vocab_size=meta["vocab_size"], n_layer=2, n_head=2, n_embd=16, pos_encoding=enc, bias=False
-        )
-        model = GPT(config)
-        d = root / f"out-{enc}"
-        ckpt = {
-            "model": model.state_dict(),
-            "model_args": vars(config).copy(),
-            "config": {"dataset": str(data)},
-            "tokenizer": meta["tokenizer"],
-            "iter_num": 0,
-            "best_val_loss": 0.0,
-        }
-        save_checkpoint(ckpt, d / "ckpt.pt")
-        out[enc] = d
-    out["data"] = data
+        save_run(root / f"out-{enc}", meta["tokenizer"], meta["vocab_size"], {"dataset": str(data)}, enc, seed=i)
+        out[enc] = root / f"out-{enc}"
+    save_synthetic_run(root / "out-passkey")
+    prepare_text(text[:20_000].upper(), root / "upper", "char")
+    prepare_text(text[:20_000], root / "bpe", "gpt2")
+    out |= {"data": data, "passkey": root / "out-passkey", "upper": root / "upper", "bpe": root / "bpe"}
     return out
 
 
@@ -201,7 +215,11 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
         (["--memory_gb", "-1"], "--memory_gb=-1"),
         (["--dtype", "float8"], "--dtype=float8"),
         (["--device", "foo"], "device='foo' is not a device"),
-        (["--out_json", "/nowhere/r.json"], "--out_json=/nowhere/r.json: the folder /nowhere does not exist"),
+        (["--out_json", "/nowhere/r.json"], "--out_json='/nowhere/r.json': the folder /nowhere does not exist"),
+        (["--out_json", "."], "--out_json='.' is a folder; give a file name"),
+        (["--plot", "."], "--plot='.' is a folder; give a file name"),
+        (["--plot", "e.xyz"], "--plot='e.xyz': the file name must end in .png"),
+        (["--memory_gb", "1e9"], "--memory_gb=1000000000.0: more than the"),
         (["--names", "a", "b"], "--names: 2 labels for 1 checkpoints"),
     ],
 )
@@ -211,3 +229,88 @@ def test_bad_options_are_one_line_errors(ckpts, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         eval_length.main([str(ckpts["rope"]), "--lengths", "8", "16", "--plot", "", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def eval_here(*args: str):
+    """eval_length's command in this process: its exit status and stderr, as the command would give them."""
+    return run_cli(eval_length.main, list(args))
+
+
+@pytest.mark.parametrize(
+    "dataset, message", [("upper", "(they differ in '4', '5', 'X', 'Z', 'a'"), ("bpe", "tokenized with GPT-2's BPE")]
+)
+def test_dataset_of_another_tokenizer_is_refused(ckpts, tmp_path, dataset, message):
+    """--data_dir written in another tokenizer than the checkpoint's (another character vocabulary, GPT-2's BPE) is a
+    one-line error naming both and the fix, before any evaluation; it used to score remapped text, or crash."""
+    out = tmp_path / "r.json"
+    r = eval_here(str(ckpts["rope"]), "--data_dir", str(ckpts[dataset]), "--lengths", "8", "--out_json", str(out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert message in r.stderr and "the model reads a character vocabulary of" in r.stderr
+    assert "leave out --data_dir" in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("data_dir", [[], ["--data_dir", "data"]])
+def test_synthetic_task_run_points_to_synthetic_py(ckpts, tmp_path, data_dir):
+    """A run trained on a synthetic task is scored by synthetic.py, which the error names with the command, with or
+    without --data_dir (it used to say the dataset 'data' was not prepared, or give a perplexity of 128)."""
+    if data_dir:
+        data_dir = ["--data_dir", str(ckpts["data"])]
+    out = tmp_path / "r.json"
+    r = eval_here(str(ckpts["passkey"]), *data_dir, "--lengths", "8", "--out_json", str(out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "trained on the synthetic task 'passkey'" in r.stderr
+    assert f"python synthetic.py {ckpts['passkey']}" in r.stderr and not out.exists()
+
+
+def test_output_paths_are_checked_before_work(ckpts, tmp_path, monkeypatch):
+    """--plot naming a folder writes nothing beside it (it used to write FOLDER.png), and a bad --plot stops the
+    command before the evaluation, as a bad --out_json or --out_md does; good paths get whole files."""
+    monkeypatch.setattr(eval_length, "evaluate", lambda *a: pytest.fail("evaluated before the paths were checked"))
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    out = tmp_path / "r.json"
+    for flag, value in [("--plot", folder), ("--out_md", folder), ("--out_json", tmp_path / "missing" / "r.json")]:
+        r = eval_here(str(ckpts["rope"]), "--lengths", "8", "--out_json", str(out), flag, str(value))
+        assert r.returncode == 2 and f"{flag}='{value}'" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"] and not any(folder.iterdir())
+    monkeypatch.undo()
+    r = eval_here(
+        str(ckpts["rope"]),
+        "--lengths",
+        "8",
+        "--eval_tokens",
+        "100",
+        "--out_json",
+        str(out),
+        "--plot",
+        str(folder / "l.svg"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["lengths"] == [8] and (folder / "l.svg").read_text().startswith("<?xml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "r.json"]  # no temporary file left
+
+
+def test_lengths_beyond_memory_or_positions_are_refused(ckpts, tmp_path, monkeypatch):
+    """A length whose one window needs more memory than the device has, or lengths all past a learned table's block
+    size, stop before any evaluation with a one-line error (they used to fail allocating, or plot nothing)."""
+    monkeypatch.setattr(eval_length, "evaluate", lambda *a: pytest.fail("evaluated a length that cannot run"))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(eval_length, "device_memory", lambda device: 2**20)  # 1 MB
+    r = eval_here(str(ckpts["alibi"]), "--lengths", "8", "1000", "--out_json", str(out))
+    assert r.returncode == 1 and "one window of 1000 tokens needs at least" in r.stderr
+    assert "evaluate shorter lengths" in r.stderr and not out.exists()
+    monkeypatch.setattr(eval_length, "device_memory", lambda device: None)
+    r = eval_here(str(ckpts["learned"]), "--lengths", "32", "64", "--out_json", str(out))
+    assert r.returncode == 1 and "past what the checkpoints' positions reach (16)" in r.stderr and not out.exists()
+
+
+def test_run_folders_that_hold_no_run_are_named(ckpts, tmp_path):
+    """A missing folder, a folder without a checkpoint and the checkpoint file itself are each a one-line error
+    saying what to give."""
+    for out_dir, message in [
+        (tmp_path / "nowhere", "does not exist; give a run's folder"),
+        (tmp_path, "holds no checkpoint (ckpt.pt); give a run's folder"),
+        (ckpts["rope"] / "ckpt.pt", f"is a file; give the run's folder (train.py's out_dir), e.g. {ckpts['rope']}"),
+    ]:
+        r = eval_here(str(out_dir), "--lengths", "8", "--out_json", str(tmp_path / "r.json"))
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr

@@ -123,7 +123,7 @@ def test_sample_errors_are_clear(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     r = sample_here(f"--out_dir={tmp_path}")
-    assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "not a readable checkpoint" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_char_tokenizer_round_trip_and_unknown_characters():
@@ -264,7 +264,7 @@ def test_corrupt_checkpoint_advice_keeps_the_run(tmp_path, capsys):
     best = tmp_path / "ckpt_best.pt"
     best.write_bytes(ckpt.read_bytes())
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
-    with pytest.raises(SystemExit, match="(?s)corrupt.*--ckpt=ckpt_best.pt") as e:
+    with pytest.raises(SystemExit, match="(?s)not a readable checkpoint.*--ckpt=ckpt_best.pt") as e:
         sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
     assert f"--out_dir={tmp_path} " not in str(e.value) + " "
     sample.main(
@@ -272,7 +272,9 @@ def test_corrupt_checkpoint_advice_keeps_the_run(tmp_path, capsys):
     )
     assert "tokens/s" in capsys.readouterr().err
     best.unlink()
-    with pytest.raises(SystemExit, match=f"(?s)corrupt.*new folder, e.g. --out_dir={tmp_path}-2") as e:
+    with pytest.raises(
+        SystemExit, match=f"(?s)not a readable checkpoint.*new folder, e.g. --out_dir={tmp_path}-2"
+    ) as e:
         sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
 
 
