@@ -1,8 +1,8 @@
 """
 Export a checkpoint to a Hugging Face `transformers` directory (safetensors, config, tokenizer) that
-`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load as they are: no
-`trust_remote_code`, no network. Each encoding goes to an existing architecture that computes the same function
-(the encoding declares it, `hf_architecture`):
+`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load, no network. An encoding
+that an existing architecture computes exactly goes to it (the encoding declares it, `hf_architecture`), and loads
+with no code of ours:
 
     learned, sinusoidal, none -> GPT-2 (GPT2LMHeadModel): its position table holds the learned rows, the sinusoids,
                                  or zeros; n_positions rows (default: block_size for learned, 16x block_size for the
@@ -12,10 +12,14 @@ Export a checkpoint to a Hugging Face `transformers` directory (safetensors, con
     alibi -> MPT (MptForCausalLM): the same slopes for any head count, exact GELU, no biases (a model trained with
              bias=False; one with biases is an error that gives the difference dropping them would make)
 
+bias_rpe, t5, kerple and fire (and any encoding with --remote_code) export as a folder that carries its own code,
+loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and remote_code/modeling_nanope.py, a
+transformers wrapper (config, PreTrainedModel with generate) that imports it. config.json records the code's sha256,
+and the wrapper refuses to load other code.
+
     python export.py out-rope --out hf-rope
     python export.py out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
-
-bias_rpe, t5, kerple and fire have no architecture in transformers: a one-line error names those that export.
+    python export.py out-bias_rpe --out hf-bias_rpe
 
 Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a folder this script
 wrote (its nanope.json lists its files, and it holds nothing else), and never the run's folder or one above it. The
@@ -23,6 +27,8 @@ export is written in a new folder beside --out and renamed into place; every che
 """
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -33,12 +39,18 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from model import GPT, POS_ENCODINGS
+from model import GPT
 from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the code a remote-code export carries: nanoPE's model.py as it is, and the transformers wrapper that imports it
+CODE_FILES = (
+    Path(__file__).resolve().parent / "model.py",
+    Path(__file__).resolve().parent / "remote_code" / "modeling_nanope.py",
+)
+REMOTE_MODULE = "modeling_nanope"
 # what an export wrote before nanope.json listed its files
 LEGACY_FILES = (
     "config.json",
@@ -56,7 +68,8 @@ class ExportError(ValueError):
 
 
 def architecture(encoding: type) -> str | None:
-    """The transformers architecture that computes this encoding exactly (the class declares it), or None."""
+    """The transformers architecture that computes this encoding exactly (the class declares it), or None: the
+    export then carries nanoPE's own code."""
     return encoding.hf_architecture
 
 
@@ -271,6 +284,42 @@ def to_mpt(model: GPT, max_seq_len: int):
     return hf
 
 
+def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None) -> None:
+    """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and remote_code/modeling_nanope.py,
+    the transformers wrapper that imports it. config.json maps the Auto classes to them and records their sha256
+    (which the wrapper checks at load); the weights go under the wrapper's `gpt.` prefix, lm_head left out as
+    transformers leaves a tied weight out. Nothing of the folder's code runs here."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, __version__
+
+    for src in CODE_FILES:
+        shutil.copyfile(src, folder / src.name)
+    T = model.config.block_size
+    config = {
+        "architectures": ["NanoPEForCausalLM"],
+        "auto_map": {
+            "AutoConfig": f"{REMOTE_MODULE}.NanoPEConfig",
+            "AutoModelForCausalLM": f"{REMOTE_MODULE}.NanoPEForCausalLM",
+        },
+        "model_type": "nanope",
+        "model_args": dataclasses.asdict(model.config),
+        "code_sha256": {src.name: hashlib.sha256((folder / src.name).read_bytes()).hexdigest() for src in CODE_FILES},
+        # transformers' and lm-eval's notion of the context (lm-eval's default window): the last position of an
+        # encoding that stops at block_size, else 16x it (as far as this project evaluates; nothing stops longer)
+        "max_position_embeddings": T if model.encoding.max_len is not None else 16 * T,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "dtype": dtype,
+        "transformers_version": __version__,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot).save_pretrained(folder)
+    state = model.state_dict()
+    weights = {f"gpt.{k}": v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if k != "lm_head.weight"}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def hf_tokenizer(meta: dict):
     """A PreTrainedTokenizerFast that encodes and decodes as tokenizer.py's tokenizer for this meta."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -431,39 +480,43 @@ def export(
     n_positions: int | None = None,
     overwrite: bool = False,
     ckpt_path: Path | None = None,
+    remote_code: bool = False,
 ) -> Path:
     """Write the Hugging Face directory for a loaded checkpoint; returns out. dtype: the weights' dtype in the files
     (default: the checkpoint's training dtype where it is bf16/fp16, else float32). out must be new or empty, or with
     overwrite an earlier export; ckpt_path, the checkpoint's file, must not be in it."""
     out = check_out(Path(out), overwrite, ckpt_path)
-    model = model_from_checkpoint(ckpt).float().eval()
-    target = architecture(type(model.encoding))
-    if target is None:
-        ok = [name for name, cls in POS_ENCODINGS.items() if architecture(cls)]
-        raise ExportError(
-            f"pos_encoding={model.config.pos_encoding!r} has no architecture in transformers that computes it "
-            f"exactly; the encodings that export: {', '.join(ok)}"
-        )
+    try:
+        model = model_from_checkpoint(ckpt).float().eval()
+    except (TypeError, ValueError, RuntimeError) as e:  # an unknown encoding or option, weights of another shape
+        raise ExportError(f"the checkpoint does not build a model of this nanoPE: {e}") from e
+    target = "nanope" if remote_code else architecture(type(model.encoding)) or "nanope"
     if "tokenizer" not in ckpt:
         raise ExportError("the checkpoint stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
     dtype = dtype or ckpt.get("config", {}).get("dtype") or "float32"
     dtype = dtype if dtype in DTYPES else "float32"
     n_positions = check_positions(model, target, n_positions)
+    tok = hf_tokenizer(ckpt["tokenizer"])
     if target == "mpt":
         hf = to_mpt(model, n_positions)
     elif target == "gpt2":
         hf = to_gpt2(model, n_positions)
-    else:
+    elif target == "gpt_neox":
         hf = to_neox(model)
-    tok = hf_tokenizer(ckpt["tokenizer"])
-    hf.config.dtype = dtype
-    if ckpt["tokenizer"]["kind"] == "gpt2":  # generate stops at GPT-2's end of text
-        hf.config.bos_token_id = hf.config.eos_token_id = GPT2_EOT
-        hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = GPT2_EOT
+    else:  # nanoPE's own code: written below
+        hf = None
     # written whole in a new folder beside out, then renamed: never half an export, never a user's folder reused
     tmp = new_folder(out, "tmp")
     try:
-        hf.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
+        eot = GPT2_EOT if ckpt["tokenizer"]["kind"] == "gpt2" else None  # generate stops at GPT-2's end of text
+        if target == "nanope":
+            write_remote(model, tmp, dtype, eot)
+        else:
+            hf.config.dtype = dtype
+            if eot is not None:
+                hf.config.bos_token_id = hf.config.eos_token_id = eot
+                hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eot
+            hf.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         info = {"pos_encoding": model.config.pos_encoding, "architecture": target, "dtype": dtype}
         info["files"] = sorted([p.name for p in tmp.iterdir()] + ["nanope.json"])  # what --overwrite may replace
@@ -488,6 +541,11 @@ def main(argv: list[str] | None = None) -> Path:
         help="GPT-2's position table, MPT's ALiBi buffer: at least block_size (default: 16x block_size; learned: it)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier export")
+    p.add_argument(
+        "--remote_code",
+        action="store_true",
+        help="nanoPE's own model code in the folder (trust_remote_code), also for encodings transformers has",
+    )
     args = p.parse_args(argv)
     ckpt_path = Path(args.out_dir) / args.ckpt
     try:
@@ -495,10 +553,11 @@ def main(argv: list[str] | None = None) -> Path:
             raise ExportError(f"--n_positions={args.n_positions} must be at least 1 (and at least block_size)")
         check_out(Path(args.out), args.overwrite, ckpt_path)  # before the checkpoint loads; export() checks again
         ckpt = load_checkpoint(ckpt_path)
-        path = export(ckpt, Path(args.out), args.dtype, args.n_positions, args.overwrite, ckpt_path)
+        path = export(ckpt, Path(args.out), args.dtype, args.n_positions, args.overwrite, ckpt_path, args.remote_code)
     except (CheckpointError, ExportError) as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {path}: AutoModelForCausalLM.from_pretrained({str(path)!r}) and AutoTokenizer load it")
+    remote = ", trust_remote_code=True" if (path / "modeling_nanope.py").exists() else ""
+    print(f"wrote {path}: AutoModelForCausalLM.from_pretrained({str(path)!r}{remote}) and AutoTokenizer load it")
     return path
 
 

@@ -1,6 +1,6 @@
 """export.py: a checkpoint as a transformers directory that computes the same logits (GPT-2 for learned, sinusoidal
-and none; GPT-NeoX for RoPE and its scalings; MPT for ALiBi), its tokenizer, and the errors before anything is
-written."""
+and none; GPT-NeoX for RoPE and its scalings; MPT for ALiBi; every encoding as nanoPE's own code with
+trust_remote_code), its tokenizer, and the errors before anything is written."""
 
 import json
 import os
@@ -161,31 +161,35 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_command_and_its_errors(tmp_path):
-    """The command writes a directory transformers loads; each bad input is one line before anything is written."""
+    """The command writes a directory transformers loads (KERPLE: with its code); each bad input is one line before
+    anything is written."""
     for pe, kw in [("rope", {}), ("kerple", {}), ("alibi", {})]:
         ckpt, _ = checkpoint(pos_encoding=pe, **kw)
         save_checkpoint(ckpt, tmp_path / pe / "ckpt.pt")
-    r = run(str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope"))
-    assert r.returncode == 0, r.stderr
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-rope") is not None
+    ckpt["model_args"]["pos_encoding"] = "xpos"
+    save_checkpoint(ckpt, tmp_path / "xpos" / "ckpt.pt")
+    r = run(str(tmp_path / "kerple"), "--out", str(tmp_path / "hf-kerple"))
+    assert r.returncode == 0 and "trust_remote_code=True" in r.stdout, r.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-kerple", trust_remote_code=True)
+    assert type(hf).__name__ == "NanoPEForCausalLM"
+    assert run_cli(export.main, [str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope")]).returncode == 0
     cases = [
         ([str(tmp_path / "missing"), "--out", str(tmp_path / "x")], "no checkpoint at"),
-        ([str(tmp_path / "kerple"), "--out", str(tmp_path / "x")], "the encodings that export: sinusoidal, learned"),
+        ([str(tmp_path / "xpos"), "--out", str(tmp_path / "x")], "pos_encoding='xpos' is not a positional encoding"),
         ([str(tmp_path / "alibi"), "--out", str(tmp_path / "x")], "MPT has no biases .* changes the logits by up to"),
         ([str(tmp_path / "rope"), "--out", str(tmp_path / "hf-rope")], "exists and is not empty"),
+        ([str(tmp_path / "kerple"), "--out", str(tmp_path / "hf-kerple")], "exists and is not empty"),
     ]
-    for args, message in cases:  # in this process (run_cli): the command itself ran above and runs below
-        r = run_cli(export.main, args)
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-        assert re.search(message, lines[0]), lines[0]
+    for args, message in cases:  # in this process (run_cli): the command itself ran above
+        refused(args, message)
     assert not (tmp_path / "x").exists()
     (tmp_path / "rope" / "ckpt.pt").write_bytes(b"not a checkpoint")
     r = run_cli(export.main, [str(tmp_path / "rope"), "--out", str(tmp_path / "y")])
     assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and not (tmp_path / "y").exists()
+    before = tree(tmp_path / "hf-rope")
     assert run_cli(export.main, [str(tmp_path / "alibi"), "--out", str(tmp_path / "hf-rope"), "--overwrite"]).returncode
-    assert (tmp_path / "hf-rope" / "config.json").exists()  # a failed export leaves the old directory as it was
+    assert tree(tmp_path / "hf-rope") == before  # a failed export leaves the old directory as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alibi", "hf-kerple", "hf-rope", "kerple", "rope", "xpos"]
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -290,3 +294,148 @@ def test_n_positions_is_checked_before_any_work(pe, kw, n, message, tmp_path):
     run = saved_run(tmp_path / "run", pe, **kw)
     refused([str(run), "--out", str(tmp_path / "hf"), f"--n_positions={n}"], message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exports that carry their own code (every encoding): each exported once, shared by the tests below
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory) -> dict[str, tuple[Path, GPT, torch.nn.Module]]:
+    """Each encoding's export with --remote_code: its folder, our model, and the model transformers loads."""
+    root, exports = tmp_path_factory.mktemp("remote"), {}
+    for pe in POS_ENCODINGS:
+        ckpt, model = checkpoint(perturb=0.3, pos_encoding=pe)
+        out = export.export(ckpt, root / pe, remote_code=True)
+        exports[pe] = out, model, transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    return exports
+
+
+def length(pe: str) -> int:
+    """A sequence past the training length (32), where the encoding reaches."""
+    return 80 if POS_ENCODINGS[pe].extrapolates else 32
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_remote_code_export_computes_our_logits(pe, remote):
+    """Every encoding loads as nanoPE's own model through AutoModelForCausalLM (trust_remote_code) and gives our
+    logits in float32 to 1e-5, past the training length; AutoTokenizer loads the folder."""
+    out, model, hf = remote[pe]
+    assert type(hf).__name__ == "NanoPEForCausalLM" and hf.dtype == torch.float32
+    idx = torch.randint(0, V, (2, length(pe)), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        close(hf(idx).logits, model(idx)[0], tol=1e-5)
+    assert transformers.AutoTokenizer.from_pretrained(out).decode([5, 6]) == CHARS[5:7]
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_remote_code_left_padding_gives_each_row_its_own_logits(pe, remote):
+    """In a left-padded batch each row's logits are those it has alone: positions and biases count from its first
+    real token. Rows of 5, full and 23 tokens; the full one past the training length where the encoding reaches."""
+    _, model, hf = remote[pe]
+    T = length(pe)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, V, (n,), generator=g) for n in (5, T, 23)]
+    idx, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        idx[b, T - len(row) :], mask[b, T - len(row) :] = row, 1
+    with torch.no_grad():
+        logits = hf(idx, attention_mask=mask).logits
+        for b, row in enumerate(rows):
+            close(logits[b, T - len(row) :], model(row[None])[0][0], tol=1e-5)
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_remote_code_generate_gives_our_tokens(pe, remote):
+    """transformers' generate (its own loop, greedy, no cache) gives our greedy tokens, past the training length
+    where the encoding reaches, for a left-padded batch too (each row as it would be alone)."""
+    _, model, hf = remote[pe]
+    n = 30 if POS_ENCODINGS[pe].extrapolates else 24  # to 38 tokens, past the training length (32), or to 32
+    prompts = [torch.randint(0, V, (k,), generator=torch.Generator().manual_seed(k)) for k in (8, 5)]
+    idx, mask = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        idx[b, 8 - len(p) :], mask[b, 8 - len(p) :] = p, 1
+    theirs = hf.generate(idx, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    for b, p in enumerate(prompts):
+        ours = model.generate(p[None], n, temperature=0, max_context=len(p) + n)
+        assert torch.equal(theirs[b, 8:], ours[0, len(p) :]), b
+
+
+def test_bundled_code_is_our_model_and_recorded(remote):
+    """The folder's model.py is nanoPE's model.py byte for byte, its modeling_nanope.py the repository's wrapper;
+    config.json maps the Auto classes to them and records their sha256."""
+    import hashlib
+
+    out, _, hf = remote["bias_rpe"]
+    assert (out / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
+    assert (out / "modeling_nanope.py").read_bytes() == (ROOT / "remote_code" / "modeling_nanope.py").read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["code_sha256"] == {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in ("model.py", "modeling_nanope.py")
+    }
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nanope.NanoPEForCausalLM"
+    assert config["model_args"]["pos_encoding"] == "bias_rpe" and (out / "model.safetensors").exists()
+
+
+def test_other_code_in_the_folder_is_refused_at_load(remote, tmp_path):
+    """A folder whose model code was edited, or whose config.json records other code (files mixed from another
+    export), is refused at load with a one-line error that names the files and the fix."""
+    import shutil
+
+    src = remote["fire"][0]
+    edited, mixed = tmp_path / "edited", tmp_path / "mixed"
+    shutil.copytree(src, edited)
+    (edited / "model.py").write_text((edited / "model.py").read_text() + "\n# changed\n")
+    shutil.copytree(src, mixed)
+    config = json.loads((mixed / "config.json").read_text())
+    config["code_sha256"]["modeling_nanope.py"] = "0" * 64
+    (mixed / "config.json").write_text(json.dumps(config))
+    for folder, name in [(edited, "model.py"), (mixed, "modeling_nanope.py")]:
+        with pytest.raises(
+            ValueError, match=rf"this folder's code \({name}\) is not the code it was exported with"
+        ) as e:
+            transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert "\n" not in str(e.value) and "export the run again" in str(e.value)
+
+
+def test_bf16_remote_code_export_loads(tmp_path):
+    """--dtype bfloat16 writes bf16 weights that load as a bf16 model, whose logits are ours to bf16's precision."""
+    from safetensors import safe_open
+
+    ckpt, model = checkpoint(pos_encoding="t5")
+    out = export.export(ckpt, tmp_path / "hf", dtype="bfloat16")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert hf.dtype == torch.bfloat16
+    idx = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        close(hf(idx).logits.float(), model.to(torch.bfloat16)(idx)[0].float(), tol=0.05)
+
+
+LOAD_ALONE = """
+import importlib.util, sys, torch
+from transformers import AutoModelForCausalLM
+assert importlib.util.find_spec("model") is None and importlib.util.find_spec("export") is None, "nanoPE on the path"
+hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+print(sys.modules[type(hf).__module__].__file__)
+with torch.no_grad():
+    torch.save(hf(torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def test_remote_code_loads_without_nanope(remote, tmp_path):
+    """A process that cannot import nanoPE (cwd and sys.path outside the repository) loads the folder with
+    trust_remote_code and computes our logits: the folder carries all the code it needs."""
+    out, model, _ = remote["bias_rpe"]
+    idx = torch.randint(0, V, (2, 80), generator=torch.Generator().manual_seed(1))
+    torch.save(idx, tmp_path / "idx.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
+        "HF_MODULES_CACHE": str(tmp_path / "modules")
+    }
+    cmd = [sys.executable, "-I", "-c", LOAD_ALONE, str(out), str(tmp_path / "idx.pt"), str(tmp_path / "logits.pt")]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith(str(tmp_path / "modules")), r.stdout
+    with torch.no_grad():
+        close(torch.load(tmp_path / "logits.pt"), model(idx)[0], tol=1e-5)
