@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import close, tiny, tokens, train_in_process
+from conftest import close, run_cli, tiny, tokens, train_in_process
+from test_eval_length import save_run, save_synthetic_run
 
 import probe
 from datafiles import prepare_text, read_embedded_corpus
@@ -117,3 +118,71 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     with pytest.raises(SystemExit):
         probe.main([str(tmp_path / "alibi"), "--device=foo"])
     assert "device='foo' is not a device" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Random checkpoints (block 16) on a small character dataset, a synthetic-task run, and a dataset in another
+    character vocabulary."""
+    root = tmp_path_factory.mktemp("probe")
+    text = read_embedded_corpus()[:20_000]
+    prepare_text(text, root / "data", "char")
+    prepare_text(text.upper(), root / "upper", "char")
+    meta = json.loads((root / "data" / "meta.json").read_text())
+    for pe in ("alibi", "learned"):
+        save_run(root / pe, meta["tokenizer"], meta["vocab_size"], {"dataset": str(root / "data")}, pe)
+    save_synthetic_run(root / "passkey")
+    return {name: root / name for name in ("alibi", "learned", "passkey", "upper")}
+
+
+def probe_here(*args: str):
+    return run_cli(probe.main, ["--device=cpu", *args])
+
+
+def test_mistakes_stop_before_any_probing(runs, tmp_path, monkeypatch):
+    """Each mistake is one line (status 2 for an option, 1 for a checkpoint or dataset) naming it and the fix, before
+    any checkpoint is probed and with nothing written: another tokenizer's dataset, a synthetic-task run, a second
+    checkpoint that cannot be probed, lengths and counts out of range or beyond memory, bad output paths."""
+    monkeypatch.setattr(probe, "probe", lambda *a: pytest.fail("probed before every check"))
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    out = tmp_path / "p.json"
+    alibi = str(runs["alibi"])
+    cases = [
+        ([alibi, "--data_dir", str(runs["upper"])], 1, "is tokenized with a character vocabulary of"),
+        (
+            [str(runs["passkey"])],
+            1,
+            f"synthetic task 'passkey', not on text; synthetic.py scores it: python synthetic.py {runs['passkey']}",
+        ),
+        ([alibi, str(runs["learned"])], 1, "learned has no positions past its block size"),
+        ([alibi, "--length=8"], 1, "must exceed the training length 16"),
+        ([alibi, "--length=-3"], 2, "--length -3: must be past the training length"),
+        ([alibi, "--windows=100000"], 1, "--windows 100000: the validation split has"),
+        ([alibi, "--length=100000"], 1, "fewer than --length 100000 + 1; use a shorter --length"),
+        ([alibi, f"--plot={folder}"], 2, f"--plot='{folder}' is a folder"),
+        ([alibi, "--plot=p.xyz"], 2, "--plot='p.xyz': the file name must end in .png"),
+        ([alibi, f"--out_json={tmp_path / 'missing' / 'p.json'}"], 2, "does not exist; create it, or write elsewhere"),
+        ([alibi, "--device=foo"], 2, "device='foo' is not a device"),
+    ]
+    for argv, code, message in cases:
+        r = probe_here(f"--out_json={out}", "--length=32", *argv)  # later options win: argv's --length, --out_json
+        assert r.returncode == code and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+    monkeypatch.setattr(probe, "device_memory", lambda device: 2**20)  # 1 MB
+    r = probe_here(alibi, "--length=512", f"--out_json={out}")
+    assert r.returncode == 1 and "probing 512 tokens needs at least" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"] and not any(folder.iterdir())
+
+
+def test_outputs_are_written_whole_and_optional(runs, tmp_path, monkeypatch):
+    """--out_json and --plot get whole files (a PDF here: the suffix picks the format) and no temporary files; an
+    empty value writes none (not even the default name in the working folder)."""
+    out, plot = tmp_path / "p.json", tmp_path / "p.pdf"
+    r = probe_here(str(runs["alibi"]), "--length=32", "--windows=2", f"--out_json={out}", f"--plot={plot}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["length"] == 32 and plot.read_bytes()[:4] == b"%PDF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "p.pdf"]
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    r = probe_here(str(runs["alibi"]), "--length=32", "--windows=1", "--out_json=", "--plot=")
+    assert r.returncode == 0 and "| alibi | 0 |" in r.stdout and not any((tmp_path / "empty").iterdir())

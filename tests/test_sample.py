@@ -222,6 +222,8 @@ def test_load_checkpoint_rejects_what_is_not_a_checkpoint(tmp_path):
         ("--rope_scaling=yarm", "rope_scaling='yarm': choose one of"),
         ("--dtype=float64", "dtype='float64': choose float32"),
         ("--device=foo", "device='foo' is not a device"),
+        ("--seed=-1", "seed=-1: must be an integer from 0 to 2"),
+        ("--seed=99999999999999999999", "seed=99999999999999999999: must be an integer from 0 to 2"),
     ],
 )
 def test_sample_options_out_of_range_are_errors(option, message):
@@ -297,3 +299,77 @@ def test_sample_help_and_unloadable_gpt2_name(capsys):
     assert all(f"{key}=" in out for key in sample.defaults) and "top_p=None,  # nucleus sampling" in out
     with pytest.raises(SystemExit, match="cannot load GPT-2 weights from init_from='/nonexistent/gpt2'"):
         sample.main(["--init_from=/nonexistent/gpt2", "--device=cpu"])
+
+
+def test_binary_prompt_file_is_a_one_line_error(tmp_path):
+    """A prompt file that is not UTF-8 text is one line naming it (it used to be a UnicodeDecodeError)."""
+    make_checkpoint(tmp_path)
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes(range(128, 256)))
+    r = sample_here(f"--out_dir={tmp_path}", f"--start=FILE:{binary}", "--max_new_tokens=2")
+    assert r.returncode == 1 and f"the prompt file {binary} is not UTF-8 text" in r.stderr
+    assert "give a text file" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_huge_context_is_what_the_tokens_need(tmp_path, monkeypatch):
+    """A max_context far past the prompt and the new tokens samples what the whole sequence as context does (it used
+    to allocate a cache of that many slots and fail); more tokens than the device's memory holds is one line, checked
+    before any is generated."""
+    make_checkpoint(tmp_path, noise=0.5)
+    common = (f"--out_dir={tmp_path}", "--start=Before", "--num_samples=1", "--max_new_tokens=40", "--temperature=0")
+    huge, exact = sample_here(*common, "--max_context=1000000000000"), sample_here(*common, "--max_context=46")
+    assert huge.returncode == 0 and huge.stdout == exact.stdout and len(huge.stdout) == len("Before") + 41
+    monkeypatch.setattr(GPT, "generate", lambda *a, **k: pytest.fail("generated before the memory was checked"))
+    r = sample_here(*common[:-2], "--max_new_tokens=1000000000000", "--max_context=1000000000000")
+    assert (
+        r.returncode == 1
+        and "needs at least" in r.stderr
+        and "use a smaller --max_context or --max_new_tokens" in r.stderr
+    )
+    assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_advice_is_what_train_py_accepts(tmp_path):
+    """A ckpt.dcp whose folder of shards is gone is advised a restore or --overwrite=True, which train.py accepts for
+    that folder (it refuses a plain fresh start there, which sample.py used to suggest); a misspelled --ckpt names
+    the checkpoints the folder holds; a checkpoint file given as out_dir names its folder."""
+    import train
+
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "ckpt.dcp").symlink_to("shards/00000010-gone")
+    r = sample_here(f"--out_dir={dangling}")
+    assert r.returncode == 1 and "Train a model first" not in r.stderr and "Traceback" not in r.stderr
+    assert f"python train.py config/rope.py --out_dir={dangling} --overwrite=True" in r.stderr
+    cfg = {"out_dir": str(dangling), "init_from": "scratch", "parallel": "ddp", "overwrite": False}
+    with pytest.raises(train.TrainError, match="already holds a run"):
+        train.prepare_out_dir(cfg)
+    train.prepare_out_dir(cfg | {"overwrite": True})
+    train.release_out_dir()
+
+    run = tmp_path / "run"
+    make_checkpoint(run)
+    r = sample_here(f"--out_dir={run}", "--ckpt=ckpt_bst.pt")
+    assert r.returncode == 1 and f"{run} holds ckpt.pt: sample from one with --ckpt=ckpt.pt" in r.stderr
+    r = sample_here(f"--out_dir={run / 'ckpt.pt'}")
+    assert (
+        r.returncode == 1 and f"is a file; give the folder that holds the checkpoint, e.g. --out_dir={run}" in r.stderr
+    )
+
+
+def test_synthetic_model_prompt_example_is_token_ids(tmp_path):
+    """A model of a synthetic task reads token ids: the default prompt (a newline) is empty to it, and the error's
+    example is ids, which then sample."""
+    save_checkpoint(
+        {
+            "model": GPT(GPTConfig(block_size=16, vocab_size=128, n_layer=1, n_head=2, n_embd=16)).state_dict(),
+            "model_args": asdict(GPTConfig(block_size=16, vocab_size=128, n_layer=1, n_head=2, n_embd=16)),
+            "tokenizer": {"kind": "ids", "vocab_size": 128},
+            "config": {"task": "passkey"},
+        },
+        tmp_path / "ckpt.pt",
+    )
+    r = sample_here(f"--out_dir={tmp_path}", "--max_new_tokens=3")
+    assert r.returncode == 1 and "--start='0 17 5'" in r.stderr
+    r = sample_here(f"--out_dir={tmp_path}", "--start=0 17 5", "--max_new_tokens=3", "--num_samples=1")
+    assert r.returncode == 0 and len(r.stdout.split()) == 6 and r.stdout.startswith("0 17 5 ")

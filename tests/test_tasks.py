@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import train_in_process
+from conftest import run_cli, train_in_process
+from test_eval_length import save_run, save_synthetic_run
 
 import tasks
 import train as train_py
@@ -300,3 +301,69 @@ def test_cli_writes_table_json_and_heatmap(tiny_data, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["depths"] == [0.0, 0.5, 1.0] and len(report["checkpoints"]["rope"]["passkey_grid"]["192"]) == 3
     assert (tmp_path / "passkey.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def task_runs(tiny_data, tmp_path_factory) -> dict:
+    """Random checkpoints (block 16) that read tiny_data's characters, two of them in folders of one name; one whose
+    vocabulary lacks digits; a synthetic-task run."""
+    root = tmp_path_factory.mktemp("runs")
+    meta = json.loads((tiny_data / "meta.json").read_text())
+    for d in ("a/out", "b/out"):
+        save_run(root / d, meta["tokenizer"], meta["vocab_size"], {"dataset": str(tiny_data)})
+    no_digits = CharTokenizer("".join(c for c in SHAKESPEARE_CHARS if not c.isdigit()))
+    save_run(root / "no_digits", no_digits.meta, no_digits.vocab_size, {"dataset": "elsewhere"})
+    save_synthetic_run(root / "passkey")
+    return {name: root / name for name in ("a/out", "b/out", "no_digits", "passkey")}
+
+
+def tasks_here(*args: str):
+    return run_cli(tasks.main, ["--device=cpu", "--lengths", "96", "--trials=1", "--depths=2", *args])
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--seed=-1"], 2, "--seed=-1: must be >= 0"),
+        (["--device=foo"], 2, "device='foo' is not a device"),
+        (["--device=cuda:7"], 2, "device='cuda:7' but"),
+        (["--depths=200"], 2, "--depths=200: more depths than the shortest length has tokens (96)"),
+        (["--plot=OUT"], 2, "--plot='OUT' is a folder"),
+        (["--plot=p.xyz"], 2, "--plot='p.xyz': the file name must end in .png"),
+        (["--out_json=OUT"], 2, "--out_json='OUT' is a folder"),
+        (["--out_json=OUT/missing/t.json"], 2, "does not exist; create it, or write elsewhere"),
+        (
+            ["--out_dir", "passkey"],
+            1,
+            "synthetic task 'passkey', not on text; synthetic.py scores it: python synthetic.py",
+        ),
+        (["--out_dir", "a/out", "no_digits"], 1, "no_digits: the passkey task writes characters that this"),
+        (["--out_dir", "a/out", "a/out"], 2, "--out_dir: a folder is given twice"),
+        (["--lengths", "8"], 1, "the passkey task needs a length of at least"),
+        (["--lengths", "96", "10000000000"], 1, "evaluating 10000000000 tokens needs at least"),
+    ],
+)
+def test_mistakes_stop_before_any_evaluation(task_runs, tmp_path, monkeypatch, args, code, message):
+    """Each mistake is one line (status 2 for an option, 1 for a checkpoint) naming it and the fix, before any
+    checkpoint is evaluated and with nothing written: bad seeds, devices and output paths used to be tracebacks, a
+    bad --out_json failed after the whole evaluation, and a synthetic-task run was sent to another dataset."""
+    monkeypatch.setattr(tasks, "evaluate_checkpoint", lambda *a: pytest.fail("evaluated before every check"))
+    monkeypatch.chdir(tmp_path)  # the default outputs would land here
+    (tmp_path / "OUT").mkdir()
+    args = [str(task_runs[a]) if a in task_runs else a.replace("OUT", str(tmp_path / "OUT")) for a in args]
+    args = args if "--out_dir" in args else ["--out_dir", str(task_runs["a/out"]), *args]
+    r = tasks_here(*args)
+    lines = r.stderr.strip().splitlines()  # argparse's usage, then its error line; else the error line alone
+    assert r.returncode == code and message.replace("OUT", str(tmp_path / "OUT")) in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr and (code == 2 or len(lines) == 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["OUT"] and not any((tmp_path / "OUT").iterdir())
+
+
+def test_folders_of_one_name_keep_their_rows(task_runs, tmp_path):
+    """Two runs in folders of one name (a/out, b/out) keep a row each, labelled by their paths (the second used to
+    replace the first); the JSON and the heatmap are written whole, with no temporary files."""
+    out, plot = tmp_path / "t.json", tmp_path / "t.svg"
+    r = tasks_here("--out_dir", str(task_runs["a/out"]), str(task_runs["b/out"]), f"--out_json={out}", f"--plot={plot}")
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(out.read_text())["checkpoints"]) == [str(task_runs["a/out"]), str(task_runs["b/out"])]
+    assert plot.read_text().startswith("<?xml") and sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.svg"]
