@@ -92,6 +92,8 @@ defaults = dict(
     # (the pairs together first, the queries at random places after them)
     task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
     # then found through the marker); validation has the task's rows alone
+    task_prev_tokens=False,  # training rows also ask, at every position that is not an answer, for the token before
+    # it (a curriculum that builds the previous-token head retrieval by key needs); validation has the answers alone
     # model
     pos_encoding="rope",  # one of the encodings (--help lists them); each encoding's own options follow this block
     gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
@@ -129,7 +131,7 @@ EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files i
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
-TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix")  # synthetic.py's tasks'
+TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
 MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 
@@ -614,9 +616,9 @@ class Run:
             # validation reads the rows the evaluation scores (no curriculum, the full task), so that "learned" and
             # the 1x column of synthetic.py measure one distribution
             train = split == "train"
-            mix = cfg["task_mix"] if train else 0.0
+            mix, previous = (cfg["task_mix"], cfg["task_prev_tokens"]) if train else (0.0, False)
             opts = synthetic.task_options(cfg)
-            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, train=train, mix=mix, **opts)
+            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, train, mix, previous, **opts)
             return x.to(p.device), y.to(p.device)
         return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
 

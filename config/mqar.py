@@ -1,12 +1,14 @@
-# Multi-query associative recall of the synthetic suite (synthetic.py, as in Zoology), composed after an encoding's
-# config:
+# Multi-query associative recall of the synthetic suite (synthetic.py, Zoology's layout), composed after an
+# encoding's config:
 #   python train.py config/rope.py config/mqar.py            -> out-rope-mqar, about two minutes on one CPU core
-# task_pairs key-value pairs at random places in filler, then task_queries of the keys, each followed by its value.
-# Training rows have 1 to task_pairs pairs, and a quarter of them are needle rows (task_mix).
+# task_pairs key-value pairs together at the start, then every key asked once at random places in filler; the answer
+# (the key's value) never enters the input. Training rows have 1 to task_pairs pairs, and every other position also
+# asks for the token before it (task_prev_tokens): without that curriculum runs sat at the floor for 3,000 steps.
 task = "mqar"
-task_pairs = 4  # with 8 pairs and 4 queries, runs stayed near chance for 1,600 steps at this width
-task_queries = 2
-task_mix = 0.25
+task_layout = "zoology"
+task_pairs = 4
+task_queries = 4
+task_prev_tokens = True
 device = "cpu"
 compile = False
 block_size = 64

@@ -80,3 +80,56 @@ def test_consolidating_a_run_that_cannot_be_written_says_so_first(tmp_path, monk
     monkeypatch.setattr(checkpoint, "sharded_folder", lambda *a: pytest.fail("read before the write check"))
     with pytest.raises(CheckpointError, match="cannot write .*ckpt.pt \\(Read-only file system\\); copy the run's"):
         checkpoint.consolidate(tmp_path)
+
+
+# Checkpoints that an earlier version of train.py wrote, at iteration 6 of a 12-iteration run, and the model weights of
+# the same run trained straight to 12 by that version (tests/fixtures/before_redesign: ALiBi, 1 layer, 16 dims, on
+# the first 200k characters of the embedded corpus, in one process; the sharded one with --parallel=fsdp). Today's
+# code must resume them and reach the same weights: the keys, the sampler, AdamW's state and the RNGs all carry over.
+FIXTURES = Path(__file__).parent / "fixtures" / "before_redesign"
+FIXTURE_ARGS = [
+    "--device=cpu",
+    "--compile=False",
+    "--dtype=float32",
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=16",
+    "--block_size=32",
+    "--batch_size=4",
+    "--eval_iters=2",
+    "--eval_interval=3",
+    "--log_interval=1",
+    "--warmup_iters=2",
+    "--lr_decay_iters=12",
+    "--learning_rate=3e-3",
+    "--pos_encoding=alibi",
+    "--max_iters=12",
+    "--init_from=resume",
+]
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path):
+    """A ckpt.pt and a sharded ckpt.dcp written by the version before the redesign resume in today's train.py and
+    reach, bit for bit, the weights that version's uninterrupted run reached."""
+    import shutil
+
+    from conftest import train_in_process
+
+    from datafiles import prepare_text, read_embedded_corpus
+
+    data = tmp_path / "data"
+    prepare_text(read_embedded_corpus()[:200_000], data, "char")
+    out = tmp_path / "run"
+    if kind == "plain":
+        out.mkdir()
+        shutil.copy(FIXTURES / "plain_ckpt.pt", out / "ckpt.pt")
+    else:
+        shutil.copytree(FIXTURES / "sharded", out, symlinks=True)
+    extra = ["--parallel=fsdp"] if kind == "sharded" else []
+    train_in_process([*FIXTURE_ARGS, *extra, f"--dataset={data}", f"--out_dir={out}"])
+    resumed = load_checkpoint(out / "ckpt.pt")
+    expected = torch.load(FIXTURES / f"{kind}_final_model.pt", weights_only=True)
+    assert resumed["iter_num"] == 12 and resumed["model"].keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(resumed["model"][k], v), k

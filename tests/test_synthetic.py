@@ -332,6 +332,17 @@ def test_answer_only_loss_is_masked_cross_entropy():
     torch.testing.assert_close(loss.double(), torch.stack(terms).mean(), atol=1e-6, rtol=1e-6)
 
 
+def test_previous_token_curriculum_asks_for_the_token_before():
+    """task_prev_tokens: every position that is not an answer asks for the token before it, the answers stay, the
+    first position asks for nothing; without it the rows are the task's alone."""
+    plain = S.batch("mqar", V, 8, 64, np.random.default_rng(3), pairs=4, queries=4, layout="zoology")
+    x, y = S.batch("mqar", V, 8, 64, np.random.default_rng(3), previous=True, pairs=4, queries=4, layout="zoology")
+    assert torch.equal(x, plain[0])
+    answers = plain[1] >= 0
+    assert torch.equal(y[answers], plain[1][answers]) and (y[:, 0] == -1).all()
+    assert torch.equal(y[:, 1:][~answers[:, 1:]], x[:, :-1][~answers[:, 1:]])
+
+
 def test_mix_puts_needle_rows_in_training_batches():
     """task_mix: about that share of the rows are needle rows (filler from the filler range), the rest the task's."""
     x, _ = S.batch("passkey", V, 2000, 64, np.random.default_rng(0), mix=0.25)
