@@ -147,8 +147,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--names: {len(args.names)} labels for {len(args.out_dirs)} checkpoints; give one per checkpoint")
     if args.eval_tokens < 1:
         p.error(f"--eval_tokens={args.eval_tokens}: must be >= 1")
-    if args.rope_factor is not None and not args.rope_factor >= 1:
-        p.error(f"--rope_factor={args.rope_factor}: must be >= 1 (how many times longer than training)")
+    if args.rope_factor is not None and not 1 <= args.rope_factor < math.inf:
+        p.error(f"--rope_factor={args.rope_factor}: must be a number >= 1 (how many times longer than training)")
     if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
         p.error(f"--memory_gb={args.memory_gb}: must be a positive number")
     if args.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     check_args(p, args)
     lengths = sorted(set(args.lengths))
+    args.modes, args.rope_scaling = list(dict.fromkeys(args.modes)), list(dict.fromkeys(args.rope_scaling))  # once
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     ctx = autocast(device, dtype)

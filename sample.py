@@ -56,13 +56,19 @@ def check_options(cfg: dict) -> None:
     need(cfg["num_samples"] >= 1, "num_samples", "must be >= 1")
     need(cfg["max_new_tokens"] >= 1, "max_new_tokens", "must be >= 1")
     need(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0, "temperature", "must be >= 0 (0: greedy)")
+    # logits / temperature overflow float32 near 1e-36; long before that, sampling is greedy anyway
+    need(not 0 < cfg["temperature"] < 1e-6, "temperature", "below 1e-6 it is greedy: use 0")
     top_k, top_p = cfg["top_k"], cfg["top_p"]
     need(top_k is None or (type(top_k) is int and top_k >= 1), "top_k", "must be an integer >= 1, or None (all)")
     need(top_p is None or (number(top_p) and 0 < top_p <= 1), "top_p", "must be in (0, 1], or None (all)")
     mc = cfg["max_context"]
     need(mc is None or (type(mc) is int and mc >= 1), "max_context", "must be an integer >= 1, or None (block_size)")
     need(cfg["rope_scaling"] in ("", *ROPE_SCALINGS), "rope_scaling", f"choose one of {', '.join(ROPE_SCALINGS)}")
-    need(cfg["rope_factor"] == 0 or cfg["rope_factor"] >= 1, "rope_factor", "must be >= 1 (0: the default)")
+    need(
+        cfg["rope_factor"] == 0 or 1 <= cfg["rope_factor"] < math.inf,
+        "rope_factor",
+        "must be a number >= 1 (0: the default)",
+    )
     need(cfg["dtype"] in ("", "float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     need(cfg["ckpt"] != "", "ckpt", "name a checkpoint file in out_dir, e.g. ckpt.pt or ckpt_best.pt")
     need(0 <= cfg["seed"] < 2**64, "seed", "must be an integer from 0 to 2**64 - 1")

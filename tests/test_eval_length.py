@@ -164,12 +164,14 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
 
 
 def test_names_label_the_rows(ckpts, tmp_path, capsys):
-    """--names labels each checkpoint's rows (two runs of one encoding, e.g. bias-RPE with two r_max), scalings too."""
+    """--names labels each checkpoint's rows (two runs of one encoding, e.g. bias-RPE with two r_max), scalings too;
+    a scaling or a mode given twice is one row, one table."""
     argv = [str(ckpts["rope"]), str(ckpts["alibi"]), "--names", "rope A", "alibi B", "--lengths", "8", "16"]
-    argv += ["--eval_tokens", "200", "--rope_scaling", "yarn", "--plot", "", "--out_json", str(tmp_path / "r.json")]
-    report = eval_length.main(argv)
+    argv += ["--eval_tokens", "200", "--rope_scaling", "yarn", "yarn", "--modes", "sliding", "sliding"]
+    report = eval_length.main([*argv, "--plot", "", "--out_json", str(tmp_path / "r.json")])
     assert [r["name"] for r in report["runs"]] == ["rope A", "rope A+yarn (s=L/16)", "alibi B"]
-    assert "| alibi B [16] |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| alibi B [16] |" in out and out.count("Perplexity, sliding windows") == 1
 
 
 def test_errors_name_the_problem(ckpts, tmp_path):
@@ -212,6 +214,7 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
         (["--lengths", "1"], "--lengths 1: every length must be >= 2"),
         (["--eval_tokens", "0"], "--eval_tokens=0"),
         (["--rope_factor", "0.5"], "--rope_factor=0.5"),
+        (["--rope_factor", "1e400"], "--rope_factor=inf: must be a number >= 1"),
         (["--memory_gb", "-1"], "--memory_gb=-1"),
         (["--dtype", "float8"], "--dtype=float8"),
         (["--device", "foo"], "device='foo' is not a device"),
