@@ -193,19 +193,8 @@ def test_dynamic_ntk_is_not_scaled_twice(ckpts, monkeypatch):
 
     real = eval_length.evaluate
     monkeypatch.setattr(eval_length, "evaluate", spy)
-    args = [
-        "--lengths",
-        "16",
-        "64",
-        "--modes",
-        "nonoverlapping",
-        "--eval_tokens",
-        "100",
-        "--plot",
-        "",
-        "--out_json",
-        "",
-    ]
+    args = ["--lengths", "16", "64", "--modes", "nonoverlapping", "--eval_tokens", "100"]
+    args += ["--plot", "", "--out_json", ""]
     report = eval_length.main([str(ckpts["rope"]), *args, "--rope_scaling", "dynamic_ntk", "yarn"])
     assert [r["name"] for r in report["runs"]] == ["rope", "rope+dynamic_ntk", "rope+yarn (s=L/16)"]
     d, base = 8, 10000.0  # head dim 16 / 2 heads
