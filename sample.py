@@ -108,7 +108,7 @@ def checkpoint_advice(out_dir: Path, ckpt_path: Path) -> str:
     )
 
 
-def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer]:
+def load(cfg: dict) -> tuple[GPT, CharTokenizer | GPT2Tokenizer | IdsTokenizer]:
     """The model and tokenizer of out_dir's checkpoint; an error names what is wrong and what to do."""
     out_dir = Path(cfg["out_dir"])
     ckpt_path = out_dir / cfg["ckpt"]

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--depths={args.depths}: more depths than the shortest length has tokens ({min(args.lengths)})")
     if args.seed < 0:
         p.error(f"--seed={args.seed}: must be >= 0")
-    lengths = list(dict.fromkeys(args.lengths))  # each once: a length is a column
+    lengths, args.tasks = list(dict.fromkeys(args.lengths)), list(dict.fromkeys(args.tasks))  # each once: columns
     try:
         check_device(args.device)
         for flag, suffixes in (("out_json", ()), ("plot", PLOT_FORMATS)):

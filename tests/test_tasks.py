@@ -361,9 +361,14 @@ def test_mistakes_stop_before_any_evaluation(task_runs, tmp_path, monkeypatch, a
 
 def test_folders_of_one_name_keep_their_rows(task_runs, tmp_path):
     """Two runs in folders of one name (a/out, b/out) keep a row each, labelled by their paths (the second used to
-    replace the first); the JSON and the heatmap are written whole, with no temporary files."""
+    replace the first); a task or a length given twice is one column; the JSON and the heatmap are written whole,
+    with no temporary files."""
     out, plot = tmp_path / "t.json", tmp_path / "t.svg"
-    r = tasks_here("--out_dir", str(task_runs["a/out"]), str(task_runs["b/out"]), f"--out_json={out}", f"--plot={plot}")
+    runs = ["--out_dir", str(task_runs["a/out"]), str(task_runs["b/out"])]
+    r = tasks_here(
+        *runs, "--tasks", "passkey", "copy", "copy", "--lengths", "96", "96", f"--out_json={out}", f"--plot={plot}"
+    )
     assert r.returncode == 0, r.stderr
+    assert "| checkpoint | passkey 96 | copy 96 | k_max |" in r.stdout  # a task or length given twice: one column
     assert list(json.loads(out.read_text())["checkpoints"]) == [str(task_runs["a/out"]), str(task_runs["b/out"])]
     assert plot.read_text().startswith("<?xml") and sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.svg"]
