@@ -421,8 +421,9 @@ def check_out(out: Path, overwrite: bool = False, ckpt_path: Path | None = None)
     if out.is_symlink():
         raise ExportError(f"{flag} is a symbolic link; give the folder itself")
     out = out.resolve()
-    if ckpt_path is not None:
-        run = ckpt_path.resolve().parent
+    # the run's folder as given, and the checkpoint's own where ckpt.pt is a link
+    runs = [] if ckpt_path is None else [ckpt_path.absolute().parent.resolve(), ckpt_path.resolve().parent]
+    for run in runs:
         if run == out or out in run.parents:
             raise ExportError(
                 f"{flag} {'is' if run == out else 'holds'} the run being exported ({run}): replacing it would delete "
