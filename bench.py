@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from configurator import autocast, peak_flops
+from devices import allow_tf32, autocast, peak_flops
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 ENCODINGS = list(POS_ENCODINGS)
@@ -396,9 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device=cuda but no CUDA device is visible; use --device=cpu")
     args.compile = device == "cuda"
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(device)
     if args.threads:
         torch.set_num_threads(args.threads)
     nanogpt = load_nanogpt(args.nanogpt)

@@ -6,6 +6,11 @@ so nothing loaded can run code.
 A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead: every process its own shards, through
 torch.distributed.checkpoint, which loads them back at any number of processes. Every reader here loads either
 kind; `python checkpoint.py OUT_DIR` turns ckpt.dcp into a ckpt.pt (for a run resumed without sharding).
+
+It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp) and its one reader, ShardedCheckpoint,
+the two formats as train.py saves and restores them, and the Checkpointer, which owns a training run's out_dir (its
+lock, what it may overwrite, which format it holds, saving and restoring); last, the readers of the evaluation
+scripts and the consolidation.
 """
 
 import contextlib
@@ -15,18 +20,21 @@ import sys
 import uuid
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from datafiles import dataset_dir, load_meta
 from model import GPT, GPTConfig
 
 
 class CheckpointError(Exception):
     pass
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# One file: ckpt.pt
 
 
 def save_checkpoint(ckpt: dict, path: str | Path) -> None:
@@ -68,21 +76,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
-    """A checkpoint, ckpt.pt or (where only that exists) its sharded ckpt.dcp, with the model's full weights and no
-    optimizer state."""
-    path = Path(path)
-    if not path.is_file() and os.path.lexists(path.with_suffix(".dcp")):
-        return load_sharded_model(path.with_suffix(".dcp"))
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
-    ckpt = _load(path, map_location)
-    missing = [k for k in ("model", "model_args") if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path} is not a nanoPE/nanoGPT checkpoint: it lacks {', '.join(missing)}")
-    return ckpt
-
-
 def _load(path: Path, map_location: str) -> dict:
     """torch.load with weights_only (tensors and plain data: nothing in the file can run code). A file it cannot read
     is named as damaged or not a checkpoint; torch's own advice to retry with weights_only=False is not passed on, as
@@ -107,13 +100,38 @@ def _zip_or_pickle(path: Path) -> bool:
     return head == b"PK" or head[:1] == b"\x80"
 
 
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
+    """A checkpoint, ckpt.pt or (where only that exists) its sharded ckpt.dcp, with the model's full weights and no
+    optimizer state."""
+    path = Path(path)
+    if not path.is_file() and os.path.lexists(path.with_suffix(".dcp")):
+        return ShardedCheckpoint(path.with_suffix(".dcp")).whole()
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    ckpt = _load(path, map_location)
+    missing = [k for k in ("model", "model_args") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a nanoPE/nanoGPT checkpoint: it lacks {', '.join(missing)}")
+    return ckpt
+
+
+def model_state(state: dict) -> dict:
+    """A saved model state as this GPT loads it: nanoGPT's compiled runs leave an `_orig_mod.` prefix on each key."""
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
 def model_from_checkpoint(ckpt: dict) -> GPT:
     """Rebuild the model a checkpoint describes. Accepts nanoGPT's checkpoints too (learned positions, and the
     `_orig_mod.` prefix its compiled runs leave)."""
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    model.load_state_dict(state)
+    model.load_state_dict(model_state(ckpt["model"]))
     return model
+
+
+def new_optimizer(model: GPT, cfg: dict, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """AdamW as train.py's config sets it up for this model (the state a checkpoint's optimizer fills)."""
+    betas = (cfg["beta1"], cfg["beta2"])
+    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -242,51 +260,65 @@ def sharded_folder(link: str | Path) -> Path:
     return folder
 
 
-def load_sharded_meta(link: str | Path) -> dict:
-    """A sharded checkpoint's meta.pt (ckpt.dcp or its folder): every key of a ckpt.pt but the model and optimizer
-    states."""
-    return _read_meta(sharded_folder(link))
+class ShardedCheckpoint:
+    """The one reader of a sharded checkpoint (ckpt.dcp, or its folder): the link is resolved and the folder checked
+    whole once, here, so that a save moving the link meanwhile cannot mix two checkpoints. Its meta, its states read
+    into any sharding, the whole model for the evaluation scripts."""
 
+    def __init__(self, link: str | Path):
+        self.link = Path(link)
+        self.folder = sharded_folder(link)
 
-def _read_meta(folder: Path) -> dict:
-    """meta.pt of a folder sharded_folder has checked (its .metadata is read once, there)."""
-    return _load(folder / "meta.pt", "cpu")
+    @cached_property
+    def meta(self) -> dict:
+        """meta.pt: every key of a ckpt.pt but the model and optimizer states."""
+        return _load(self.folder / "meta.pt", "cpu")
 
+    def read(self, state: dict) -> None:
+        """Fill state ({"model": ..., "optimizer": ...}, sharded or not) in place: each process reads the parts of
+        every shard that its own shards cover, whatever the process count that wrote them."""
+        import torch.distributed.checkpoint as dcp
 
-def load_sharded_state(state: dict, link: str | Path) -> None:
-    """Fill state (get_state_dict's {"model": ..., "optimizer": ...}, sharded or not) from a sharded checkpoint
-    (ckpt.dcp or its folder), in place: each process reads the parts of every shard that its own shards cover,
-    whatever the process count that wrote them."""
-    _read_state(state, sharded_folder(link))
+        try:
+            with single_process_quiet():
+                dcp.load(state, checkpoint_id=self.folder, no_dist=not dist.is_initialized())
+        except FileNotFoundError as e:  # a running training replaced this checkpoint while it was read
+            raise CheckpointError(
+                f"{self.folder} went away while it was read (a newer checkpoint replaced it): try again"
+            ) from e
+        except dcp.api.CheckpointException:  # a shard that its size check let through, yet cannot be read
+            raise CheckpointError(
+                f"the sharded checkpoint in {self.folder} cannot be read: a shard file is damaged (its bytes are not "
+                "what was saved); copy the whole folder again from where the run wrote it"
+            ) from None
 
+    def whole(self) -> dict:
+        """As load_checkpoint returns a ckpt.pt: meta's keys and the model's full weights (no optimizer)."""
+        with torch.device("meta"):  # shapes only, no initialisation: every value is read from the shards
+            model = GPT(GPTConfig(**self.meta["model_args"]))
+        state = {"model": model.to_empty(device="cpu").state_dict()}
+        self.read(state)
+        return self.meta | state
 
-def _read_state(state: dict, folder: Path) -> None:
-    """load_sharded_state from a folder sharded_folder has checked."""
-    import torch.distributed.checkpoint as dcp
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The model's weights and (if it was saved) AdamW's state, into model and optimizer as they are now: sharded
+        over any number of processes, or not at all."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
-    try:
-        with single_process_quiet():
-            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
-    except FileNotFoundError as e:  # a running training replaced this checkpoint while it was read
-        raise CheckpointError(
-            f"{folder} went away while it was read (a newer checkpoint replaced it): try again"
-        ) from e
-    except dcp.api.CheckpointException as e:  # a shard that its size check let through, yet cannot be read
-        raise CheckpointError(
-            f"the sharded checkpoint in {folder} cannot be read: a shard file is damaged (its bytes are not what was "
-            "saved); copy the whole folder again from where the run wrote it"
-        ) from None
-
-
-def load_sharded_model(link: str | Path) -> dict:
-    """A sharded checkpoint as load_checkpoint returns a ckpt.pt: meta.pt's keys and the model's full weights."""
-    folder = sharded_folder(link)  # once: a save may move the link meanwhile
-    ckpt = _read_meta(folder)
-    with torch.device("meta"):  # shapes only, no initialisation: every value is read from the shards
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-    state = {"model": model.to_empty(device="cpu").state_dict()}
-    _read_state(state, folder)
-    return ckpt | state
+        if self.meta["optimizer_saved"]:
+            msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below
+            state = {"model": msd, "optimizer": osd}
+            self.read(state)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            self.read(state)
+            set_model_state_dict(model, state["model"])
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -301,26 +333,224 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {"model": msd, "optimizer": osd}
 
 
-def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, link: str | Path) -> None:
-    """The model's weights and (if it was saved) AdamW's state from a sharded checkpoint, into model and optimizer as
-    they are now: sharded over any number of processes, or not at all."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+# -----------------------------------------------------------------------------------------------------------------
+# The two formats of a training run's checkpoints, as the Checkpointer saves and restores them. Each save removes the
+# other format's checkpoint of the same name: it is older now, and a reader must not find it.
 
-    folder = sharded_folder(link)
-    if _read_meta(folder)["optimizer_saved"]:
-        msd, osd = get_state_dict(model, optimizer)  # the optimizer's made-up state is overwritten just below
-        state = {"model": msd, "optimizer": osd}
-        _read_state(state, folder)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        state = {"model": get_model_state_dict(model)}
-        _read_state(state, folder)
-        set_model_state_dict(model, state["model"])
+
+class PlainFormat:
+    """ckpt.pt (and ckpt_best.pt): the whole checkpoint in one file, written by the first process."""
+
+    name, other = "ckpt.pt", "ckpt.dcp"
+
+    def load(self, out_dir: Path) -> dict:
+        return load_checkpoint(out_dir / self.name)
+
+    def restore(self, out_dir: Path, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model.load_state_dict(model_state(ckpt["model"]))
+        optimizer.load_state_dict(ckpt["optimizer"])
+
+    def save(self, out_dir: Path, names: list[str], meta: dict, model, optimizer, master: bool) -> None:
+        if not master:
+            return
+        ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}
+        for n in names:
+            save_checkpoint(ckpt, out_dir / f"{n}.pt")
+        for n in names:
+            (out_dir / f"{n}.dcp").unlink(missing_ok=True)
+        remove_unlinked_shards(out_dir)  # the shards the removed links named
+
+
+class ShardedFormat:
+    """ckpt.dcp (and ckpt_best.dcp): a link to a folder of every process's shards."""
+
+    name, other = "ckpt.dcp", "ckpt.pt"
+
+    def load(self, out_dir: Path) -> dict:
+        return ShardedCheckpoint(out_dir / self.name).meta  # the weights load once sharded: restore()
+
+    def restore(self, out_dir: Path, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        ShardedCheckpoint(out_dir / self.name).load_into(model, optimizer)
+
+    def save(self, out_dir: Path, names: list[str], meta: dict, model, optimizer, master: bool) -> None:
+        save_sharded(training_state(model, optimizer), meta, out_dir, tuple(f"{n}.dcp" for n in names))
+        if master:
+            for n in names:
+                (out_dir / f"{n}.pt").unlink(missing_ok=True)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The Checkpointer: a training run's out_dir
+
+
+class Checkpointer:
+    """Owns a training run's out_dir: it must take checkpoints (a write probe), only one run may train in it (a lock
+    on out_dir/.lock), a fresh start must not replace a run there unless told to, a resume needs the checkpoint its
+    format reads; then the run's saves and its restore, in its strategy's format (sharded: ckpt.dcp, else ckpt.pt).
+    The loop calls save() without asking which format it writes."""
+
+    def __init__(self, out_dir: str | Path, sharded: bool, master: bool = True):
+        self.out_dir = Path(out_dir)
+        self.sharded = sharded
+        self.master = master  # the process that writes what one process writes (ckpt.pt, meta.pt, the links)
+        self.format = ShardedFormat() if sharded else PlainFormat()
+        self._lock = None  # the open file whose lock holds out_dir (see hold)
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint a resume reads: out_dir/ckpt.dcp when sharded, else out_dir/ckpt.pt."""
+        return self.out_dir / self.format.name
+
+    # before any work, in the first process
+
+    def prepare(self, init_from: str, overwrite: bool) -> list[str]:
+        """Before any work: out_dir takes checkpoints, no other run trains in it, a resume has its checkpoint, and a
+        fresh start replaces a run only when told to (overwrite). Adopts links copied as folders and clears the
+        temporary files of saves killed mid-write; returns a line for each, for the log."""
+        out = self.out_dir
+        if init_from == "resume":
+            self.check_resumable()
+        if out.exists() and not out.is_dir():
+            raise CheckpointError(f"out_dir={str(out)!r} is a file, not a folder; choose another --out_dir")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write_test.{os.getpid()}.tmp"  # the one sure test: /proc, read-only mounts, permissions
+            probe.write_bytes(b"0")
+            probe.unlink()
+            if self.sharded:  # ckpt.dcp is a link to the latest folder of shards
+                probe.symlink_to(SHARDS)
+                probe.unlink()
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write checkpoints to out_dir={str(out)!r} ({e.strerror}); choose another --out_dir"
+            ) from e
+        self.hold()  # before the checks below and before clearing temporaries: a live run's are not stale
+        notes = [
+            f"note: {link} was a folder (copied without its link?): moved under shards/ and linked, as saves do"
+            for link in adopt_copied_links(out)
+        ]
+        found = [name for name in ("ckpt.pt", "ckpt_best.pt", *LINKS) if os.path.lexists(out / name)]
+        if found and init_from != "resume" and not overwrite:
+            raise CheckpointError(
+                f"{out} already holds a run ({', '.join(found)}), which starting from {init_from} would "
+                "overwrite. Continue it with --init_from=resume, train elsewhere with --out_dir=<new folder>, or "
+                "replace it with --overwrite=True"
+            )
+        removed = remove_stale_temporaries(out) + remove_unlinked_shards(out)
+        return notes + [f"removed {tmp.name}, left by a save that was killed mid-write" for tmp in removed]
+
+    def check_resumable(self) -> None:
+        """A resume needs the checkpoint its format writes: ckpt.dcp (whole: every shard) for fsdp, else ckpt.pt."""
+        out, mine, other = self.out_dir, self.format.name, self.format.other
+        if os.path.lexists(out / mine):
+            if self.sharded:
+                sharded_folder(out / mine)  # names what is missing
+            return
+        if self.sharded and os.path.lexists(out / other):
+            raise CheckpointError(
+                f"{out} holds an unsharded checkpoint (ckpt.pt), and parallel=fsdp resumes from a sharded one "
+                "(ckpt.dcp): resume it with --parallel=ddp (the default), or start a sharded run in another --out_dir"
+            )
+        if os.path.lexists(out / other):
+            raise CheckpointError(
+                f"{out} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
+                f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out}"
+            )
+        raise CheckpointError(f"no checkpoint at {out / mine} to resume from; check --out_dir")
+
+    def hold(self) -> None:
+        """Lock out_dir/.lock for this run, or say which process holds it: two runs in one folder would overwrite
+        each other's checkpoints (and delete each other's half-written saves). The kernel drops the lock when the
+        process ends, killed or not, so a folder is never left stuck; release() also removes the file. Not on Windows
+        (no flock): there runs are not guarded."""
+        try:
+            import fcntl
+        except ImportError:
+            return
+        self.release()
+        path = self.out_dir / ".lock"
+        while True:
+            f = open(path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise CheckpointError(
+                    f"out_dir={str(self.out_dir)!r} is in use by another training run (process {holder}); wait for it "
+                    "to end, or train elsewhere with --out_dir=<new folder>"
+                ) from None
+            except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
+                f.close()
+                return
+            try:  # the holder removes the file as it ends: a lock on a removed file holds nothing, so take the new one
+                if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._lock = f
+
+    def release(self) -> None:
+        """Let another run use out_dir: remove the lock file (while locked: the folder is left as it was found)."""
+        if self._lock is not None:
+            Path(self._lock.name).unlink(missing_ok=True)
+            self._lock.close()  # closing the file drops its lock
+            self._lock = None
+
+    # the run
+
+    def load(self) -> dict:
+        """The checkpoint a resume starts from: every key but, for a sharded one, the states (restore reads them)."""
+        return self.format.load(self.out_dir)
+
+    def restore(self, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The model's weights and AdamW's state of ckpt (load's), into model and optimizer as they are now."""
+        self.format.restore(self.out_dir, ckpt, model, optimizer)
+
+    def save(self, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, best: bool) -> None:
+        """Every process calls this: ckpt (and ckpt_best if best), with meta's keys beside the states."""
+        names = ["ckpt", "ckpt_best"] if best else ["ckpt"]
+        self.format.save(self.out_dir, names, meta, model, optimizer, self.master)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The evaluation scripts' reader, and the consolidation
+
+
+@dataclass
+class TrainedRun:
+    """What the evaluation scripts read from a run's folder: its checkpoint and its model (eval mode, on the
+    device)."""
+
+    ckpt: dict
+    model: GPT
+
+
+def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> TrainedRun:
+    """Load out_dir's checkpoint and build its model. text: the caller reads text, which a run trained on a synthetic
+    task does not. Raises CheckpointError naming the fix."""
+    out_dir = Path(out_dir)
+    if out_dir.is_file():
+        raise CheckpointError(f"{out_dir} is a file; give the run's folder (train.py's out_dir), e.g. {out_dir.parent}")
+    if not any(os.path.lexists(out_dir / name) for name in ("ckpt.pt", "ckpt.dcp")):
+        what = (
+            f"{out_dir} holds no checkpoint (ckpt.pt)" if out_dir.is_dir() else f"the folder {out_dir} does not exist"
+        )
+        raise CheckpointError(f"{what}; give a run's folder (train.py's out_dir, where it wrote ckpt.pt)")
+    ckpt = load_checkpoint(out_dir / "ckpt.pt")
+    cfg = ckpt.get("config") or {}
+    if text and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
+        raise CheckpointError(
+            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
+            f"python synthetic.py {out_dir}"
+        )
+    return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
 
 
 def consolidate(out_dir: str | Path) -> Path:
@@ -339,76 +569,14 @@ def consolidate(out_dir: str | Path) -> Path:
             f"cannot write {Path(out_dir) / 'ckpt.pt'} ({e.strerror}); copy the run's folder somewhere writable "
             "(cp -r keeps ckpt.dcp's link) and consolidate the copy"
         ) from None
-    folder = sharded_folder(Path(out_dir) / "ckpt.dcp")  # once; load_training_state checks the folder itself again
-    ckpt = _read_meta(folder)
-    cfg = ckpt["config"]
+    sharded = ShardedCheckpoint(Path(out_dir) / "ckpt.dcp")
+    ckpt = sharded.meta
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    betas = (cfg["beta1"], cfg["beta2"])
-    optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, "cpu", cfg["pe_lr_scale"])
-    load_training_state(model, optimizer, folder)
+    optimizer = new_optimizer(model, ckpt["config"])
+    sharded.load_into(model, optimizer)
     path = Path(out_dir) / "ckpt.pt"
     save_checkpoint(ckpt | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     return path
-
-
-@dataclass
-class TrainedRun:
-    """What the evaluation scripts read from a run's folder: its checkpoint, its model (eval mode, on the device)
-    and, where asked for, the validation split of the dataset it trained on."""
-
-    ckpt: dict
-    model: GPT
-    val: np.ndarray | None = None  # (N,) uint16 token ids
-    dataset: str = ""
-
-
-def load_run(
-    out_dir: str | Path, device: str = "cpu", val: bool = False, data_dir: str | None = None, text: bool = False
-) -> TrainedRun:
-    """Load out_dir/ckpt.pt and build its model; with val, also the validation split of its dataset (data_dir, a
-    prepared folder, overrides the checkpoint's), which must be written with the model's tokenizer. text (implied by
-    val): the caller reads text, which a run trained on a synthetic task does not. Raises CheckpointError or
-    DataError naming the fix."""
-    from datafiles import DataError, tokenizer_difference
-
-    out_dir = Path(out_dir)
-    if out_dir.is_file():
-        raise CheckpointError(f"{out_dir} is a file; give the run's folder (train.py's out_dir), e.g. {out_dir.parent}")
-    if not any(os.path.lexists(out_dir / name) for name in ("ckpt.pt", "ckpt.dcp")):
-        what = (
-            f"{out_dir} holds no checkpoint (ckpt.pt)" if out_dir.is_dir() else f"the folder {out_dir} does not exist"
-        )
-        raise CheckpointError(f"{what}; give a run's folder (train.py's out_dir, where it wrote ckpt.pt)")
-    ckpt = load_checkpoint(out_dir / "ckpt.pt")
-    cfg = ckpt.get("config") or {}
-    if (val or text) and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
-        raise CheckpointError(
-            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
-            f"python synthetic.py {out_dir}"
-        )
-    run = TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
-    if val:
-        trained_on = cfg.get("dataset") or "shakespeare_char"
-        path = Path(data_dir) if data_dir else dataset_dir(trained_on)
-        meta = load_meta(path)  # names a missing or unprepared dataset and how to prepare it
-        V, tok = run.model.config.vocab_size, ckpt.get("tokenizer")
-        if tok:  # else a nanoGPT checkpoint: at least every token id must be in its vocabulary
-            problem = tokenizer_difference(meta["tokenizer"], tok)
-        else:
-            problem = (
-                f"has {meta['vocab_size']} token ids, more than the model's {V}" if meta["vocab_size"] > V else None
-            )
-        if problem:
-            fix = (
-                f"leave out --data_dir to use the dataset it trained on ({trained_on}), or give one prepared with "
-                "the same tokenizer"
-                if data_dir
-                else "the dataset was prepared again since the run trained on it: prepare it as it was, or give "
-                "--data_dir a dataset prepared with the run's tokenizer"
-            )
-            raise DataError(f"{out_dir}: {path} {problem}; {fix}")
-        run.val, run.dataset = np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
-    return run
 
 
 def main(argv: list[str]) -> None:

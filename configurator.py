@@ -9,11 +9,8 @@ float; a default of None takes anything). A bare `--flag` means `--flag=True` (f
 import ast
 import difflib
 import traceback
-from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
-
-import torch
 
 
 class ConfigError(ValueError):
@@ -94,53 +91,8 @@ def script_usage(path: str, doc: str) -> str:
     return f"{doc.strip()}\n\nOptions (--key=value, or key = value in a config file), with their defaults:\n{keys}"
 
 
-def check_device(device: str) -> None:
-    """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
-    try:
-        kind, index = torch.device(device).type, torch.device(device).index
-    except RuntimeError:
-        kind, index = None, None
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"device={device!r} is not a device; choose cpu, cuda, cuda:N (the Nth GPU) or mps")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"device={device!r} but CUDA is not available here (no GPU, or a CPU-only PyTorch); use --device=cpu"
-        )
-    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
-        raise ConfigError(f"device={device!r} but this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device={device!r} but MPS (Apple GPUs) is not available here; use --device=cpu")
-
-
-def default_device() -> str:
-    """The best device here: cuda, then mps, then cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def autocast(device: str, dtype: str | torch.dtype):
-    """The mixed-precision context for device ("cuda:1", "cpu", ...) and dtype: none for float32, else autocast (on
-    CPUs too, so the bf16 and fp16 paths run in CI). The one place that rule lives."""
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=dtype)
-
-
-def default_dtype(device: str) -> str:
-    """bfloat16 where the GPU supports it, else float16 (with a GradScaler in training); float32 on CPU."""
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
-
-
-GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-
-
-def peak_flops(device: str | torch.device) -> float | None:
-    """The GPU's dense bf16 peak, for MFU; None where it is not known (CPUs, unlisted GPUs)."""
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+def require(cfg: dict, ok: bool, key: str, rule: str, sep: str = " ") -> None:
+    """A range check of an option: unless ok, a ConfigError naming the key, its value and the rule (NaN fails every
+    comparison, so it lands here too)."""
+    if not ok:
+        raise ConfigError(f"{key}={cfg[key]!r}{sep}{rule}")

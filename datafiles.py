@@ -212,6 +212,31 @@ def tokenizer_difference(data_tok: dict, model_tok: dict) -> str | None:
     return text
 
 
+def validation_tokens(ckpt: dict, vocab_size: int, out_dir: str | Path, data_dir: str | Path | None = None):
+    """The validation split (N,) uint16 of the dataset a checkpoint trained on (data_dir, a prepared folder, overrides
+    it), and its name; the dataset must be written with the checkpoint's tokenizer (a nanoGPT checkpoint, which
+    records none, with token ids the model has: below vocab_size). Raises DataError naming the fix."""
+    trained_on = (ckpt.get("config") or {}).get("dataset") or "shakespeare_char"
+    path = Path(data_dir) if data_dir else dataset_dir(trained_on)
+    meta = load_meta(path)  # names a missing or unprepared dataset and how to prepare it
+    tok = ckpt.get("tokenizer")
+    if tok:
+        problem = tokenizer_difference(meta["tokenizer"], tok)
+    else:
+        n = meta["vocab_size"]
+        problem = f"has {n} token ids, more than the model's {vocab_size}" if n > vocab_size else None
+    if problem:
+        fix = (
+            f"leave out --data_dir to use the dataset it trained on ({trained_on}), or give one prepared with the "
+            "same tokenizer"
+            if data_dir
+            else "the dataset was prepared again since the run trained on it: prepare it as it was, or give "
+            "--data_dir a dataset prepared with the run's tokenizer"
+        )
+        raise DataError(f"{out_dir}: {path} {problem}; {fix}")
+    return np.memmap(path / "val.bin", dtype=np.uint16, mode="r"), path.name
+
+
 def get_batch(
     data_dir: str | Path,
     split: str,

@@ -23,7 +23,6 @@ import argparse
 import io
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_run, model_from_checkpoint
-from configurator import ConfigError, autocast, check_device
-from datafiles import DataError
+from configurator import ConfigError
+from datafiles import DataError, validation_tokens
+from devices import autocast, check_device, device_memory, forward_bytes, gb
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -67,30 +67,6 @@ def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
     c = model.config
     per_window = L * (8 * c.vocab_size + 64 * c.n_embd * c.n_layer) + 8 * c.n_head * L * L
     return max(1, int(budget_bytes // per_window))
-
-
-def forward_bytes(model: GPT, L: int, B: int = 1, logits: bool = True) -> int:
-    """The least memory a forward of B windows of L tokens takes without gradients: the hidden states and the MLP's
-    (fp32, a layer at a time), the logits and the loss's copy, and for an encoding with a bias the (nh, L, L) bias
-    and the (L, L) distances that the reference attention path materializes (once for the batch). A forward that
-    needs more than the device has cannot run at all."""
-    c = model.config
-    square = (4 * c.n_head + 9) * L * L if model.encoding.has_bias else 0
-    return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
-
-
-def device_memory(device: str) -> int | None:
-    """The device's memory in bytes (the GPU's, or the machine's for cpu); None where it cannot be told."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device == "cpu" else None
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
-        return None
-
-
-def gb(n: float) -> str:
-    return f"{n / 2**30:,.1f} GB"
 
 
 @torch.no_grad()
@@ -205,10 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for n, out_dir in enumerate(args.out_dirs):
         try:
-            run = load_run(out_dir, device, val=True, data_dir=args.data_dir)
+            run = load_run(out_dir, device, text=True)
+            data, dataset = validation_tokens(run.ckpt, run.model.config.vocab_size, out_dir, args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        ckpt, model, data, dataset = run.ckpt, run.model, run.val, run.dataset
+        ckpt, model = run.ckpt, run.model
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
         runs.append(dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:

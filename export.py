@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from devices import DTYPES
 from model import GPT
 from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the code a remote-code export carries: nanoPE's model.py as it is, and the transformers wrapper that imports it
 CODE_FILES = (
     Path(__file__).resolve().parent / "model.py",

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from checkpoint import CheckpointError, load_run
-from configurator import ConfigError, check_device
-from datafiles import DataError
-from eval_length import device_memory, forward_bytes, gb
+from configurator import ConfigError
+from datafiles import DataError, validation_tokens
+from devices import check_device, device_memory, forward_bytes, gb
 from model import GPT
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs, memory = {}, device_memory(args.device)
     for name, out_dir in zip(names, args.out_dirs, strict=True):  # every checkpoint checked before any is probed
         try:
-            run = load_run(out_dir, args.device, val=True, data_dir=args.data_dir)
+            run = load_run(out_dir, args.device, text=True)
+            val, _ = validation_tokens(run.ckpt, run.model.config.vocab_size, out_dir, args.data_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         try:
@@ -198,10 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as e:
             sys.exit(f"error: {out_dir}: {e}")
         run.model.fused_attention = False  # the reference path: every encoding, any length, any device
-        n, need = len(run.val) - args.length, probe_bytes(run.model, args.length)  # n: distinct windows
+        n, need = len(val) - args.length, probe_bytes(run.model, args.length)  # n: distinct windows
         if n < 1:
             sys.exit(
-                f"error: {out_dir}: the validation split has {len(run.val)} tokens, fewer than --length "
+                f"error: {out_dir}: the validation split has {len(val)} tokens, fewer than --length "
                 f"{args.length} + 1; use a shorter --length"
             )
         if args.windows > n:
@@ -211,10 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
                 f"error: {out_dir}: probing {args.length} tokens needs at least {gb(need)}, more than the "
                 f"{gb(memory)} of {args.device}; use a shorter --length"
             )
-        runs[name] = (out_dir, run)
+        runs[name] = (out_dir, run.model, val)
     report = {"length": args.length, "windows": args.windows, "checkpoints": {}}
-    for name, (out_dir, run) in runs.items():
-        report["checkpoints"][name] = probe(run.model, run.val, args.length, args.windows, args.device)
+    for name, (out_dir, model, val) in runs.items():
+        report["checkpoints"][name] = probe(model, val, args.length, args.windows, args.device)
         print(f"{out_dir}: done", file=sys.stderr)
     print(markdown_table(report))
     if args.out_json:

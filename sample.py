@@ -11,14 +11,15 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, autocast, check_device, configure, default_device, default_dtype, script_usage
-from eval_length import device_memory, forward_bytes, gb
-from model import GPT, ROPE_SCALINGS
+from configurator import ConfigError, configure, require, script_usage
+from devices import allow_tf32, autocast, check_device, default_device, default_dtype, device_memory, forward_bytes, gb
+from model import GPT, ROPE_SCALINGS, number
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -46,12 +47,8 @@ defaults = dict(
 def check_options(cfg: dict) -> None:
     """The ranges of the sampling options, checked before any work; each error names the value and the rule."""
 
-    def need(ok: bool, key: str, rule: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}={cfg[key]!r}: {rule}")
-
-    def number(x) -> bool:
-        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    need = partial(require, cfg, sep=": ")
+    finite = lambda x: number(x) and math.isfinite(x)  # noqa: E731
 
     need(cfg["num_samples"] >= 1, "num_samples", "must be >= 1")
     need(cfg["max_new_tokens"] >= 1, "max_new_tokens", "must be >= 1")
@@ -60,7 +57,7 @@ def check_options(cfg: dict) -> None:
     need(not 0 < cfg["temperature"] < 1e-6, "temperature", "below 1e-6 it is greedy: use 0")
     top_k, top_p = cfg["top_k"], cfg["top_p"]
     need(top_k is None or (type(top_k) is int and top_k >= 1), "top_k", "must be an integer >= 1, or None (all)")
-    need(top_p is None or (number(top_p) and 0 < top_p <= 1), "top_p", "must be in (0, 1], or None (all)")
+    need(top_p is None or (finite(top_p) and 0 < top_p <= 1), "top_p", "must be in (0, 1], or None (all)")
     mc = cfg["max_context"]
     need(mc is None or (type(mc) is int and mc >= 1), "max_context", "must be an integer >= 1, or None (block_size)")
     need(cfg["rope_scaling"] in ("", *ROPE_SCALINGS), "rope_scaling", f"choose one of {', '.join(ROPE_SCALINGS)}")
@@ -150,9 +147,7 @@ def main(argv: list[str]) -> None:
     check_options(cfg)
     device, dtype = cfg["device"], cfg["dtype"] or default_dtype(cfg["device"])
     torch.manual_seed(cfg["seed"])
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(device)
 
     # -------------------------------------------------------------------------------------------------------------
     # model and tokenizer
@@ -171,8 +166,7 @@ def main(argv: list[str]) -> None:
             model.set_rope_scaling(cfg["rope_scaling"], cfg["rope_factor"] or default)
         except ValueError as e:
             sys.exit(f"error: {e}")
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    ctx = autocast(device, ptdtype)
+    ctx = autocast(device, dtype)
 
     # -------------------------------------------------------------------------------------------------------------
     # prompt

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from devices import device_memory, forward_bytes, gb
+
 MARK, QUERY, SEP = 0, 1, 2
 N_SPECIAL = 3
 EVAL_MEMORY = 2 * 2**30  # bytes an evaluation batch may take
@@ -358,7 +360,7 @@ def evaluate_checkpoint(
     out = {}
     for L in lengths:
         check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
-        B = max(1, min(50, EVAL_MEMORY // sequence_bytes(model, L)))  # long sequences go a few at a time
+        B = max(1, min(50, EVAL_MEMORY // forward_bytes(model, L, logits=False)))  # long sequences, a few at a time
         out[L] = (
             scores(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
             if model.encoding.reaches(L)
@@ -372,37 +374,21 @@ def learned_at(history: list[dict], threshold: float = LEARNED) -> int | None:
     return next((h["iter"] for h in history if h.get("acc", 0) >= threshold), None)
 
 
-def sequence_bytes(model, length: int) -> int:
-    """About the memory one evaluation sequence of `length` tokens takes in a float32 forward: its activations, and
-    the (nh, L, L) scores or bias that the reference attention path materializes."""
-    c = model.config
-    return length * 64 * c.n_embd * c.n_layer + 8 * c.n_head * length * length
-
-
-def available_memory() -> int | None:
-    """Bytes of memory a process can take here without swapping (Linux's MemAvailable), or None where unknown."""
-    try:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-        return int(meminfo["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def check_memory(model, lengths: list[int], device: str) -> None:
-    """Refuse, before any work, a length whose single sequence would not fit in this machine's memory (a CPU's; on a
-    GPU the evaluation's batches shrink to fit)."""
-    free = available_memory() if device == "cpu" else None
+    """Refuse, before any work, a length whose single sequence would not fit in the device's memory."""
+    memory = device_memory(device)
     for L in lengths:
-        if free is not None and (need := sequence_bytes(model, L)) > free:
+        if memory and (need := forward_bytes(model, L, logits=False)) > memory:
             raise SyntheticError(
-                f"length {L:,} needs about {need / 2**30:,.1f} GiB for one sequence, and this machine has "
-                f"{free / 2**30:,.1f} GiB available; evaluate shorter lengths"
+                f"length {L:,} needs at least {gb(need)} for one sequence, more than the {gb(memory)} of {device}; "
+                "evaluate shorter lengths"
             )
 
 
 def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError, load_run
-    from configurator import ConfigError, check_device
+    from configurator import ConfigError
+    from devices import check_device
     from outputs import OutputError, check_output, write_atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -314,9 +314,9 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
 
 def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError, load_run
-    from configurator import ConfigError, check_device
+    from configurator import ConfigError
     from datafiles import DataError
-    from eval_length import device_memory, forward_bytes, gb
+    from devices import check_device, device_memory, forward_bytes, gb
     from tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,7 +18,7 @@ from test_train import ROOT, TINY, assert_ok, tiny_data, torchrun, train_here  #
 import checkpoint
 import sample
 import train as train_py
-from checkpoint import load_checkpoint, load_sharded_meta, save_sharded
+from checkpoint import ShardedCheckpoint, load_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 # float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its micro-batches
@@ -66,7 +66,7 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     assert_ok(r)
     assert f"resuming from {at4 / 'ckpt.dcp'} at iteration 4" in r.stdout
     for resumed in (at1, at4):
-        assert load_sharded_meta(resumed / "ckpt.dcp")["iter_num"] == 8
+        assert ShardedCheckpoint(resumed / "ckpt.dcp").meta["iter_num"] == 8
         assert_same_weights(tmp_path / "one8" / "ckpt.pt", resumed / "ckpt.pt")
     assert len(list((at4 / "ckpt.dcp").glob("*.distcp"))) == 4
 
@@ -175,7 +175,7 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_d
     data, out = f"--dataset={tiny_data}", tmp_path / "out"
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=4", f"--out_dir={out}")
     assert "parallel=fsdp in one process: it trains unsharded" in capsys.readouterr().out
-    assert load_sharded_meta(out / "ckpt.dcp")["optimizer_saved"]
+    assert ShardedCheckpoint(out / "ckpt.dcp").meta["optimizer_saved"]
     r = run_cli(sample.cli, [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"])
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
@@ -214,7 +214,7 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_d
     assert (copied / "ckpt.dcp").is_dir() and not (copied / "ckpt.dcp").is_symlink()
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={copied}")
     assert "ckpt.dcp was a folder (copied without its link?)" in capsys.readouterr().out
-    assert (copied / "ckpt.dcp").is_symlink() and load_sharded_meta(copied / "ckpt.dcp")["iter_num"] == 8
+    assert (copied / "ckpt.dcp").is_symlink() and ShardedCheckpoint(copied / "ckpt.dcp").meta["iter_num"] == 8
 
 
 def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
@@ -231,7 +231,7 @@ def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed.checkpoint, "save", save_then_lose_a_shard)
     with pytest.raises(checkpoint.CheckpointError, match="(?s)lacks __0_0.distcp.*a folder that all of them see"):
         save_sharded({"model": {"w": torch.ones(8)}}, {"iter_num": 2}, tmp_path, ("ckpt.dcp",))
-    assert (tmp_path / "ckpt.dcp").resolve() == good and load_sharded_meta(tmp_path / "ckpt.dcp")["iter_num"] == 1
+    assert (tmp_path / "ckpt.dcp").resolve() == good and ShardedCheckpoint(tmp_path / "ckpt.dcp").meta["iter_num"] == 1
 
 
 def save_forever(out_dir: Path, ready) -> None:
@@ -257,7 +257,8 @@ def test_a_killed_sharded_save_leaves_the_last_good_checkpoint(tmp_path):
         p.kill()
         p.join()
         state = {"model": {"w": torch.empty(2_000_000)}}
-        checkpoint.load_sharded_state(state, tmp_path / "ckpt.dcp")
-        assert torch.all(state["model"]["w"] == load_sharded_meta(tmp_path / "ckpt.dcp")["iter_num"])
+        sharded = ShardedCheckpoint(tmp_path / "ckpt.dcp")
+        sharded.read(state)
+        assert torch.all(state["model"]["w"] == sharded.meta["iter_num"])
         checkpoint.remove_unlinked_shards(tmp_path)
         assert [f.resolve() for f in (tmp_path / "shards").iterdir()] == [(tmp_path / "ckpt.dcp").resolve()]

@@ -10,7 +10,7 @@ import torch
 from conftest import run_cli
 
 import sample
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import Checkpointer, CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
 from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
@@ -335,7 +335,6 @@ def test_checkpoint_advice_is_what_train_py_accepts(tmp_path):
     """A ckpt.dcp whose folder of shards is gone is advised a restore or --overwrite=True, which train.py accepts for
     that folder (it refuses a plain fresh start there, which sample.py used to suggest); a misspelled --ckpt names
     the checkpoints the folder holds; a checkpoint file given as out_dir names its folder."""
-    import train
 
     dangling = tmp_path / "dangling"
     dangling.mkdir()
@@ -343,11 +342,11 @@ def test_checkpoint_advice_is_what_train_py_accepts(tmp_path):
     r = sample_here(f"--out_dir={dangling}")
     assert r.returncode == 1 and "Train a model first" not in r.stderr and "Traceback" not in r.stderr
     assert f"python train.py config/rope.py --out_dir={dangling} --overwrite=True" in r.stderr
-    cfg = {"out_dir": str(dangling), "init_from": "scratch", "parallel": "ddp", "overwrite": False}
-    with pytest.raises(train.TrainError, match="already holds a run"):
-        train.prepare_out_dir(cfg)
-    train.prepare_out_dir(cfg | {"overwrite": True})
-    train.release_out_dir()
+    checkpointer = Checkpointer(dangling, sharded=False)
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        checkpointer.prepare("scratch", overwrite=False)
+    checkpointer.prepare("scratch", overwrite=True)
+    checkpointer.release()
 
     run = tmp_path / "run"
     make_checkpoint(run)

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 from conftest import train_in_process
 
+import options
 import train
-from checkpoint import CheckpointError
+from checkpoint import Checkpointer, CheckpointError
 from configurator import ConfigError, configure
 from datafiles import DataError, load_meta, prepare_text
 
 
 def resolved(*args: str) -> dict:
-    return train.resolve(configure(train.defaults, ["--device=cpu", *args]))
+    return options.resolve(configure(train.defaults, ["--device=cpu", *args]), train.defaults)
 
 
 def main(*args: str) -> None:
@@ -78,9 +79,9 @@ def test_legal_values_pass_and_odd_ones_are_noted():
     """grad_clip=0, the RoPE scaling keys and max_iters=0 with eval_only are legal; odd schedules get one note each."""
     cfg = resolved("--grad_clip=0", "--rope_scaling=yarn", "--rope_factor=4", "--rope_original_max_len=128")
     assert (cfg["rope_scaling"], cfg["rope_factor"], cfg["rope_original_max_len"]) == ("yarn", 4.0, 128)
-    assert train.odd_values(cfg) == []
+    assert options.odd_values(cfg) == []
     resolved("--max_iters=0", "--eval_only=True")
-    notes = train.odd_values(resolved("--min_lr=1e-2", "--warmup_iters=6000"))
+    notes = options.odd_values(resolved("--min_lr=1e-2", "--warmup_iters=6000"))
     assert len(notes) == 2 and "min_lr=0.01 > learning_rate=0.001" in notes[0] and "whole run is warmup" in notes[1]
 
 
@@ -157,15 +158,24 @@ def test_dataset_errors_come_before_training(small_data, tmp_path):
 # out_dir
 
 
+def prepare(cfg: dict) -> list[str]:
+    """What train.py does to out_dir before any work (the Checkpointer's checks, lock and clean-up), lock released."""
+    checkpointer = Checkpointer(cfg["out_dir"], sharded=cfg["parallel"] == "fsdp")
+    try:
+        return checkpointer.prepare(cfg["init_from"], cfg["overwrite"])
+    finally:
+        checkpointer.release()
+
+
 def test_unwritable_out_dir_is_an_error(tmp_path):
     """An out_dir that is a file or cannot be written (/proc) is an error before any work."""
     (tmp_path / "file").write_text("")
-    with pytest.raises(train.TrainError, match="is a file, not a folder"):
-        train.prepare_out_dir(resolved(f"--out_dir={tmp_path / 'file'}"))
-    with pytest.raises(train.TrainError, match="cannot write checkpoints to out_dir='/proc/nanope'"):
-        train.prepare_out_dir(resolved("--out_dir=/proc/nanope"))
+    with pytest.raises(CheckpointError, match="is a file, not a folder"):
+        prepare(resolved(f"--out_dir={tmp_path / 'file'}"))
+    with pytest.raises(CheckpointError, match="cannot write checkpoints to out_dir='/proc/nanope'"):
+        prepare(resolved("--out_dir=/proc/nanope"))
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        train.prepare_out_dir(resolved("--init_from=resume", f"--out_dir={tmp_path / 'none'}"))
+        prepare(resolved("--init_from=resume", f"--out_dir={tmp_path / 'none'}"))
     assert not (tmp_path / "none").exists()
 
 
@@ -174,13 +184,13 @@ def test_a_finished_run_is_not_overwritten(small_data, tmp_path):
     --overwrite=True or --init_from=resume go ahead."""
     (tmp_path / "ckpt.pt").write_bytes(b"a finished run")
     for init in ("scratch", "gpt2"):
-        with pytest.raises(train.TrainError) as e:
+        with pytest.raises(CheckpointError) as e:
             main(f"--dataset={small_data}", f"--init_from={init}", f"--out_dir={tmp_path}")
         for option in ("--init_from=resume", "--out_dir=", "--overwrite=True"):
             assert option in str(e.value)
     assert (tmp_path / "ckpt.pt").read_bytes() == b"a finished run"
-    train.prepare_out_dir(resolved("--overwrite=True", f"--out_dir={tmp_path}"))
-    train.prepare_out_dir(resolved("--init_from=resume", f"--out_dir={tmp_path}"))
+    prepare(resolved("--overwrite=True", f"--out_dir={tmp_path}"))
+    prepare(resolved("--init_from=resume", f"--out_dir={tmp_path}"))
 
 
 def test_stale_checkpoint_temporaries_are_removed(tmp_path):
@@ -190,5 +200,6 @@ def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     stale, live = tmp_path / f".ckpt.pt.{dead.pid}.tmp", tmp_path / f".ckpt_best.pt.{os.getpid()}.tmp"
     stale.write_bytes(b"half")
     live.write_bytes(b"half")
-    assert train.prepare_out_dir(resolved(f"--out_dir={tmp_path}")) == [stale]
+    removed = f"removed {stale.name}, left by a save that was killed mid-write"
+    assert prepare(resolved(f"--out_dir={tmp_path}")) == [removed]
     assert not stale.exists() and live.exists()

@@ -1,0 +1,166 @@
+"""
+train.py's options, checked: the values no type check catches (ranges, choices, options that would do nothing), the
+defaults that depend on other options, and the values that are legal but probably not meant. Each problem is a
+one-line ConfigError naming the value and the fix, before any work.
+"""
+
+import os
+from dataclasses import fields
+from functools import partial
+from pathlib import Path
+
+import synthetic
+from configurator import ConfigError, require
+from devices import check_device, default_dtype
+from model import ENCODING_OPTIONS, GPTConfig
+
+TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
+MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")
+
+
+def resolve(cfg: dict, defaults: dict) -> dict:
+    """Fill in the defaults that depend on other keys, and check the values no type check catches, so that a bad
+    value is a one-line error before any work."""
+    cfg = dict(cfg)
+    check_task(cfg, defaults)
+    check_encoding_options(cfg)
+    cfg["dataset"] = cfg["dataset"] or ("" if cfg["task"] else "shakespeare_char")
+    cfg["out_dir"] = cfg["out_dir"] or "-".join(filter(None, ["out", cfg["pos_encoding"], cfg["task"]]))
+    cfg["wandb_run_name"] = cfg["wandb_run_name"] or cfg["pos_encoding"]
+    cfg["task_seed"] = cfg["seed"] if cfg["task_seed"] is None else cfg["task_seed"]
+    cfg["wandb_group"] = cfg["wandb_group"] or (
+        f"{cfg['task'] or cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
+    )
+    check_device(cfg["device"])
+    cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
+    if cfg["compile"] is None:
+        cfg["compile"] = cfg["device"].startswith("cuda")
+    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
+    if not isinstance(cfg["compile"], bool):
+        raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
+    if cfg["pe_lr_scale"] is not None:  # None (the encoding's own) is resolved with the model
+        if not isinstance(cfg["pe_lr_scale"], int | float) or isinstance(cfg["pe_lr_scale"], bool):
+            raise ConfigError(f"pe_lr_scale={cfg['pe_lr_scale']!r}: expected a number, e.g. 30, or None")
+        cfg["pe_lr_scale"] = float(cfg["pe_lr_scale"])
+    if cfg["parallel"] not in ("ddp", "fsdp"):
+        raise ConfigError(f"parallel={cfg['parallel']!r}: choose ddp (the default) or fsdp (sharded)")
+    if cfg["parallel"] == "fsdp" and cfg["dtype"] == "float16":
+        raise ConfigError(
+            "dtype=float16 with parallel=fsdp: sharded training runs in float32 or bfloat16 (no loss scaling); "
+            "use --dtype=bfloat16"
+        )
+    if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
+        raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
+    init = cfg["init_from"]
+    if init not in ("scratch", "resume") and not init.startswith("gpt2") and not Path(init).is_dir():
+        raise ConfigError(f"init_from={init!r}: choose scratch, resume, a GPT-2 name like gpt2-medium, or a folder")
+    check_ranges(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group starts
+    if cfg["gradient_accumulation_steps"] % world_size:
+        raise ConfigError(
+            f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of the "
+            f"{world_size} processes"
+        )
+    if init == "scratch":  # the model's own checks (GPTConfig), before the data is prepared or the model built
+        try:
+            GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
+        except ValueError as e:  # GPTConfig names the bad field and the valid choices
+            raise ConfigError(str(e)) from e
+    return cfg
+
+
+def check_encoding_options(cfg: dict) -> None:
+    """An option of another encoding than the chosen one (--rpe_max_distance with rope) does nothing: an error."""
+    if cfg["init_from"] != "scratch":  # a checkpoint or GPT-2 decides the encoding
+        return
+    for name, (owner, opt) in ENCODING_OPTIONS.items():
+        if owner != cfg["pos_encoding"] and cfg[name] != opt.default:
+            raise ConfigError(
+                f"{name}={cfg[name]!r} is an option of pos_encoding={owner!r}, not of {cfg['pos_encoding']!r}: drop "
+                f"it, or train with --pos_encoding={owner}"
+            )
+
+
+def check_task(cfg: dict, defaults: dict) -> None:
+    """A synthetic task makes its own sequences: it cannot also read a text dataset or mix tasks into text, and it
+    must fit the block size and its vocabulary. An option of the synthetic tasks that the chosen task does not read (any
+    of them on a text run, task_pairs with needle) would do nothing: an error."""
+    for key in TASK_OPTIONS:
+        task = cfg["task"]
+        if cfg[key] != defaults[key] and (not task or key in MQAR_OPTIONS and task != "mqar"):
+            reads = "task=mqar" if key in MQAR_OPTIONS else "a synthetic task (--task=...)"
+            runs = f"task={task!r}" if task else "a text run"
+            raise ConfigError(f"{key}={cfg[key]!r} is read by {reads} and this is {runs}: drop it, or train on {reads}")
+    if not cfg["task"]:
+        return
+    for key, text_only in (("dataset", cfg["dataset"]), ("task_fraction", cfg["task_fraction"])):
+        if text_only:
+            raise ConfigError(
+                f"task={cfg['task']!r} trains on synthetic sequences alone, and {key}={text_only!r} is for text: "
+                f"drop --{key} for the synthetic task, or drop --task to train on text"
+            )
+    try:
+        synthetic.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], **synthetic.task_options(cfg))
+    except synthetic.SyntheticError as e:
+        raise ConfigError(str(e)) from e
+
+
+def check_ranges(cfg: dict) -> None:
+    """The numeric ranges of the training options; each error names the value, the rule and the usual setting."""
+
+    need = partial(require, cfg)
+
+    for key in (
+        "eval_interval",
+        "log_interval",
+        "eval_iters",
+        "batch_size",
+        "block_size",
+        "gradient_accumulation_steps",
+    ):
+        need(cfg[key] >= 1, key, "must be at least 1")
+    need(
+        cfg["max_iters"] >= 1 or cfg["eval_only"],
+        "max_iters",
+        "trains nothing (it would only save an untrained model); give a positive number, or --eval_only=True to "
+        "evaluate without training",
+    )
+    need(cfg["learning_rate"] > 0, "learning_rate", "must be positive (1e-3 for small models, 6e-4 for GPT-2)")
+    need(cfg["pe_lr_scale"] is None or cfg["pe_lr_scale"] > 0, "pe_lr_scale", "must be positive (1: the same rate)")
+    need(cfg["min_lr"] >= 0, "min_lr", "must be at least 0 (about learning_rate / 10)")
+    need(cfg["warmup_iters"] >= 0, "warmup_iters", "must be at least 0 (0: no warmup)")
+    need(cfg["lr_decay_iters"] >= 0, "lr_decay_iters", "must be at least 0 (about max_iters)")
+    need(cfg["weight_decay"] >= 0, "weight_decay", "must be at least 0 (0 disables it; 0.1 is usual)")
+    need(0 <= cfg["beta1"] < 1, "beta1", "must be in [0, 1) (0.9 is usual)")
+    need(0 <= cfg["beta2"] < 1, "beta2", "must be in [0, 1) (0.95 or 0.99 are usual)")
+    need(0 <= cfg["dropout"] < 1, "dropout", "must be in [0, 1) (0 for pretraining, 0.1-0.2 for small data)")
+    need(0 <= cfg["seed"] < 2**62, "seed", "must be in [0, 2**62) (torch's generators take 64-bit seeds)")
+    need(0 <= cfg["task_fraction"] < 1, "task_fraction", "must be in [0, 1) (0: text only; 0.05-0.1 is usual)")
+    need(0 <= cfg["task_mix"] < 1, "task_mix", "must be in [0, 1) (0: the task's rows alone; 0.25 is usual)")
+    need(isinstance(cfg["task_seed"], int) and cfg["task_seed"] >= 0, "task_seed", "must be an integer at least 0")
+    need(
+        cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
+    )
+
+
+def odd_values(cfg: dict) -> list[str]:
+    """Values that are legal but probably not meant: training goes ahead, and the log says so once."""
+    notes = []
+    if cfg["decay_lr"] and cfg["min_lr"] > cfg["learning_rate"]:
+        notes.append(f"min_lr={cfg['min_lr']} > learning_rate={cfg['learning_rate']}: the decay raises the rate")
+    if cfg["decay_lr"] and cfg["warmup_iters"] >= cfg["max_iters"] and not cfg["eval_only"]:
+        notes.append(f"warmup_iters={cfg['warmup_iters']} >= max_iters={cfg['max_iters']}: the whole run is warmup")
+    elif cfg["decay_lr"] and cfg["lr_decay_iters"] < cfg["warmup_iters"]:
+        notes.append(
+            f"lr_decay_iters={cfg['lr_decay_iters']} < warmup_iters={cfg['warmup_iters']}: the rate drops to min_lr "
+            "right after warmup"
+        )
+    if cfg["parallel"] == "fsdp" and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        notes.append(
+            "parallel=fsdp in one process: it trains unsharded, and saves sharded checkpoints (ckpt.dcp) that resume "
+            "at any number of processes (torchrun --nproc_per_node=N shards it)"
+        )
+    if cfg["learning_rate"] > 0.1:
+        notes.append(f"learning_rate={cfg['learning_rate']} is far above AdamW's usual 1e-4 to 1e-3")
+    return notes
