@@ -146,7 +146,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--wandb_log needs wandb, which is not installed: pip install wandb, or leave out --wandb_log")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
@@ -166,8 +166,31 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--wandb_project", default="nanope")
     p.add_argument("--wandb_run_name", default="eval_length")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
     check_args(p, args)
+    return evaluate_args(args)
+
+
+def evaluate_runs(out_dirs: list[str], **options) -> dict:
+    """The command from Python (sweep.py): the same checks, evaluation and report, with the options by the names of
+    its flags (lengths=[64, 128], plot="" for none, ...) instead of an argv to build."""
+    p = parser()
+    args = p.parse_args([str(d) for d in out_dirs])
+    unknown = sorted(set(options) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"evaluate_runs: no option {', '.join(unknown)}")
+    vars(args).update(options)
+    check_args(p, args)
+    return evaluate_args(args)
+
+
+def evaluate_args(args: argparse.Namespace) -> dict:
+    """Evaluate every checkpoint at every length, print the table, write the outputs; returns the report."""
     lengths = sorted(set(args.lengths))
     args.modes, args.rope_scaling = list(dict.fromkeys(args.modes)), list(dict.fromkeys(args.rope_scaling))  # once
     device = args.device

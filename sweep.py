@@ -719,23 +719,18 @@ def _main(argv: list[str]) -> None:
         )
     write_atomic(out_dir / "runs.json", json.dumps(runs, indent=1))
     lengths = args.lengths or size["lengths"]
-    eval_args = [r["dir"] for r in runs] + [
-        "--lengths",
-        *map(str, lengths),
-        "--eval_tokens",
-        str(args.eval_tokens or size["eval_tokens"]),
-        "--out_json",
-        str(out_dir / "eval.json"),
-        "--plot",
-        "",
-    ]
-    if args.rope_scaling:
-        eval_args += ["--rope_scaling", *args.rope_scaling]
+    evaluation = {
+        "lengths": lengths,
+        "eval_tokens": args.eval_tokens or size["eval_tokens"],
+        "out_json": str(out_dir / "eval.json"),
+        "plot": "",  # the report draws its own
+        "rope_scaling": args.rope_scaling,
+    }
     if args.wandb_log:
-        eval_args += ["--wandb_log", "--wandb_run_name", f"sweep-{args.size}-eval"]
+        evaluation |= {"wandb_log": True, "wandb_run_name": f"sweep-{args.size}-eval"}
     # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
     # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again
-    inputs = {"eval": eval_args, "tasks": [args.task_trials, args.task_depths]}
+    inputs = {"eval": evaluation, "tasks": [args.task_trials, args.task_depths]}
     inputs["runs"] = [[r["dir"], os.stat(Path(r["dir"]) / "ckpt.pt").st_mtime_ns] for r in runs]
     inputs_path = out_dir / "report_inputs.json"
     report_path = out_dir / "report.md"
@@ -743,7 +738,7 @@ def _main(argv: list[str]) -> None:
         if read_json(inputs_path) == inputs:
             print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
             return
-    report = eval_length.main(eval_args)
+    report = eval_length.evaluate_runs([r["dir"] for r in runs], **evaluation)
     if any(r["task_fraction"] > 0 for r in runs):
         report["tasks"] = evaluate_tasks(runs, lengths, args)
         write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
