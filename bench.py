@@ -28,7 +28,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from devices import allow_tf32, autocast, peak_flops
-from model import GPT, POS_ENCODINGS, GPTConfig
+from model import GPT, POS_ENCODINGS, AttentionOptions, GPTConfig
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
@@ -265,7 +265,7 @@ def attention_cell(enc: str, T: int, fused: bool | None, args, device: str, batc
     if device == "cpu":
         cfg["vocab_size"] = 64  # the GPT-2 vocabulary's logits and embedding would dwarf attention on a CPU
     model = GPT(GPTConfig(**cfg, pos_encoding=enc)).to(device)
-    model.fused_attention = fused
+    model.attention_options = AttentionOptions(fused=fused)
     step = train_step_fn(model, dict(cfg, batch_size=batch), args, device)
     try:
         step()  # compiles, and allocates AdamW's state

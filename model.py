@@ -3,8 +3,9 @@ nanoPE's model: one decoder-only GPT (the GPT-2 architecture) whose attention ta
 POS_ENCODINGS, or none, and a KV cache whose decoding equals the model's own full forward.
 
 It reads top to bottom: the positional encodings (each a small class: a few hooks, its options, what it can do), the
-config (the model's shape and every encoding's options), the KV cache, the transformer, the GPT (forward, generation,
-GPT-2's weights), and last the hand-written autograd kernels that some attention paths use.
+config (the model's shape and every encoding's options), the KV cache, the attention paths (one table picks the
+kernel), the transformer, the GPT (forward, generation, GPT-2's weights), and last the hand-written autograd kernels
+that some attention paths use.
 
 Positions travel as one tensor of absolute positions `pos` (T,), defaulting to arange(T) or continuing the
 cache. Everything positional derives from it once per forward: the embedding added to the tokens, the RoPE
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, make_dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,7 +88,8 @@ class PositionalEncoding(nn.Module):
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # bias: one per layer, h in bias(h, i, j) counting the heads of every layer (layer·n_head + head)
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
-    # the Hugging Face transformers architecture that computes it exactly (export.py): gpt2, gpt_neox, mpt, or None
+    # the Hugging Face transformers architecture that computes it exactly: gpt2, gpt_neox, mpt; None: none does, and
+    # export.py exports it with nanoPE's own code (this file and a transformers wrapper, loaded with trust_remote_code)
     hf_architecture: str | None = None
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
     summary = ""  # one line for --help
@@ -552,22 +554,33 @@ class ModelShape:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if self.gelu not in ("exact", "tanh"):
             raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
-        POS_ENCODINGS[self.pos_encoding].resolve(self)  # the chosen encoding's options: derived defaults, checks
 
 
 # every encoding's options by name, with the encoding they belong to
 ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {
     name: (enc, opt) for enc, cls in POS_ENCODINGS.items() for name, opt in cls.options.items()
 }
-GPTConfig = make_dataclass(
-    "GPTConfig",
-    [(name, Any, field(default=opt.default)) for name, (_, opt) in ENCODING_OPTIONS.items()],
-    bases=(ModelShape,),
-    namespace={"__module__": __name__},
-)
-GPTConfig.__doc__ = "The model's shape (ModelShape) and, as fields of their own names, every encoding's options:\n" + (
-    "\n".join(f"    {name}={opt.default!r} ({enc}): {opt.help}" for name, (enc, opt) in ENCODING_OPTIONS.items())
-)
+
+
+@dataclass
+class GPTConfig(ModelShape):
+    """The model's shape (ModelShape) and every encoding's options, each a field of its own name. The encodings
+    declare their options (ENCODING_OPTIONS: default, help, check); these fields repeat the names and defaults so a
+    reader and an editor see them, and a test holds the two equal. Only the chosen encoding's options are checked."""
+
+    rpe_max_distance: int | None = None  # bias_rpe: distances clamp to ±(r_max - 1); None: block_size // 2
+    t5_num_buckets: int = 32  # t5: biases per head, half exact distances, half log-spaced
+    t5_max_distance: int | None = None  # t5: farther distances share the last bucket; None: block_size // 2
+    kerple_per_layer: bool = False  # kerple: (r1, r2) of each layer's own; False: shared by the layers
+    rope_base: float = 10000.0  # rope: θ_k = base^(-2k/d)
+    rope_fraction: float = 1.0  # rope: the fraction of each head's pairs that rotate (p-RoPE below 1)
+    rope_scaling: str = "none"  # rope: none | linear | ntk | dynamic_ntk | yarn | llama3 (ROPE_SCALINGS)
+    rope_factor: float = 1.0  # rope: the scaling's s, the context stretched s times
+    rope_original_max_len: int | None = None  # rope: the scaling's L0; None: block_size
+
+    def __post_init__(self):
+        super().__post_init__()
+        POS_ENCODINGS[self.pos_encoding].resolve(self)  # the chosen encoding's options: derived defaults, checks
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -578,6 +591,9 @@ class KVCache:
     """Preallocated keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots:
     position p lives in slot p % S, and `pos` (S,) holds each slot's absolute position (EMPTY, in the future of
     every query, where unused). Fixed shapes and in-place writes let a compiled decode step run as one CUDA graph.
+
+    Its bookkeeping changes in one method, `claim`, which the model calls once per chunk before the forward that
+    writes it (GPT._positions); `update` writes a layer's keys and values into the slots claim returned.
 
     Writing a chunk of T tokens evicts the S keys before them, so with a window W a chunk of up to S - W + 1
     tokens stays exact (the model splits longer ones); without a window the cache holds S tokens in all.
@@ -594,37 +610,110 @@ class KVCache:
         self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
         self.next_pos = 0  # absolute position of the next token
         self.length = 0  # tokens written so far
-        self.slots: torch.Tensor | None = None  # (T,) the slots of the chunk being written
-
-    def advance(self, n: int, last: int) -> None:
-        """Count n tokens written, the last at position last (host-side, after the forward that wrote them)."""
-        self.next_pos, self.length = last + 1, self.length + n
 
     def max_chunk(self, window: int | None) -> int:
         """The most tokens one forward may write without evicting a key that one of its queries needs."""
         return self.size - self.length if window is None else self.size - window + 1
 
-    def write_positions(self, pos: torch.Tensor) -> torch.Tensor:
-        """Claim the slots of positions pos (T,); return every slot's position (S,), the keys' positions."""
+    def claim(self, pos: torch.Tensor, last: int) -> torch.Tensor:
+        """Take the slots of a chunk at positions pos (T,), the last of them `last` (a host int, so counting needs no
+        sync), and count its tokens; return the slots (T,). `self.pos` then holds the keys' positions."""
         if self.pos is None:
             self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
-        self.slots = pos % self.size
-        self.pos.index_copy_(0, self.slots, pos)
-        return self.pos
+        slots = pos % self.size
+        self.pos.index_copy_(0, slots, pos)
+        self.next_pos, self.length = last + 1, self.length + len(pos)
+        return slots
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this chunk's k, v (B, nh, T, hs) into its slots and return every slot's keys and values."""
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's k, v (B, nh, T, hs) into the chunk's slots (T,) and return every slot's keys and values."""
         if self.k[layer] is None:
             shape = (k.size(0), k.size(1), self.size, k.size(3))
             self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        self.k[layer].index_copy_(2, self.slots, k)
-        self.v[layer].index_copy_(2, self.slots, v)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
         return self.k[layer], self.v[layer]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The transformer
+# Attention paths: which kernel computes attention, chosen once per forward by one table (attention_path) from the
+# model's AttentionOptions, and built by GPT._attention_fn
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What attention_path reads from the user, held as `model.attention_options`. To change it (train.py's kernel
+    fallbacks), replace it: model.attention_options = dataclasses.replace(model.attention_options, fused=False).
+
+    fused: a score bias through FlexAttention. None (the default): where it is fused and has a backward, compiled on
+    CUDA. True: wherever the table allows it. False: never, and no BiasAttention either: the materialized reference
+    path for every bias (a fallback that always compiles).
+    flex_kernel_options: FlexAttention's Triton options, e.g. {"num_stages": 1} (less shared memory per block);
+    None: its defaults."""
+
+    fused: bool | None = None
+    flex_kernel_options: dict | None = None
+
+
+def attention_path(
+    options: AttentionOptions,
+    *,
+    bias: bool,
+    band: bool,
+    trainable: bool,
+    window: bool,
+    cached: bool,
+    consecutive: bool,
+    device: str,
+    compiling: bool,
+    dropout: bool,
+    fits: bool,
+) -> str:
+    """The kernel that computes attention: the first row of this table that matches.
+
+    | score bias | fused      | its gradient     | cache | device, compile | dropout | window | path           |
+    |------------|------------|------------------|-------|-----------------|---------|--------|----------------|
+    | none       | ·          | ·                | no    | ·               | ·       | no     | sdpa_causal    |
+    | a band one | yes, fits  | yes, consecutive | no    | ·               | no      | ·      | flex_band      |
+    | any        | yes, fits  | none             | ·     | ·               | no      | ·      | flex           |
+    | any        | not False  | yes              | ·     | CPU, eager      | no      | ·      | bias_attention |
+    | every other case                                                                      | sdpa_mask      |
+
+    - sdpa_causal: SDPA with is_causal (its flash kernel): no bias, and the keys are the queries' own.
+    - flex_band: FlexAttention reads the bias as a constant, and BandBiasGrad gives its table the gradient from a
+      band of distances. FlexAttention's own gradient for a bias parameter adds every (query, key) pair's share into
+      the table's few entries with atomics, which serialise, and can need more shared memory than a GPU has per
+      block: so a trainable bias is fused only as a band bias, its positions stepping by one (the band reads i - j as
+      a distance), without a cache. Other trainable biases (KERPLE, FIRE) take a materialized path.
+    - flex: FlexAttention, the encoding's bias as its score_mod, under a block mask.
+    - bias_attention: BiasAttention over the materialized bias: SDPA's CPU flash kernel, which gives a bias no
+      gradient, with a backward that does. Compiled, inductor fuses the math path itself.
+    - sdpa_mask: SDPA under a materialized bool mask (Tq, Tk), or float bias with -inf (nh, Tq, Tk): the reference.
+
+    The facts, each a bool but device: bias, the encoding adds a score bias (has_bias); band, that bias depends on
+    i - j alone and is one constant from some distance on (bias_span); trainable, it has parameters and autograd is
+    recording; window and cached, a sliding window or a KV cache (keys that are not the queries'); consecutive, the
+    positions step by one; compiling, torch.compile is tracing; dropout, training with dropout > 0 (neither fused
+    kernel has it); fits, FlexAttention takes this head dim on this device (GPT.fused_attention_note). fused is
+    options.fused, and where that is None, compiling on CUDA: FlexAttention is a fused kernel only when compiled, and
+    has no backward on a CPU."""
+    fused = (compiling and device == "cuda") if options.fused is None else options.fused
+    if not bias and not window and not cached:
+        return "sdpa_causal"
+    flex = bias and fused and not dropout and fits
+    if flex and trainable and band and not cached and consecutive:
+        return "flex_band"
+    if flex and not trainable:
+        return "flex"
+    if bias and trainable and device == "cpu" and not compiling and not dropout and options.fused is not False:
+        return "bias_attention"
+    return "sdpa_mask"
+
+
+ATTENTION_PATHS = ("sdpa_causal", "flex_band", "flex", "bias_attention", "sdpa_mask")  # attention_path's answers
 
 
 def attend(
@@ -644,6 +733,10 @@ def attend(
     return y.to(q.dtype)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The transformer
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -653,15 +746,16 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd = config.n_head, config.n_embd
         self.layer_idx = layer_idx
 
-    def forward(self, x, rope, attention, cache):
-        """attention: (q, k, v) -> y, from GPT._attention (the mask, bias and kernel are chosen there, once)."""
+    def forward(self, x, rope, attention, cache=None, slots=None):
+        """attention: (q, k, v) -> y, from GPT._attention_fn (the path is chosen there, once per forward); with a
+        cache, k and v go to the chunk's slots (T,) and attention reads every slot's."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, Tk, hs)
+            k, v = cache.update(self.layer_idx, k, v, slots)  # (B, nh, Tk, hs)
         y = attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -687,8 +781,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, attention, cache):
-        x = x + self.attn(self.ln_1(x), rope, attention, cache)
+    def forward(self, x, rope, attention, cache=None, slots=None):
+        x = x + self.attn(self.ln_1(x), rope, attention, cache, slots)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -711,10 +805,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
-        # score biases (every encoding with has_bias) through FlexAttention: True, False, or None for "when compiled"
-        self.fused_attention: bool | None = None
-        # FlexAttention's Triton options (e.g. {"num_stages": 1}: less shared memory per block), None for its defaults
-        self.flex_kernel_options: dict | None = None
+        self.attention_options = AttentionOptions()  # what attention_path reads; replaced, never edited
         self._compiled_decode = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
@@ -814,10 +905,17 @@ class GPT(nn.Module):
             if T > step:  # split so that no chunk evicts a key its own queries need: exact
                 chunks = [(idx[:, i : i + step], None if pos is None else pos[i : i + step]) for i in range(0, T, step)]
                 return torch.cat([self.features(x, p, cache, window) for x, p in chunks], dim=1)
+        pos, slots, consecutive = self._positions(T, pos, cache, window, idx.device)
+        return self._features(idx, pos, cache, slots, window, consecutive)
+
+    def _positions(self, T, pos, cache, window, device):
+        """A chunk of T tokens' positions (T,), checked against the encoding; its slots (T,) in the cache, or None
+        without one; and whether the positions step by one. The one place that advances a cache (KVCache.claim): both
+        features() and generate()'s decode step come through here before their forward."""
         start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
         if pos is None:
-            pos = torch.arange(start, start + T, device=idx.device)
+            pos = torch.arange(start, start + T, device=device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
         pe = self.encoding
         if pe.max_len is not None and last >= pe.max_len:
@@ -835,79 +933,81 @@ class GPT(nn.Module):
             )
         # the band gradient reads i - j as the distance: true of positions that step by one (a range), not of any pos
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
-        x = self._features(idx, pos, cache, window, consecutive)
-        if cache is not None:
-            cache.advance(T, last)
-        return x
+        slots = cache.claim(pos, last) if cache is not None else None
+        return pos, slots, consecutive
 
-    def _features(self, idx, pos, cache, window, consecutive=True):
-        """features() without the host-side bookkeeping: tensor code only, so a decode step compiles to one graph."""
+    def _features(self, idx, pos, cache, slots, window, consecutive=True):
+        """features() without the host-side bookkeeping: tensor code only (the slots already claimed), so a decode
+        step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
         emb = pe.embed(pos)
         if emb is not None:
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
-        k_pos = cache.write_positions(pos) if cache is not None else pos  # (Tk,)
+        k_pos = cache.pos if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
         attentions = [self._attention_fn(pos, k_pos, window, cache is not None, layer, consecutive) for layer in layers]
         rope = pe.rotary(pos, window)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, rope, attentions[i % len(attentions)], cache)
+            x = block(x, rope, attentions[i % len(attentions)], cache, slots)
         return self.transformer.ln_f(x)
 
     def _attention_fn(self, q_pos, k_pos, window, cached, layer=0, consecutive=True):
-        """Attention as one function (q, k, v) -> y, chosen once per forward: SDPA's causal (flash) path where no mask
-        is needed; a fused kernel that applies the bias (FlexAttention, BiasAttention on CPUs); else SDPA under a
-        materialized bool mask (Tq, Tk) or float bias with -inf (nh, Tq, Tk). All of them compare absolute positions,
-        so cached keys line up whatever Tq and Tk are (and whatever slot holds them). fused_attention=False always
-        takes the reference path (a materialized mask and SDPA). consecutive: the positions step by one, so that a
+        """Attention as one function (q, k, v) -> y for this forward: the path attention_path picks, built for queries
+        at positions q_pos (Tq,) and keys at k_pos (Tk,). Every path compares absolute positions, so cached keys line
+        up whatever Tq and Tk are (and whatever slot holds them). consecutive: the positions step by one, so that a
         band of i - j is a band of distances. layer picks a per-layer bias's heads."""
-        pe = self.encoding
-        h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
-        dropout_p = self.config.dropout if self.training else 0.0
-        if not pe.has_bias and window is None and not cached:
-            return lambda q, k, v: attend(q, k, v, None, dropout_p)
-        window = KVCache.EMPTY if window is None else window
-        # FlexAttention is fused only when compiled, and has no backward on CPU: by default, compiled on CUDA
-        auto = torch.compiler.is_compiling() and q_pos.device.type == "cuda"
-        fused = auto if self.fused_attention is None else self.fused_attention
-        no_dropout = not (self.training and self.config.dropout > 0)  # neither fused kernel has dropout
-        # FlexAttention's own gradient for a bias parameter adds every (query, key) pair's dS into it with atomics: many
-        # times RoPE's step on a GPU, or out of shared memory. So a trainable bias is fused only where its
-        # gradient can come from a band (bias_span); others (KERPLE, FIRE) train on the materialized path.
+        pe, device = self.encoding, q_pos.device
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
-        band = trainable and pe.bias_span is not None and not cached and consecutive
-        fits = self.fused_attention_note(q_pos.device.type) is None
-        if fused and pe.has_bias and no_dropout and fits and (band or not trainable):
+        path = attention_path(
+            self.attention_options,
+            bias=pe.has_bias,
+            band=pe.bias_span is not None,
+            trainable=trainable,
+            window=window is not None,
+            cached=cached,
+            consecutive=consecutive,
+            device=device.type,
+            compiling=torch.compiler.is_compiling(),
+            dropout=self.training and self.config.dropout > 0,
+            fits=self.fused_attention_note(device.type) is None,
+        )
+        dropout_p = self.config.dropout if self.training else 0.0
+        if path == "sdpa_causal":
+            return lambda q, k, v: attend(q, k, v, None, dropout_p)
+        h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
+        window = KVCache.EMPTY if window is None else window
+        if path in ("flex", "flex_band"):
             block_mask = create_block_mask(
                 lambda b, h, i, j: (q_pos[i] - k_pos[j] >= 0) & (q_pos[i] - k_pos[j] < window),
                 None,
                 None,
                 len(q_pos),
                 len(k_pos),
-                device=q_pos.device,
+                device=device,
             )
-            R, options = pe.bias_span, self.flex_kernel_options
-            if band:
-                # a trainable bias: the kernel reads it as a constant, BandBiasGrad gives the table its gradient
-                heads = torch.arange(self.config.n_head, device=q_pos.device) + h0
-                table = pe.bias(heads[:, None], torch.arange(R + 1, device=q_pos.device)[None], 0)  # (nh, R + 1)
-                frozen = table.detach()
-                score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
+            R, options = pe.bias_span, self.attention_options.flex_kernel_options
+            if path == "flex":
+                score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
+                return lambda q, k, v: flex_attention(
+                    q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options
+                )
+            # the kernel reads the bias as a constant, BandBiasGrad gives the table its gradient
+            heads = torch.arange(self.config.n_head, device=device) + h0
+            table = pe.bias(heads[:, None], torch.arange(R + 1, device=device)[None], 0)  # (nh, R + 1)
+            frozen = table.detach()
+            score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
 
-                def flex_band(q, k, v):
-                    y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
-                    return BandBiasGrad.apply(y, lse, q, k, v, table, window)
+            def flex_band(q, k, v):
+                y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
+                return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
-                return flex_band
-            score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
-            return lambda q, k, v: flex_attention(
-                q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options
-            )
+            return flex_band
+        # bias_attention and sdpa_mask: the mask, and the bias, materialized
         rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
         allowed = (rel >= 0) & (rel < window)
-        heads = torch.arange(self.config.n_head, device=rel.device)[:, None, None] + h0
+        heads = torch.arange(self.config.n_head, device=device)[:, None, None] + h0
         if trainable and pe.has_bias:
             # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
             # (FIRE's MLP would keep dozens of bias-sized tensors per layer)
@@ -917,10 +1017,7 @@ class GPT(nn.Module):
         if bias is None:
             return lambda q, k, v: attend(q, k, v, allowed, dropout_p)
         bias = bias.masked_fill(~allowed, float("-inf"))
-        # a trainable bias on a CPU: SDPA's flash kernel gives it no gradient, BiasAttention does (no compile: inductor
-        # fuses the math path itself)
-        eager_cpu = rel.device.type == "cpu" and not torch.compiler.is_compiling()
-        if bias.requires_grad and eager_cpu and no_dropout and self.fused_attention is not False:
+        if path == "bias_attention":
             return lambda q, k, v: BiasAttention.apply(q, k, v, bias.to(q.dtype))
         return lambda q, k, v: attend(q, k, v, bias, dropout_p)
 
@@ -1024,18 +1121,19 @@ class GPT(nn.Module):
                 if compile:  # the cache's tensors keep their addresses, so CUDA graphs need not copy them
                     for t in [cache.pos, *cache.k, *cache.v]:
                         torch._dynamo.mark_static_address(t)
-            else:
-                pos = torch.full((1,), cache.next_pos, device=idx.device)
-                logits = decode(new, pos, cache, window)
-                cache.advance(1, cache.next_pos)
+            else:  # one token: _positions claims its slot (host-side), then the step, compiled or not, on tensors
+                pos, slots, _ = self._positions(1, None, cache, window, idx.device)
+                logits = decode(new, pos, slots, cache, window)
             new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx
 
-    def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache, window: int | None) -> torch.Tensor:
-        """Logits (B, vocab_size) of one new token idx (B, 1) at position pos (1,), read from and written to the
-        cache (which the caller advances): the unit compiled for fast decoding."""
-        return self.lm_head(self._features(idx, pos, cache, window)[:, -1])
+    def _decode_step(
+        self, idx: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache: KVCache, window: int | None
+    ) -> torch.Tensor:
+        """Logits (B, vocab_size) of one new token idx (B, 1) at position pos (1,), written to the cache's slots (1,)
+        (claimed by the caller) and attending to every slot: the unit compiled for fast decoding."""
+        return self.lm_head(self._features(idx, pos, cache, slots, window)[:, -1])
 
     # ------------------------------------------------------------------------------------------------------------
     # GPT-2 weights
@@ -1142,7 +1240,7 @@ class ScalarMLP(torch.autograd.Function):
 
 class BiasAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked), on CPUs. SDPA's CPU
-    flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) fell back to SDPA's
+    flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) would need SDPA's
     unfused math path. Here the forward is the flash kernel, and the backward recomputes the probabilities from its
     log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal)."""
 
@@ -1192,7 +1290,7 @@ class BandBiasGrad(torch.autograd.Function):
     i - j alone and is one constant from distance R on: table (nh, R + 1) holds the bias at distances 0 … R.
 
     FlexAttention can differentiate a bias read from a table, but it adds every (query, key) pair's dS into the few
-    table entries with atomics, many times RoPE's step on a GPU. The kernel here reads the table as a constant, and this
+    table entries with atomics, which serialise on them. The kernel here reads the table as a constant, and this
     backward computes the table's gradient from a band instead. dS = P ⊙ (dP - D) sums to zero over each row, so the
     shared far entry's gradient is minus the near ones' sum, and only the band 0 <= i - j < R is needed: q·k and dy·v
     there, in blocks of R queries against 2R keys, recomputing P from the kernel's log-sum-exp. Linear in T.

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -21,7 +22,20 @@ from conftest import (
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 
-from model import GPT, POS_ENCODINGS, GPTConfig, KVCache, alibi_slopes, apply_rotary, sample_next
+from model import (
+    ATTENTION_PATHS,
+    ENCODING_OPTIONS,
+    GPT,
+    POS_ENCODINGS,
+    AttentionOptions,
+    GPTConfig,
+    KVCache,
+    ModelShape,
+    alibi_slopes,
+    apply_rotary,
+    attention_path,
+    sample_next,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # KV cache, case 1: inside the context window
@@ -161,8 +175,134 @@ def test_cache_errors_name_the_problem():
         model(tokens(1, 2), cache=cache)
 
 
+def test_the_cache_advances_only_in_claim(monkeypatch):
+    """A KV cache's bookkeeping (next_pos, length, the slots' positions) changes in KVCache.claim alone, once per
+    chunk the model writes (a chunk split to fit the window is several) and once per decoded token, and greedy
+    generation through it still equals full forwards."""
+    claims, inside, version = [], [False], [None]
+    claim, set_attr = KVCache.claim, KVCache.__setattr__
+
+    def claiming(self, pos, last):
+        assert self.pos is None or self.pos._version == version[0], "the slots' positions changed outside claim"
+        inside[0] = True
+        try:
+            return claim(self, pos, last)
+        finally:
+            inside[0], version[0] = False, self.pos._version
+            claims.append(len(pos))
+
+    def watched(self, name, value):
+        if name in ("next_pos", "length", "pos") and hasattr(self, name):  # after __init__
+            assert inside[0], f"KVCache.{name} set outside claim"
+        set_attr(self, name, value)
+
+    monkeypatch.setattr(KVCache, "claim", claiming)
+    monkeypatch.setattr(KVCache, "__setattr__", watched)
+    model = tiny("alibi")
+    idx = tokens(2, 16)
+    close(cached_logits(model, idx, [5, 1, 7, 3]), model(idx)[0])
+    assert claims == [5, 1, 7, 3]
+    claims.clear()
+    close(cached_logits(model, idx, [16], window=6), model(idx, window=6)[0])  # 6 slots: chunks of one
+    assert claims == [1] * 16
+    claims.clear()
+    prompt = tokens(2, 5)
+    expected = greedy_reference(model, prompt, 8, lambda m, x: m(x)[0][:, -1])
+    assert torch.equal(model.generate(prompt, 8, temperature=0), expected)
+    assert claims == [5] + [1] * 7  # the prompt, then each token fed back (the last one is not)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Attention paths and the encodings against their formulas
+
+# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly: each row of attention_path's table
+# below changes what it needs
+FACTS = dict(
+    bias=True,
+    band=True,
+    trainable=True,
+    window=False,
+    cached=False,
+    consecutive=True,
+    device="cpu",
+    compiling=False,
+    dropout=False,
+    fits=True,
+)
+CUDA_COMPILED = dict(device="cuda", compiling=True)
+
+
+@pytest.mark.parametrize(
+    "fused, facts, path",
+    [
+        # sdpa_causal: no bias, no window, no cache, whatever else holds
+        (None, dict(bias=False, band=False), "sdpa_causal"),
+        (True, dict(bias=False, band=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
+        (None, dict(bias=False, band=False, window=True), "sdpa_mask"),
+        (None, dict(bias=False, band=False, cached=True, trainable=False), "sdpa_mask"),
+        # flex_band: a trainable band bias, fused (by default: compiled on CUDA), consecutive, no cache
+        (None, CUDA_COMPILED, "flex_band"),
+        (True, dict(), "flex_band"),
+        (None, dict(**CUDA_COMPILED, window=True), "flex_band"),
+        (None, dict(**CUDA_COMPILED, cached=True), "sdpa_mask"),
+        (None, dict(**CUDA_COMPILED, consecutive=False), "sdpa_mask"),
+        (None, dict(**CUDA_COMPILED, band=False), "sdpa_mask"),  # KERPLE, FIRE
+        (None, dict(**CUDA_COMPILED, dropout=True), "sdpa_mask"),
+        (None, dict(**CUDA_COMPILED, fits=False), "sdpa_mask"),
+        (False, CUDA_COMPILED, "sdpa_mask"),
+        (None, dict(device="cuda"), "sdpa_mask"),  # uncompiled on CUDA: FlexAttention would not be fused
+        # flex: a bias without a gradient (ALiBi, or evaluation), fused, any cache or window
+        (None, dict(**CUDA_COMPILED, trainable=False, band=False), "flex"),
+        (True, dict(trainable=False, cached=True, window=True, consecutive=False), "flex"),
+        (None, dict(trainable=False), "sdpa_mask"),  # eager on a CPU: not fused by default
+        (True, dict(trainable=False, dropout=True), "sdpa_mask"),
+        (True, dict(trainable=False, fits=False), "sdpa_mask"),
+        # bias_attention: a trainable bias on a CPU, eager, no dropout, unless fused is False
+        (None, dict(), "bias_attention"),
+        (True, dict(band=False), "bias_attention"),
+        (None, dict(cached=True, window=True, consecutive=False), "bias_attention"),
+        (False, dict(), "sdpa_mask"),
+        (None, dict(compiling=True), "sdpa_mask"),
+        (None, dict(dropout=True), "sdpa_mask"),
+        (None, dict(bias=False, band=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
+    ],
+)
+def test_attention_path_follows_its_table(fused, facts, path):
+    """attention_path gives the path its docstring's table names for each row, and the next path down where a row's
+    condition fails."""
+    assert path in ATTENTION_PATHS and path in attention_path.__doc__
+    options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})  # kernel options pick no path
+    assert attention_path(options, **{**FACTS, **facts}) == path
+
+
+@pytest.mark.parametrize(
+    "pe, fused, train, kw, paths",
+    [
+        ("rope", None, True, dict(), {"sdpa_causal"}),
+        ("rope", None, False, dict(window=5), {"sdpa_mask"}),
+        ("alibi", True, False, dict(window=5), {"flex"}),
+        ("bias_rpe", None, True, dict(), {"bias_attention"}),
+        ("bias_rpe", False, True, dict(), {"sdpa_mask"}),
+        ("bias_rpe", True, True, dict(), {"flex_band"}),
+        ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_attention"}),
+        ("kerple", True, True, dict(), {"bias_attention"}),
+        ("fire", None, False, dict(), {"sdpa_mask"}),
+    ],
+)
+def test_model_asks_the_table_with_its_own_facts(pe, fused, train, kw, paths, monkeypatch):
+    """A forward asks attention_path once per layer with bias (the encoding's), band, gradient, cache, device and
+    positions as they are, and gets the path the table names for them."""
+    import model as model_module
+
+    got, table = [], model_module.attention_path
+    monkeypatch.setattr(model_module, "attention_path", lambda *a, **k: got.append(table(*a, **k)) or got[-1])
+    monkeypatch.setattr(model_module, "flex_attention_lse", math_flex_attention_lse)  # FlexAttention's backward: CUDA
+    model = tiny(pe, block_size=64).train(train)
+    model.attention_options = replace(model.attention_options, fused=fused)
+    idx = tokens(2, 16)
+    with contextlib.nullcontext() if train else torch.no_grad():
+        model(idx, **kw)
+    assert set(got) == paths and len(got) == (model.config.n_layer if model.encoding.per_layer else 1)
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
@@ -364,6 +504,24 @@ def test_config_errors_name_the_field():
         tiny("rope").generate(tokens(1, 2), 1, max_context=0)
 
 
+def test_gpt_config_fields_are_the_shape_and_every_encoding_option():
+    """GPTConfig's fields, in order and with their defaults, are ModelShape's then every ENCODING_OPTIONS entry: an
+    option an encoding declares without its GPTConfig field fails here, with the line to add."""
+    got = [(f.name, f.default) for f in fields(GPTConfig)]
+    options = [(name, opt.default) for name, (_, opt) in ENCODING_OPTIONS.items()]
+    missing = [
+        f"    {name}: {type(opt.default).__name__ if opt.default is not None else '<type> | None'} = {opt.default!r}"
+        f"  # {enc}: {opt.help}"
+        for name, (enc, opt) in ENCODING_OPTIONS.items()
+        if (name, opt.default) not in got
+    ]
+    assert not missing, "add to GPTConfig in model.py (or give it the registry's default):\n" + "\n".join(missing)
+    expected = [(f.name, f.default) for f in fields(ModelShape)] + options
+    extra = [name for name, _ in got if name not in dict(expected)]
+    assert not extra, f"GPTConfig's {extra} are neither ModelShape's nor an encoding's option: remove them"
+    assert got == expected, "GPTConfig lists ModelShape's fields, then the options in ENCODING_OPTIONS' order"
+
+
 def test_sample_next_filters():
     """temperature 0 is argmax; top_k=1 and a tiny top_p are argmax too; top_p keeps the smallest set reaching p."""
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
@@ -537,7 +695,7 @@ def test_fused_attention_equals_reference(pe, window):
     model = tiny(pe)
     idx = tokens(2, 16)
     expected = model(idx, window=window)[0]
-    model.fused_attention = True
+    model.attention_options = replace(model.attention_options, fused=True)
     with torch.no_grad():
         close(model(idx, window=window)[0], expected)
 
@@ -565,10 +723,10 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, m
     idx = tokens(3, T)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with autocast:
-        model.fused_attention = False
+        model.attention_options = replace(model.attention_options, fused=False)
         ref_logits, ref_grads = grads(model, idx, window=window)
         assert not calls
-        model.fused_attention = None  # the default
+        model.attention_options = replace(model.attention_options, fused=None)  # the default
         logits, fused_grads = grads(model, idx, window=window)
     assert calls, "the default path did not take BiasAttention"
     assert ref_grads.keys() == fused_grads.keys()
@@ -619,9 +777,9 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
     model = tiny(pe, block_size=T, **kw).train()
     idx = tokens(3, T)
-    model.fused_attention = False
+    model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, window=window)
-    model.fused_attention = True
+    model.attention_options = replace(model.attention_options, fused=True)
     # compiled: dynamo and AOTAutograd trace BandBiasGrad's forward and backward; inductor would only lower the
     # math stand-in for FlexAttention's CUDA kernel (40 s per case on a CPU for code no GPU runs)
     counter = CompileCounterWithBackend("aot_eager")
@@ -652,9 +810,9 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
     T = 20
     model = tiny(pe, block_size=3 * T, **kw).train()
     idx, pos = tokens(2, T), offset + stride * torch.arange(T)
-    model.fused_attention = False
+    model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, pos=pos)
-    model.fused_attention = True
+    model.attention_options = replace(model.attention_options, fused=True)
     logits, fused_grads = grads(model, idx, pos=pos)
     assert bool(calls) == (stride == 1)
     close(logits, ref_logits)
@@ -670,17 +828,17 @@ def spanless_trainable(pe: str) -> bool:
 @pytest.mark.parametrize("pe", [e for e in BIASED if spanless_trainable(e)])
 def test_trainable_bias_without_a_span_trains_on_the_materialized_path(pe, monkeypatch):
     """A trainable bias with no constant far span (KERPLE, FIRE) never takes FlexAttention's captured-parameter
-    gradient (atomics: 19x slower or out of shared memory on an H100): with fused_attention=True it trains on the
-    materialized path, with the reference's gradients, and still evaluates through FlexAttention."""
+    gradient (atomics on the table's few entries: slow, or out of a GPU's shared memory): with fused=True it trains on
+    the materialized path, with the reference's gradients, and still evaluates through FlexAttention."""
     import model as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
     model = tiny(pe).train()
     idx = tokens(2, 16)
-    model.fused_attention = False
+    model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx)
-    model.fused_attention = True
+    model.attention_options = replace(model.attention_options, fused=True)
     logits, fused_grads = grads(model, idx)
     assert not calls
     close(logits, ref_logits)
@@ -751,7 +909,7 @@ def test_fused_attention_with_smaller_kernel_options_on_cuda(pe):
     model = tiny(pe, block_size=256, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()
     idx = tokens(2, 256).cuda()
     ref_logits, ref_grads = grads(model, idx)
-    model.flex_kernel_options = {"num_stages": 1}
+    model.attention_options = replace(model.attention_options, flex_kernel_options={"num_stages": 1})
     logits, fused_grads = grads(torch.compile(model), idx)
     close(logits, ref_logits, tol=1e-4)
     for name in ref_grads:
@@ -861,7 +1019,7 @@ def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window,
     model = tiny(pe, n_layer=1)
     idx = tokens(2, sum(chunks))
     expected = model(idx, window=window)[0]
-    model.fused_attention = True
+    model.attention_options = replace(model.attention_options, fused=True)
     with torch.no_grad():
         close(cached_logits(model, idx, chunks, window=window, extra=extra), expected)
 
