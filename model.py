@@ -693,13 +693,13 @@ def attention_path(
       gradient, with a backward that does. Compiled, inductor fuses the math path itself.
     - sdpa_mask: SDPA under a materialized bool mask (Tq, Tk), or float bias with -inf (nh, Tq, Tk): the reference.
 
-    The facts, each a bool but device: bias, the encoding adds a score bias (has_bias); band, that bias depends on
-    i - j alone and is one constant from some distance on (bias_span); trainable, it has parameters and autograd is
-    recording; window and cached, a sliding window or a KV cache (keys that are not the queries'); consecutive, the
-    positions step by one; compiling, torch.compile is tracing; dropout, training with dropout > 0 (neither fused
-    kernel has it); fits, FlexAttention takes this head dim on this device (GPT.fused_attention_note). fused is
-    options.fused, and where that is None, compiling on CUDA: FlexAttention is a fused kernel only when compiled, and
-    has no backward on a CPU."""
+    The facts (bools, but device: "cpu", "cuda", ...): bias, the encoding adds a score bias (has_bias); band, that bias
+    depends on i - j alone and is one constant from some distance on (bias_span); trainable, it has parameters and
+    autograd is recording; window and cached, a sliding window or a KV cache (keys that are not the queries' own);
+    consecutive, the positions step by one; compiling, torch.compile is tracing; dropout, training with dropout > 0
+    (neither fused kernel has it); fits, FlexAttention takes this head dim on this device (GPT.fused_attention_note).
+    fused is options.fused, and where that is None, compiling on CUDA: FlexAttention is a fused kernel only when
+    compiled, and has no backward on a CPU."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     if not bias and not window and not cached:
         return "sdpa_causal"
