@@ -18,6 +18,7 @@ import argparse
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
             check_length(run.model, args.length)
         except ValueError as e:
             sys.exit(f"error: {out_dir}: {e}")
-        run.model.fused_attention = False  # the reference path: every encoding, any length, any device
+        # the reference path: every encoding, any length, any device
+        run.model.attention_options = replace(run.model.attention_options, fused=False)
         n, need = len(val) - args.length, probe_bytes(run.model, args.length)  # n: distinct windows
         if n < 1:
             sys.exit(

@@ -197,7 +197,8 @@ class CompiledFlexFails(torch.nn.Module):
         self.model = model
 
     def forward(self, *args, **kwargs):
-        fused = self.model.fused_attention is not False and not (self.options_help and self.model.flex_kernel_options)
+        options = self.model.attention_options
+        fused = options.fused is not False and not (self.options_help and options.flex_kernel_options)
         if torch.is_grad_enabled() and fused:
             raise self.error
         return self.model(*args, **kwargs)
