@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig
+from outputs import cannot_write
 
 
 class CheckpointError(Exception):
@@ -414,16 +415,13 @@ class Checkpointer:
             raise CheckpointError(f"out_dir={str(out)!r} is a file, not a folder; choose another --out_dir")
         try:
             out.mkdir(parents=True, exist_ok=True)
-            probe = out / f".write_test.{os.getpid()}.tmp"  # the one sure test: /proc, read-only mounts, permissions
-            probe.write_bytes(b"0")
-            probe.unlink()
-            if self.sharded:  # ckpt.dcp is a link to the latest folder of shards
-                probe.symlink_to(SHARDS)
-                probe.unlink()
+            problem = cannot_write(out, links=self.sharded)  # ckpt.dcp is a link to the latest folder of shards
         except OSError as e:
+            problem = e.strerror
+        if problem:
             raise CheckpointError(
-                f"cannot write checkpoints to out_dir={str(out)!r} ({e.strerror}); choose another --out_dir"
-            ) from e
+                f"cannot write checkpoints to out_dir={str(out)!r} ({problem}); choose another --out_dir"
+            )
         self.hold()  # before the checks below and before clearing temporaries: a live run's are not stale
         notes = [
             f"note: {link} was a folder (copied without its link?): moved under shards/ and linked, as saves do"
@@ -560,15 +558,11 @@ def consolidate(out_dir: str | Path) -> Path:
         raise CheckpointError(
             f"no sharded checkpoint {Path(out_dir) / 'ckpt.dcp'} to consolidate (train.py --parallel=fsdp writes one)"
         )
-    probe = Path(out_dir) / f".write_test.{os.getpid()}.tmp"  # before reading: the one sure test of permissions
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
+    if problem := cannot_write(Path(out_dir)):  # before reading the shards
         raise CheckpointError(
-            f"cannot write {Path(out_dir) / 'ckpt.pt'} ({e.strerror}); copy the run's folder somewhere writable "
+            f"cannot write {Path(out_dir) / 'ckpt.pt'} ({problem}); copy the run's folder somewhere writable "
             "(cp -r keeps ckpt.dcp's link) and consolidate the copy"
-        ) from None
+        )
     sharded = ShardedCheckpoint(Path(out_dir) / "ckpt.dcp")
     ckpt = sharded.meta
     model = GPT(GPTConfig(**ckpt["model_args"]))

@@ -41,6 +41,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from devices import DTYPES
 from model import GPT
+from outputs import cannot_write
 from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
@@ -441,12 +442,8 @@ def check_out(out: Path, overwrite: bool = False, ckpt_path: Path | None = None)
             )
     if not out.parent.is_dir():
         raise ExportError(f"{flag}: the folder {out.parent} does not exist; create it, or write elsewhere")
-    probe = out.parent / f".{out.name}.{os.getpid()}.probe"  # the one sure test: permissions, read-only mounts
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ExportError(f"{flag}: cannot write in {out.parent} ({e.strerror}); write elsewhere") from e
+    if problem := cannot_write(out.parent):
+        raise ExportError(f"{flag}: cannot write in {out.parent} ({problem}); write elsewhere")
     return out
 
 

@@ -30,13 +30,24 @@ def check_output(path: str | Path, flag: str, suffixes: tuple[str, ...] = ()) ->
     folder = path.resolve().parent
     if not folder.is_dir():
         raise OutputError(f"{flag}={str(path)!r}: the folder {folder} does not exist; create it, or write elsewhere")
-    probe = folder / f".{path.name}.{os.getpid()}.probe"  # the one sure test: permissions, read-only mounts
+    if problem := cannot_write(folder):
+        raise OutputError(f"{flag}={str(path)!r}: cannot write in {folder} ({problem}); write elsewhere")
+    return path
+
+
+def cannot_write(folder: Path, links: bool = False) -> str | None:
+    """Why this process cannot create files in folder (with links, symbolic links too), or None. The one sure test
+    is to try: permissions, read-only mounts, /proc, a filesystem without links."""
+    probe = Path(folder) / f".write_test.{os.getpid()}.tmp"
     try:
         probe.write_bytes(b"")
         probe.unlink()
+        if links:
+            probe.symlink_to(".")
+            probe.unlink()
     except OSError as e:
-        raise OutputError(f"{flag}={str(path)!r}: cannot write in {folder} ({e.strerror}); write elsewhere") from e
-    return path
+        return e.strerror or str(e)
+    return None
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:

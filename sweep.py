@@ -40,7 +40,7 @@ import synthetic
 import tasks
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
-from outputs import write_atomic
+from outputs import cannot_write, write_atomic
 from tokenizer import tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parent
@@ -684,11 +684,11 @@ def _main(argv: list[str]) -> None:
         p.error(f"--out_dir={out_dir} is a file, not a folder; choose a folder for the runs and the report")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write_test.{os.getpid()}.tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
+        problem = cannot_write(out_dir)
     except OSError as e:
-        p.error(f"--out_dir={out_dir}: cannot write there ({e.strerror}); choose another folder")
+        problem = e.strerror
+    if problem:
+        p.error(f"--out_dir={out_dir}: cannot write there ({problem}); choose another folder")
     if args.synthetic is not None:
         return synthetic_suite(args, argv, out_dir)
     args.task_trials = args.task_trials or 5

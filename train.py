@@ -359,20 +359,24 @@ def train_step(run: Run) -> torch.Tensor:
         run.scaler.scale(loss).backward()
     run.scaler.unscale_(run.optimizer)
     norm = strategy.clip(run.model, cfg["grad_clip"] or float("inf"))
-    # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal. Every process
-    # gets the same answer: one stopping alone would leave the others waiting in their next collective
-    flags = torch.stack([~torch.isfinite(loss_sum), ~torch.isfinite(norm) & (not run.scaler.is_enabled())]).float()
-    loss_bad, norm_bad = strategy.any(flags).tolist()
-    if loss_bad or norm_bad:
+    # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
+    if bad := non_finite(strategy, loss_sum, norm, check_norm=not run.scaler.is_enabled()):
         raise TrainError(
-            f"non-finite {'loss' if loss_bad else 'gradient norm'} at iteration {run.iter_num}: stopped before the "
-            f"optimizer step; the last good checkpoint is in {cfg['out_dir']} (try a lower learning_rate, grad_clip, "
-            "or dtype=bfloat16)"
+            f"non-finite {bad} at iteration {run.iter_num}: stopped before the optimizer step; the last good "
+            f"checkpoint is in {cfg['out_dir']} (try a lower learning_rate, grad_clip, or dtype=bfloat16)"
         )
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     return loss_sum
+
+
+def non_finite(strategy: Replicated, loss: torch.Tensor, norm: torch.Tensor, check_norm: bool) -> str | None:
+    """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets the same answer:
+    one stopping alone would leave the others waiting in their next collective."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm) & check_norm]).float()
+    loss_bad, norm_bad = strategy.any(flags).tolist()
+    return "loss" if loss_bad else "gradient norm" if norm_bad else None
 
 
 @torch.no_grad()

@@ -76,21 +76,23 @@ import copy, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from model import GPT, GPTConfig, POS_ENCODINGS
 from torch.distributed.tensor import DTensor
-from train import non_finite, shard
+from parallel import Processes, Sharded
+from train import non_finite
 dist.init_process_group("gloo")
 rank, lines = dist.get_rank(), []
+strategy = Sharded(Processes(True, rank, rank, 2, "cpu"))
 # a non-finite loss on one process stops all of them (none waits alone in all_reduce); fp16's inf gradient norms,
 # which the GradScaler skips, stop none
 nan, inf = float("nan"), float("inf")
-a = non_finite(torch.tensor(nan if rank == 1 else 1.0), torch.tensor(1.0), check_norm=True, distributed=True)
-b = non_finite(torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1.0), check_norm=False, distributed=True)
+a = non_finite(strategy, torch.tensor(nan if rank == 1 else 1.0), torch.tensor(1.0), check_norm=True)
+b = non_finite(strategy, torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1.0), check_norm=False)
 open({out!r} + f"/non_finite{{rank}}", "w").write(f"{{a}} {{b}}")
 idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
 for pe in POS_ENCODINGS:
     torch.manual_seed(rank)  # each process its own initialisation: shard() starts every one from the first's
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
     ref = copy.deepcopy(model)
-    shard(model, "float32")
+    strategy.prepare(model, "float32")
     for t in ref.state_dict().values():
         dist.broadcast(t, src=0)
     opts = [m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", m.encoding.lr_scale) for m in (model, ref)]
@@ -116,7 +118,7 @@ for pe in ("rope", "fire"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
     ref = copy.deepcopy(model)
-    shard(model, "bfloat16")
+    strategy.prepare(model, "bfloat16")
     seen = {{}}  # the weights' dtype as each module runs (None: the hook leaves the inputs as they are)
     for key, m in (("block", model.transformer.h[0].mlp.c_fc), ("wte", model.transformer.wte)):
         m.register_forward_pre_hook(lambda m, a, key=key: seen.setdefault(key, m.weight.dtype) and None)

@@ -11,10 +11,11 @@ import torch.nn as nn
 from conftest import run_cli, train_in_process
 from test_eval_length import save_run, save_synthetic_run
 
+import options
 import tasks
 import train as train_py
 from checkpoint import load_checkpoint
-from configurator import ConfigError
+from configurator import ConfigError, configure
 from datafiles import prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
 from tokenizer import CharTokenizer, GPT2Tokenizer
@@ -281,7 +282,8 @@ def test_task_options_are_checked(tiny_data, tmp_path):
     """task_fraction outside [0, 1) and a block too short for the tasks are one-line errors before training."""
     for bad in ("1.0", "-0.1"):
         with pytest.raises(ConfigError, match=r"task_fraction=.* must be in \[0, 1\)"):
-            train_py.resolve(train_py.configure(train_py.defaults, ["--device=cpu", f"--task_fraction={bad}"]))
+            cfg = configure(train_py.defaults, ["--device=cpu", f"--task_fraction={bad}"])
+            options.resolve(cfg, train_py.defaults)
     with pytest.raises(ConfigError, match="task_fraction=0.1: the passkey task needs a length of at least"):
         train_here(f"--dataset={tiny_data}", f"--out_dir={tmp_path}", "--task_fraction=0.1", "--block_size=32")
 

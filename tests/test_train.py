@@ -421,7 +421,9 @@ def test_default_dataset_is_prepared_automatically(tmp_path):
     split 90/10."""
     repo = tmp_path / "repo"
     shutil.copytree(
-        ROOT, repo, ignore=shutil.ignore_patterns(".venv", ".git", "out*", "*.bin", "meta.json", "__pycache__", "wandb")
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(".venv", ".git", "out-*", "*.bin", "meta.json", "__pycache__", "wandb"),
     )
     r = train("--eval_only=True", f"--out_dir={tmp_path / 'out'}", cwd=repo)
     assert_ok(r)
