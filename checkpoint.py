@@ -267,7 +267,6 @@ class ShardedCheckpoint:
     into any sharding, the whole model for the evaluation scripts."""
 
     def __init__(self, link: str | Path):
-        self.link = Path(link)
         self.folder = sharded_folder(link)
 
     @cached_property
@@ -366,12 +365,14 @@ class ShardedFormat:
     """ckpt.dcp (and ckpt_best.dcp): a link to a folder of every process's shards."""
 
     name, other = "ckpt.dcp", "ckpt.pt"
+    reader: ShardedCheckpoint | None = None  # the checkpoint load() read: restore() reads the same folder's states
 
     def load(self, out_dir: Path) -> dict:
-        return ShardedCheckpoint(out_dir / self.name).meta  # the weights load once sharded: restore()
+        self.reader = ShardedCheckpoint(out_dir / self.name)
+        return self.reader.meta  # the weights load once sharded: restore()
 
     def restore(self, out_dir: Path, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        ShardedCheckpoint(out_dir / self.name).load_into(model, optimizer)
+        (self.reader or ShardedCheckpoint(out_dir / self.name)).load_into(model, optimizer)
 
     def save(self, out_dir: Path, names: list[str], meta: dict, model, optimizer, master: bool) -> None:
         save_sharded(training_state(model, optimizer), meta, out_dir, tuple(f"{n}.dcp" for n in names))
@@ -423,10 +424,6 @@ class Checkpointer:
                 f"cannot write checkpoints to out_dir={str(out)!r} ({problem}); choose another --out_dir"
             )
         self.hold()  # before the checks below and before clearing temporaries: a live run's are not stale
-        notes = [
-            f"note: {link} was a folder (copied without its link?): moved under shards/ and linked, as saves do"
-            for link in adopt_copied_links(out)
-        ]
         found = [name for name in ("ckpt.pt", "ckpt_best.pt", *LINKS) if os.path.lexists(out / name)]
         if found and init_from != "resume" and not overwrite:
             raise CheckpointError(
@@ -434,6 +431,10 @@ class Checkpointer:
                 "overwrite. Continue it with --init_from=resume, train elsewhere with --out_dir=<new folder>, or "
                 "replace it with --overwrite=True"
             )
+        notes = [  # only once the run goes ahead: a refused start changes nothing in the folder
+            f"note: {link} was a folder (copied without its link?): moved under shards/ and linked, as saves do"
+            for link in adopt_copied_links(out)
+        ]
         removed = remove_stale_temporaries(out) + remove_unlinked_shards(out)
         return notes + [f"removed {tmp.name}, left by a save that was killed mid-write" for tmp in removed]
 

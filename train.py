@@ -29,7 +29,7 @@ from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from devices import autocast, default_device, peak_flops
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from options import odd_values, resolve
-from parallel import Processes, Replicated, held_bytes, start_processes, strategy
+from parallel import STRATEGIES, Processes, Replicated, held_bytes, start_processes, strategy
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
 
@@ -638,7 +638,7 @@ def main(argv: list[str]) -> None:
         return
     cfg = resolve(configure(defaults, argv), defaults)
     master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
-    checkpointer = Checkpointer(cfg["out_dir"], sharded=cfg["parallel"] == "fsdp", master=master)
+    checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
     try:
         if master:
             if cfg["init_from"] == "resume" and cfg["eval_only"]:  # prepare() checks it for a training run

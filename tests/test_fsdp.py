@@ -89,7 +89,7 @@ b = non_finite(strategy, torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1
 open({out!r} + f"/non_finite{{rank}}", "w").write(f"{{a}} {{b}}")
 idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
 for pe in POS_ENCODINGS:
-    torch.manual_seed(rank)  # each process its own initialisation: shard() starts every one from the first's
+    torch.manual_seed(rank)  # each process its own initialisation: prepare() starts every one from the first's
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
     ref = copy.deepcopy(model)
     strategy.prepare(model, "float32")
@@ -145,7 +145,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
-    """Under shard() (train.py's FSDP2 setup) every encoding's parameters (tables, slopes, KERPLE's and FIRE's) are
+    """Under FSDP2 (Sharded.prepare) every encoding's parameters (tables, slopes, KERPLE's and FIRE's) are
     sharded like the model's, start from the first process's initialisation, and two AdamW steps over two processes
     give the weights of the same steps unsharded over the whole batch. In the same two processes (DDP's and FSDP's
     alike): non_finite() gives every process the same answer. In bfloat16 (RoPE, FIRE): the blocks' weights are
