@@ -16,6 +16,7 @@ whether or not keys come from a cache).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -1105,7 +1106,12 @@ class GPT(nn.Module):
                     kw = dict(mode="reduce-overhead")
                 else:  # batch-1 matmuls as fused multiply-reductions on every core, faster than MKL's GEMV
                     kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
-                self._compiled_decode = torch.compile(self._decode_step, fullgraph=True, **kw)
+                # dynamo keeps compiled graphs, and its limit of 8 recompiles, per code object: a copy of the step's
+                # code for each model, so that a process that compiles many models (a benchmark, a notebook) never
+                # reaches the limit, which fullgraph=True makes an error
+                code = GPT._decode_step.__code__.replace()
+                step = types.MethodType(types.FunctionType(code, GPT._decode_step.__globals__), self)
+                self._compiled_decode = torch.compile(step, fullgraph=True, **kw)
             decode = self._compiled_decode
         cache, new = None, idx  # new: the tokens the model has not seen yet
         cache_span = self.encoding.cache_span
