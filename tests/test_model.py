@@ -668,18 +668,19 @@ def test_checkpoint_round_trip(pe, tmp_path):
 
 
 @pytest.mark.slow  # and next to the compile test above: one worker pays inductor's start-up once for both
-def test_compiled_generation_equals_eager(monkeypatch):
+def test_compiled_generation_equals_eager():
     """generate(compile=True) (the compiled one-token step; on CPU with batch-1 matmuls decomposed into reductions)
     gives the eager tokens, rolling past max_context (relative) or re-prefilling past it (absolute). Two layers (each
     its own cache) for RoPE; one for the others, which inductor compiles in half the time. Each model compiles its
     own step: with dynamo's recompile limit at 1, three models in one process still compile (one shared step
     would hit the limit at the second model, an error under fullgraph)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     for pe, B, n_layer in [("rope", 1, 2), ("alibi", 1, 1), ("learned", 2, 1)]:
         model = tiny(pe, block_size=16, n_layer=n_layer)
         idx = tokens(B, 5)
         eager = model.generate(idx, 30, temperature=0, max_context=12)
-        assert torch.equal(model.generate(idx, 30, temperature=0, max_context=12, compile=True), eager), pe
+        with torch._dynamo.config.patch(recompile_limit=1):  # dynamo's own patch: it restores the option itself
+            compiled = model.generate(idx, 30, temperature=0, max_context=12, compile=True)
+        assert torch.equal(compiled, eager), pe
 
 
 def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
