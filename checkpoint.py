@@ -414,12 +414,8 @@ class Checkpointer:
             self.check_resumable()
         if out.exists() and not out.is_dir():
             raise CheckpointError(f"out_dir={str(out)!r} is a file, not a folder; choose another --out_dir")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            problem = cannot_write(out, links=self.sharded)  # ckpt.dcp is a link to the latest folder of shards
-        except OSError as e:
-            problem = e.strerror
-        if problem:
+        # ckpt.dcp is a link to the latest folder of shards
+        if problem := cannot_write(out, links=self.sharded, create=True):
             raise CheckpointError(
                 f"cannot write checkpoints to out_dir={str(out)!r} ({problem}); choose another --out_dir"
             )

@@ -35,11 +35,14 @@ def check_output(path: str | Path, flag: str, suffixes: tuple[str, ...] = ()) ->
     return path
 
 
-def cannot_write(folder: Path, links: bool = False) -> str | None:
-    """Why this process cannot create files in folder (with links, symbolic links too), or None. The one sure test
-    is to try: permissions, read-only mounts, /proc, a filesystem without links."""
+def cannot_write(folder: Path, links: bool = False, create: bool = False) -> str | None:
+    """Why this process cannot create files in folder (with links, symbolic links too; with create, after making the
+    folder and its parents), or None. The one sure test is to try: permissions, read-only mounts, /proc, a
+    filesystem without links."""
     probe = Path(folder) / f".write_test.{os.getpid()}.tmp"
     try:
+        if create:
+            probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
         if links:

@@ -682,12 +682,7 @@ def _main(argv: list[str]) -> None:
     out_dir = Path(args.out_dir or ("sweep-synthetic" if args.synthetic is not None else f"sweep-{args.size}"))
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out_dir={out_dir} is a file, not a folder; choose a folder for the runs and the report")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        problem = cannot_write(out_dir)
-    except OSError as e:
-        problem = e.strerror
-    if problem:
+    if problem := cannot_write(out_dir, create=True):
         p.error(f"--out_dir={out_dir}: cannot write there ({problem}); choose another folder")
     if args.synthetic is not None:
         return synthetic_suite(args, argv, out_dir)
