@@ -171,6 +171,8 @@ def bench_encodings(args, device: str) -> None:
     """Every encoding's training step; the encodings alternate over rounds so that drift in the machine's speed
     hits them alike (the median over rounds is reported)."""
     for cfg in sizes(device)["encodings"]:
+        if args.encoding_blocks and cfg["block_size"] not in args.encoding_blocks:
+            continue
         print(f"\n### Training step per encoding ({cfg})\n")
         peak = peak_flops(device)
         steps, times, memory = {}, {enc: [] for enc in ENCODINGS}, {}
@@ -183,6 +185,8 @@ def bench_encodings(args, device: str) -> None:
                 reset_memory(device)
                 base = memory_now(device)
                 times[enc].append(timed(step, device, args.steps, args.warmup))
+                # one line per measurement on stderr: a run stopped early still shows what it measured
+                print(f"  {enc}: {times[enc][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
                 if device == "cuda":  # beyond what the models and optimizers hold: activations and temporaries
                     memory[enc] = peak_above(base, device)
         tokens = cfg["batch_size"] * cfg["block_size"]
@@ -228,6 +232,7 @@ def bench_decode(args, device: str, nanogpt) -> None:
         # kernel: the usual reason a compiled decode step is slow on a GPU
         skipped = counters["inductor"]["cudagraph_skips"] - skips
         rows.append([enc, rate(gen), compiled, rate(lambda: gen(use_cache=False)), first - n / compiled, skipped])
+        print(f"  {enc}: {rows[-1][1:]}", file=sys.stderr, flush=True)
     ng = None
     if nanogpt is not None:
         torch.manual_seed(0)
@@ -370,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median is reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the nanoGPT comparison")
+    p.add_argument(
+        "--encoding_blocks", type=int, nargs="+", default=None, help="--only=encodings: these block sizes only"
+    )
     p.add_argument("--decode_tokens", type=int, default=512)
     p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
     p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
