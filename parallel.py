@@ -183,6 +183,12 @@ class Sharded(Replicated):
             mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for block in model.transformer.h:
             fully_shard([block.attn, block.mlp], mp_policy=mp)
+            for module in (block.attn, block.mlp):
+                # nn.Linear with a bias returns a view of its matmul for a (B, T, C) input, and FSDP warns that an
+                # in-place op on a view would skip its backward hook. Nothing here writes in place, but its hook gets
+                # a fresh tensor (the copy runs before FSDP's post-forward: prepend), so the warning never has to be
+                # judged harmless
+                module.register_forward_hook(lambda m, args, out: out.clone() if out._is_view() else out, prepend=True)
         fully_shard(model)
 
     def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:

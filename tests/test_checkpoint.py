@@ -111,7 +111,11 @@ FIXTURE_ARGS = [
 @pytest.mark.parametrize("kind", ["plain", "sharded"])
 def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path):
     """A ckpt.pt and a sharded ckpt.dcp written by the version before the redesign resume in today's train.py and
-    reach, bit for bit, the weights that version's uninterrupted run reached."""
+    reach the weights that version's uninterrupted run reached. Not bit for bit: the stored weights were computed on
+    another machine, whose CPU kernels may round differently (one float32 ulp, ~4e-9 here, was seen on a CPU with
+    AVX-512). A resume that loses anything (AdamW's state, the sampler, the RNGs, the schedule) changes the six
+    steps it trains, and each step moves the weights by about the rate, 3e-3: the tolerance is a thousandth of
+    that, and the test checks that the six steps do move every tensor far beyond it."""
     import shutil
 
     from conftest import train_in_process
@@ -131,5 +135,8 @@ def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path
     resumed = load_checkpoint(out / "ckpt.pt")
     expected = torch.load(FIXTURES / f"{kind}_final_model.pt", weights_only=True)
     assert resumed["iter_num"] == 12 and resumed["model"].keys() == expected.keys()
+    at_6 = load_checkpoint(FIXTURES / "plain_ckpt.pt")["model"]  # the same run at iteration 6 (both kinds)
+    tolerance = 3e-6
     for k, v in expected.items():
-        assert torch.equal(resumed["model"][k], v), k
+        torch.testing.assert_close(resumed["model"][k], v, rtol=0, atol=tolerance, msg=k)
+        assert (v - at_6[k]).abs().max() > 100 * tolerance, f"{k}: six steps should move it beyond the tolerance"

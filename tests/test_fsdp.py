@@ -139,7 +139,7 @@ for pe in ("rope", "fire"):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     lines.append(pe + " bf16")
 open({out!r} + f"/rank{{rank}}", "w").write("\\n".join(lines))
-dist.destroy_process_group()
+strategy.finish()  # as train.py ends: a bare destroy_process_group() right after a collective can abort a peer
 """
 
 
@@ -153,7 +153,9 @@ def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
     autocast over the whole batch to bf16's precision."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_EVERY_ENCODING.format(root=str(ROOT), out=str(tmp_path)))
-    assert_ok(torchrun(2, str(script)))
+    r = torchrun(2, str(script))
+    assert_ok(r)
+    assert "view tensor" not in r.stderr  # FSDP's warning that an in-place op could skip its backward hook
     assert [(tmp_path / f"non_finite{rank}").read_text() for rank in (0, 1)] == ["loss None", "loss None"]
     lines = (tmp_path / "rank0").read_text().splitlines()
     assert lines[-2:] == ["rope bf16", "fire bf16"]
