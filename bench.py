@@ -28,7 +28,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from devices import allow_tf32, autocast, peak_flops
-from model import GPT, POS_ENCODINGS, AttentionOptions, GPTConfig
+from model import GPT, POS_ENCODINGS, AttentionOptions, GPTConfig, with_kernel_fallbacks
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
@@ -113,16 +113,23 @@ def train_step_fn(model, cfg: dict, args, device: str):
     y = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     ctx = autocast(device, torch.bfloat16 if device == "cuda" else torch.float32)
-    fwd = torch.compile(model) if args.compile else model
+    compiled = [torch.compile(model) if args.compile else model]
 
-    def step():
+    def recompile():  # after a kernel fallback (as train.py does)
+        opt.zero_grad(set_to_none=True)
+        compiled[0] = torch.compile(model) if args.compile else model
+
+    def one_step():
         with ctx:
-            _, loss = fwd(x, y)
+            _, loss = compiled[0](x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step
+    # nanoGPT's model has no attention options: nothing to fall back to
+    if not isinstance(model, GPT):
+        return one_step
+    return lambda: with_kernel_fallbacks(model, one_step, recompile, log=lambda m: print(m, file=sys.stderr))
 
 
 def sizes(device: str) -> dict:
@@ -192,15 +199,26 @@ def bench_encodings(args, device: str) -> None:
         tokens = cfg["batch_size"] * cfg["block_size"]
         rows = {enc: statistics.median(ts) for enc, ts in times.items()}
         fastest, rope = min(rows.values()), rows["rope"]
-        print("| encoding | ms/step | tokens/s | MFU | peak memory (activations) | vs fastest | vs rope |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| encoding | ms/step | tokens/s | MFU | peak memory (activations) | vs fastest | vs rope | kernel |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
         for enc, t in rows.items():
             mfu = f"{100 * steps[enc][0].estimate_mfu(tokens, t, peak):.1f}%" if peak else "—"
             mem = memory.get(enc, "—")
+            kernel = fallback_name(steps[enc][0].attention_options)
             print(
-                f"| {enc} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {t / rope:.2f}x |"
+                f"| {enc} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {t / rope:.2f}x "
+                f"| {kernel} |"
             )
         del steps
+
+
+def fallback_name(options: AttentionOptions) -> str:
+    """Which kernel a model's step ended on: the default, or a fallback after the fused kernel failed to compile."""
+    if options.fused is False:
+        return "materialized bias (fallback)"
+    if options.flex_kernel_options:
+        return "FlexAttention " + ", ".join(f"{k}={v}" for k, v in options.flex_kernel_options.items()) + " (fallback)"
+    return "default"
 
 
 def bench_decode(args, device: str, nanogpt) -> None:

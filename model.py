@@ -717,6 +717,67 @@ def attention_path(
 ATTENTION_PATHS = ("sdpa_causal", "flex_band", "flex", "bias_attention", "sdpa_mask")  # attention_path's answers
 
 
+# Kernel fallbacks: a fused attention kernel that the compiler cannot build for this model on this GPU (Triton's shared
+# memory, an unsupported shape) is replaced, never a crash. In order: the same kernel with one pipeline stage (less
+# shared memory per block, which is what a bias's kernels run out of first: e.g. 245,760 bytes asked of an H200's
+# 232,448 for bias-RPE at GPT-2 124M, block 1024, bf16), then a materialized bias (always compiles). Each replaces
+# fields of the model's AttentionOptions.
+KERNEL_FALLBACKS = [
+    (
+        "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
+        {"flex_kernel_options": {"num_stages": 1}},
+    ),
+    ("attention adds a materialized bias instead (slower, memory quadratic in the context)", {"fused": False}),
+]
+
+
+def compiler_failure(e: BaseException | None) -> bool:
+    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor, Triton): a kernel that
+    could not be built for these shapes on this GPU, not a mistake in the model or its inputs."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor import exc as inductor_exc  # imported here: torch does not load inductor until it compiles
+
+    kinds = (BackendCompilerFailed, getattr(inductor_exc, "InductorError", BackendCompilerFailed))
+    while e is not None:
+        name = f"{type(e).__module__}.{type(e).__name__}"
+        if isinstance(e, kinds) or name.startswith("triton.") or name.endswith("NoTritonConfigsError"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def fall_back(model: GPT, error: BaseException) -> str | None:
+    """If error is the compiler failing to build the fused attention kernel that the default options chose, move
+    model.attention_options to the next of KERNEL_FALLBACKS and say what changed (one line); None where there is
+    nothing to fall back from or to (the caller re-raises)."""
+    options = model.attention_options
+    if not (model.encoding.has_bias and options.fused is None and compiler_failure(error)):
+        return None
+    for what, settings in KERNEL_FALLBACKS:
+        if any(getattr(options, k) != v for k, v in settings.items()):
+            model.attention_options = replace(options, **settings)
+            first_line = next((ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__)[:200]
+            return f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}"
+    return None
+
+
+def with_kernel_fallbacks(model: GPT, step: Callable, before_retry: Callable | None = None, log=print):
+    """step(), and where the fused attention kernel cannot be compiled, step() again after each fallback (fall_back)
+    in turn, one log line each: slower, never a crash. before_retry() puts back what the failed step changed (train.py:
+    the sampler, the gradients) and re-wraps the model if the caller compiled a wrapper. A fallback that worked stays
+    on the model."""
+    while True:
+        try:
+            return step()
+        except Exception as e:
+            note = fall_back(model, e)
+            if note is None:
+                raise
+            log(f"note: {note}")
+            if before_retry is not None:
+                before_retry()
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
 ) -> torch.Tensor:

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +26,8 @@ import synthetic
 from checkpoint import Checkpointer, CheckpointError, new_optimizer
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
-from devices import autocast, default_device, peak_flops
-from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
+from devices import autocast, default_device, device_memory, gb, peak_flops
+from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, with_kernel_fallbacks
 from options import odd_values, resolve
 from parallel import STRATEGIES, Processes, Replicated, held_bytes, start_processes, strategy
 from tasks import TaskError, check_tasks, mix_tasks
@@ -164,20 +164,24 @@ def load_data(cfg: dict, procs: Processes) -> Data:
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 
-def build_model(cfg: dict, data: Data, ckpt: dict | None, log) -> GPT:
-    """The model from scratch, the shape of the checkpoint it resumes (ckpt: its weights load in restore()), or
-    GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows it, with a note where it
-    disagreed."""
+def build_model(cfg: dict, data: Data, ckpt: dict | None, log, shards: int = 1) -> GPT:
+    """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
+    shape of the checkpoint it resumes (ckpt: its weights load in restore()), or GPT-2's weights. The checkpoint or
+    GPT-2 decides the architecture: cfg follows it, with a note where it disagreed. What the data is cannot follow
+    it: a resume on other data (check_same_data) is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
     if cfg["init_from"] == "scratch":
         try:
-            model = GPT(
-                GPTConfig(vocab_size=data.vocab_size, block_size=cfg["block_size"], **{k: cfg[k] for k in model_keys})
+            config = GPTConfig(
+                vocab_size=data.vocab_size, block_size=cfg["block_size"], **{k: cfg[k] for k in model_keys}
             )
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
+        check_fits(config, cfg, shards)
+        model = GPT(config)
     elif ckpt is not None:
+        check_same_data(cfg, data, ckpt)
         model = GPT(GPTConfig(**ckpt["model_args"]))
     else:
         try:
@@ -200,6 +204,56 @@ def build_model(cfg: dict, data: Data, ckpt: dict | None, log) -> GPT:
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (ckpt or {}).get("config", {}).get("pe_lr_scale") or model.encoding.lr_scale
     return model
+
+
+def check_fits(config: GPTConfig, cfg: dict, shards: int) -> None:
+    """Refuse, before building it, a model that cannot train in the device's memory (torch's allocation error would
+    name no option): every process builds its float32 weights whole (4 bytes a parameter), then training holds them
+    with their gradients and AdamW's two moments (16 bytes), which FSDP splits over its processes."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        n = GPT(config).get_num_params(non_embedding=False)
+    need, memory = n * max(4, 16 / shards), device_memory(cfg["device"])
+    if not memory or need <= memory:
+        return
+    table = config.vocab_size * config.n_embd  # the token embedding (tied to lm_head)
+    if cfg["task"] and table * need / n > memory:  # the task's vocabulary alone is too large
+        what, fix = f"task_vocab={cfg['task_vocab']:,} makes", f"lower --task_vocab (default {defaults['task_vocab']})"
+    else:
+        what, fix = f"n_layer={config.n_layer}, n_embd={config.n_embd} make", "lower --n_layer or --n_embd"
+    raise ConfigError(
+        f"{what} a model of {n:,} parameters, which needs at least {gb(need)} to train (float32 weights, gradients "
+        f"and AdamW's two moments), more than the {gb(memory)} of {cfg['device']}: {fix}"
+    )
+
+
+def check_same_data(cfg: dict, data: Data, ckpt: dict) -> None:
+    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same (the
+    tokenizer, which the checkpoint keeps for sample.py). Another text dataset of the same tokenizer is fine-tuning,
+    and goes ahead (restore() notes that its validation differs)."""
+    old = ckpt.get("config", {})
+    same_ids = ckpt.get("tokenizer") in (None, data.meta["tokenizer"])  # nanoGPT's checkpoints keep none
+    if old.get("task", "") == cfg["task"] and same_ids:
+        return
+    if old.get("task") and old["task"] != cfg["task"]:
+        fix = f"resume with its task's config, config/{old['task']}.py"
+    elif old.get("task"):
+        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
+    elif cfg["task"]:
+        fix = "drop the task's config (--task)"
+    else:
+        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
+    raise TrainError(
+        f"{cfg['out_dir']} was trained on {data_name(old)}, and this run would train it on {data_name(cfg)}"
+        + ("" if same_ids else ", whose token ids mean other things (another tokenizer)")
+        + f": {fix}, or train on this in another --out_dir"
+    )
+
+
+def data_name(cfg: dict) -> str:
+    """What a run trains on, as its config says."""
+    if cfg.get("task"):
+        return f"the synthetic task {cfg['task']!r} (task_vocab={cfg.get('task_vocab')})"
+    return f"the text of dataset {cfg.get('dataset')!r}"
 
 
 @dataclass
@@ -496,61 +550,18 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Kernel fallbacks: a compiled step whose fused attention kernel cannot be built falls back, never crashes
-
-
-def compiler_failure(e: BaseException | None) -> bool:
-    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor, Triton): a kernel that
-    could not be built for these shapes on this GPU, not a mistake in the model or its inputs."""
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor import exc as inductor_exc  # imported here: torch does not load inductor until it compiles
-
-    kinds = (BackendCompilerFailed, getattr(inductor_exc, "InductorError", BackendCompilerFailed))
-    while e is not None:
-        name = f"{type(e).__module__}.{type(e).__name__}"
-        if isinstance(e, kinds) or name.startswith("triton.") or name.endswith("NoTritonConfigsError"):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-# What a step falls back to, in order, when the compiler cannot build the fused attention kernel: the same kernel with
-# one pipeline stage (less shared memory per block, which is what a bias's backward runs out of first), then a
-# materialized bias (always compiles). Each replaces fields of the model's attention options.
-KERNEL_FALLBACKS = [
-    (
-        "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
-        {"flex_kernel_options": {"num_stages": 1}},
-    ),
-    ("attention adds a materialized bias instead (slower, memory quadratic in the context)", {"fused": False}),
-]
-
-
 def with_fallback(run: Run, step):
-    """step(), and if the fused attention kernel cannot be compiled for this model on this GPU (Triton's shared
-    memory, an unsupported shape), step() again with each of KERNEL_FALLBACKS in turn, one log line each: slower,
-    never a crash. The training sampler and the gradients are put back first, so the retried step is the step that
-    failed. A fallback that worked stays for the rest of the run."""
-    model = run.model
-    if not (run.cfg["compile"] and model.encoding.has_bias and model.attention_options.fused is None):
-        return step()  # no fused kernel chosen by the compiler: nothing to fall back from
+    """step(), falling back to another attention kernel where the fused one cannot be compiled (model.py's
+    KERNEL_FALLBACKS, one log line each). The training sampler and the gradients are put back first, so the retried
+    step is the step that failed."""
     sampler = run.data_rng.get_state()
-    options = model.attention_options
-    fallbacks = [f for f in KERNEL_FALLBACKS if any(getattr(options, k) != v for k, v in f[1].items())]
-    while True:
-        try:
-            return step()
-        except Exception as e:
-            if not (fallbacks and compiler_failure(e)):
-                raise
-            what, settings = fallbacks.pop(0)
-            first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
-            run.procs.log(f"note: the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}")
-            model.attention_options = replace(model.attention_options, **settings)
-            run.optimizer.zero_grad(set_to_none=True)
-            run.data_rng.set_state(sampler)
-            run.net = run.strategy.wrap(model, run.cfg["compile"])
+
+    def before_retry():
+        run.optimizer.zero_grad(set_to_none=True)
+        run.data_rng.set_state(sampler)
+        run.net = run.strategy.wrap(run.model, run.cfg["compile"])
+
+    return with_kernel_fallbacks(run.model, step, before_retry, run.procs.log)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -659,7 +670,7 @@ def train(cfg: dict, checkpointer: Checkpointer) -> None:
     log = procs.log
     data = load_data(cfg, procs)
     ckpt = checkpointer.load() if cfg["init_from"] == "resume" else None
-    model = build_model(cfg, data, ckpt, log)
+    model = build_model(cfg, data, ckpt, log, shards=procs.world_size if parallel.sharded else 1)
     if ckpt is not None and ckpt["iter_num"] >= cfg["max_iters"] and not cfg["eval_only"]:
         log(
             f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
