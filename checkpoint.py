@@ -235,44 +235,65 @@ def sharded_folder(link: str | Path) -> Path:
 
     link = Path(link)
     folder = link.resolve()
-    if not folder.is_dir():
-        raise CheckpointError(f"no sharded checkpoint at {link} (it names {folder}, which is missing)")
-    missing = [n for n in ("meta.pt", ".metadata") if not (folder / n).is_file()]
-    if not missing:
-        try:
-            metadata = dcp.FileSystemReader(folder).read_metadata()
-        except Exception as e:
-            raise CheckpointError(f"{folder}/.metadata is not readable (truncated or corrupt?): {e}") from e
-        ends: dict[str, int] = {}  # each shard file's size as .metadata describes it: its last record's end
-        for info in metadata.storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        missing = sorted(f for f in ends if not (folder / f).is_file())
-        short = sorted(f for f in ends if f not in missing and (folder / f).stat().st_size < ends[f])
-        if short:
+    with unless_replaced(link, folder):
+        if not folder.is_dir():
+            raise CheckpointError(f"no sharded checkpoint at {link} (it names {folder}, which is missing)")
+        missing = [n for n in ("meta.pt", ".metadata") if not (folder / n).is_file()]
+        if not missing:
+            try:
+                metadata = dcp.FileSystemReader(folder).read_metadata()
+            except Exception as e:
+                raise CheckpointError(f"{folder}/.metadata is not readable (truncated or corrupt?): {e}") from e
+            ends: dict[str, int] = {}  # each shard file's size as .metadata describes it: its last record's end
+            for info in metadata.storage_data.values():
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+            missing = sorted(f for f in ends if not (folder / f).is_file())
+            short = sorted(f for f in ends if f not in missing and (folder / f).stat().st_size < ends[f])
+            if short:
+                raise CheckpointError(
+                    f"the sharded checkpoint {link} is damaged: in {folder}, {', '.join(short)} is shorter than its "
+                    ".metadata says (truncated by a copy or a full disk?); copy the whole folder again"
+                )
+        if missing:
             raise CheckpointError(
-                f"the sharded checkpoint {link} is damaged: in {folder}, {', '.join(short)} is shorter than its "
-                ".metadata says (truncated by a copy or a full disk?); copy the whole folder again"
+                f"the sharded checkpoint {link} is incomplete: {folder} lacks {', '.join(missing)}; copy the whole "
+                "folder again (every process's shards)"
             )
-    if missing:
-        raise CheckpointError(
-            f"the sharded checkpoint {link} is incomplete: {folder} lacks {', '.join(missing)}; copy the whole "
-            "folder again (every process's shards)"
-        )
     return folder
 
 
+@contextlib.contextmanager
+def unless_replaced(link: Path, folder: Path):
+    """A read of folder, the checkpoint link (ckpt.dcp) named. Where it fails and link names another folder now, the
+    training run saved a newer checkpoint meanwhile (save_sharded moves the link, then removes the folder it named):
+    no file is damaged, and the failure is a one-line CheckpointError saying so."""
+    from torch.distributed.checkpoint.api import CheckpointException  # torch's read failure, a BaseException
+
+    try:
+        yield
+    except (Exception, CheckpointException):
+        if link.resolve() != folder:
+            raise CheckpointError(
+                f"the sharded checkpoint {link} was replaced while it was read (its training run saved a newer one "
+                "and removed this one): run the command again"
+            ) from None
+        raise
+
+
 class ShardedCheckpoint:
-    """The one reader of a sharded checkpoint (ckpt.dcp, or its folder): the link is resolved and the folder checked
-    whole once, here, so that a save moving the link meanwhile cannot mix two checkpoints. Its meta, its states read
+    """The one reader of a sharded checkpoint (ckpt.dcp, or its folder): the link is resolved once, here (the folder
+    checked whole), so that a save moving the link meanwhile cannot mix two checkpoints. Its meta, its states read
     into any sharding, the whole model for the evaluation scripts."""
 
     def __init__(self, link: str | Path):
+        self.link = Path(link)
         self.folder = sharded_folder(link)
 
     @cached_property
     def meta(self) -> dict:
         """meta.pt: every key of a ckpt.pt but the model and optimizer states."""
-        return _load(self.folder / "meta.pt", "cpu")
+        with unless_replaced(self.link, self.folder):
+            return _load(self.folder / "meta.pt", "cpu")
 
     def read(self, state: dict) -> None:
         """Fill state ({"model": ..., "optimizer": ...}, sharded or not) in place: each process reads the parts of
@@ -280,12 +301,9 @@ class ShardedCheckpoint:
         import torch.distributed.checkpoint as dcp
 
         try:
-            with single_process_quiet():
+            with single_process_quiet(), unless_replaced(self.link, self.folder):
+                sharded_folder(self.folder)  # still whole: torch logs a traceback for a .metadata it cannot open
                 dcp.load(state, checkpoint_id=self.folder, no_dist=not dist.is_initialized())
-        except FileNotFoundError as e:  # a running training replaced this checkpoint while it was read
-            raise CheckpointError(
-                f"{self.folder} went away while it was read (a newer checkpoint replaced it): try again"
-            ) from e
         except dcp.api.CheckpointException:  # a shard that its size check let through, yet cannot be read
             raise CheckpointError(
                 f"the sharded checkpoint in {self.folder} cannot be read: a shard file is damaged (its bytes are not "
@@ -465,7 +483,7 @@ class Checkpointer:
         self.release()
         path = self.out_dir / ".lock"
         while True:
-            f = open(path, "a+")
+            f = open_lock_file(path)
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -494,7 +512,7 @@ class Checkpointer:
     def release(self) -> None:
         """Let another run use out_dir: remove the lock file (while locked: the folder is left as it was found)."""
         if self._lock is not None:
-            Path(self._lock.name).unlink(missing_ok=True)
+            (self.out_dir / ".lock").unlink(missing_ok=True)
             self._lock.close()  # closing the file drops its lock
             self._lock = None
 
@@ -512,6 +530,22 @@ class Checkpointer:
         """Every process calls this: ckpt (and ckpt_best if best), with meta's keys beside the states."""
         names = ["ckpt", "ckpt_best"] if best else ["ckpt"]
         self.format.save(self.out_dir, names, meta, model, optimizer, self.master)
+
+
+def open_lock_file(path: Path):
+    """out_dir/.lock opened to read and append, created if missing, never through a link: a link would put the lock
+    (and the process id written in it) outside the run's folder. A folder or a link there is an error naming it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError:
+        if not (path.is_symlink() or path.is_dir()):
+            raise
+        if path.is_symlink():
+            what, rm = f"a link (to {os.readlink(path)}), and a run never puts its lock file through a link", "rm"
+        else:
+            what, rm = "a folder, where a training run keeps its lock file", "rm -r"
+        raise CheckpointError(f"{path} is {what}: move it aside or remove it ({rm} {path}), then run again") from None
+    return os.fdopen(fd, "a+")
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -548,9 +582,10 @@ def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> Tr
     return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
 
 
-def consolidate(out_dir: str | Path) -> Path:
+def consolidate(out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write out_dir/ckpt.pt from out_dir/ckpt.dcp: the model, AdamW's state and the rest, as an unsharded run
-    (--parallel=ddp, or one process) resumes from it. Returns the path written."""
+    (--parallel=ddp, or one process) resumes from it. A ckpt.pt there is replaced only by a checkpoint at least as
+    new, or with overwrite. Returns the path written."""
     if not os.path.lexists(Path(out_dir) / "ckpt.dcp"):
         raise CheckpointError(
             f"no sharded checkpoint {Path(out_dir) / 'ckpt.dcp'} to consolidate (train.py --parallel=fsdp writes one)"
@@ -562,20 +597,47 @@ def consolidate(out_dir: str | Path) -> Path:
         )
     sharded = ShardedCheckpoint(Path(out_dir) / "ckpt.dcp")
     ckpt = sharded.meta
+    path = Path(out_dir) / "ckpt.pt"
+    if os.path.lexists(path) and not overwrite:  # before reading the shards
+        check_replaceable(path, ckpt["iter_num"])
     model = GPT(GPTConfig(**ckpt["model_args"]))
     optimizer = new_optimizer(model, ckpt["config"])
     sharded.load_into(model, optimizer)
-    path = Path(out_dir) / "ckpt.pt"
     save_checkpoint(ckpt | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     return path
 
 
-def main(argv: list[str]) -> None:
-    """python checkpoint.py OUT_DIR: consolidate a sharded checkpoint into OUT_DIR/ckpt.pt."""
-    if len(argv) != 1 or argv[0].startswith("-"):
-        sys.exit("usage: python checkpoint.py OUT_DIR  (writes OUT_DIR/ckpt.pt from the sharded OUT_DIR/ckpt.dcp)")
+def check_replaceable(path: Path, iter_num: int) -> None:
+    """The ckpt.pt at path may give way to a consolidated checkpoint at iter_num: it is a checkpoint no newer. A newer
+    one is the run's latest (a plain run resumed after the sharded one), and one that cannot be read cannot be told."""
     try:
-        print(f"wrote {consolidate(argv[0])}")
+        theirs = _load(path, "cpu").get("iter_num") if path.is_file() else None
+    except (CheckpointError, AttributeError):  # unreadable, or not a checkpoint's dict
+        theirs = None
+    if isinstance(theirs, int) and theirs <= iter_num:
+        return
+    what = (
+        f"is at iteration {theirs}, newer than the sharded ckpt.dcp's {iter_num}"
+        if isinstance(theirs, int)
+        else "is not a checkpoint whose iteration can be read"
+    )
+    raise CheckpointError(
+        f"{path} {what}: consolidating would replace it. Keep it (resume from it), or move it aside, or pass "
+        f"--overwrite to replace it: python checkpoint.py {path.parent} --overwrite"
+    )
+
+
+def main(argv: list[str]) -> None:
+    """python checkpoint.py OUT_DIR [--overwrite]: consolidate a sharded checkpoint into OUT_DIR/ckpt.pt."""
+    overwrite = "--overwrite" in argv
+    args = [a for a in argv if a != "--overwrite"]
+    if len(args) != 1 or args[0].startswith("-"):
+        sys.exit(
+            "usage: python checkpoint.py OUT_DIR [--overwrite]  (writes OUT_DIR/ckpt.pt from the sharded "
+            "OUT_DIR/ckpt.dcp; --overwrite replaces a ckpt.pt newer than it)"
+        )
+    try:
+        print(f"wrote {consolidate(args[0], overwrite)}")
     except CheckpointError as e:
         sys.exit(f"error: {e}")
 

@@ -22,8 +22,9 @@ and the wrapper refuses to load other code.
     python export.py out-bias_rpe --out hf-bias_rpe
 
 Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a folder this script
-wrote (its nanope.json lists its files, and it holds nothing else), and never the run's folder or one above it. The
-export is written in a new folder beside --out and renamed into place; every check comes before any work.
+wrote (its nanope.json lists its files, each a name an export writes, and it holds nothing else), and never the run's
+folder or one above it. The export is written in a new folder beside --out and renamed into place; every check comes
+before any work.
 """
 
 import argparse
@@ -61,6 +62,8 @@ LEGACY_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+# every file an export writes: the only ones --overwrite deletes, whatever an export's nanope.json lists
+EXPORT_FILES = frozenset(LEGACY_FILES) | {src.name for src in CODE_FILES}
 HF_ROPE_TYPES = {"none": "default", "ntk": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
 
 
@@ -399,11 +402,19 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
 def written_by_export(folder: Path) -> str | None:
     """None where folder is an export this script wrote (its nanope.json, and no file it did not write), else what
     it holds that an export does not."""
-    try:
-        info = json.loads((folder / "nanope.json").read_text())
-    except (OSError, ValueError):
+    path = folder / "nanope.json"
+    if not path.is_file():
         return "it has no nanope.json, the mark of an export"
-    files = set(info.get("files", LEGACY_FILES)) if isinstance(info, dict) else set()
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        info = None
+    files = info.get("files", LEGACY_FILES) if isinstance(info, dict) else None
+    if not isinstance(files, (list, tuple)) or not all(isinstance(f, str) for f in files):
+        return 'its nanope.json is not an export\'s (a JSON object whose "files" lists file names)'
+    # the list says what a replacement deletes: a name no export writes would delete a file of the user's
+    if strays := sorted(set(files) - EXPORT_FILES):
+        return f"its nanope.json lists {', '.join(map(repr, strays))}, which no export writes"
     others = sorted(
         p.name + ("/" if p.is_dir() else "")
         for p in folder.iterdir()

@@ -208,21 +208,22 @@ def build_model(cfg: dict, data: Data, ckpt: dict | None, log, shards: int = 1) 
 
 def check_fits(config: GPTConfig, cfg: dict, shards: int) -> None:
     """Refuse, before building it, a model that cannot train in the device's memory (torch's allocation error would
-    name no option): every process builds its float32 weights whole (4 bytes a parameter), then training holds them
-    with their gradients and AdamW's two moments (16 bytes), which FSDP splits over its processes."""
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        n = GPT(config).get_num_params(non_embedding=False)
-    need, memory = n * max(4, 16 / shards), device_memory(cfg["device"])
-    if not memory or need <= memory:
+    name no option). Every process builds its float32 weights whole (4 bytes a parameter), then training holds them
+    with their gradients and AdamW's two moments (16 bytes), which FSDP splits over its processes. The parameters are
+    counted as integers from the shape, not by building the model (of an absurd size, that would overflow or hang):
+    at least the token table (vocab_size x n_embd, tied to lm_head) and 12 n_embd^2 a layer (attention 4, MLP 8)."""
+    table = config.vocab_size * config.n_embd
+    n = table + 12 * config.n_layer * config.n_embd**2
+    per_param, memory = max(4, 16 // shards), device_memory(cfg["device"])
+    if not memory or n * per_param <= memory:
         return
-    table = config.vocab_size * config.n_embd  # the token embedding (tied to lm_head)
-    if cfg["task"] and table * need / n > memory:  # the task's vocabulary alone is too large
+    if cfg["task"] and 2 * table > n:  # most of it is the task's vocabulary
         what, fix = f"task_vocab={cfg['task_vocab']:,} makes", f"lower --task_vocab (default {defaults['task_vocab']})"
     else:
-        what, fix = f"n_layer={config.n_layer}, n_embd={config.n_embd} make", "lower --n_layer or --n_embd"
+        what, fix = f"n_layer={config.n_layer}, n_embd={config.n_embd:,} make", "lower --n_layer or --n_embd"
     raise ConfigError(
-        f"{what} a model of {n:,} parameters, which needs at least {gb(need)} to train (float32 weights, gradients "
-        f"and AdamW's two moments), more than the {gb(memory)} of {cfg['device']}: {fix}"
+        f"{what} a model of at least {n:,} parameters, which needs at least {gb(n * per_param)} to train (float32 "
+        f"weights, gradients and AdamW's two moments), more than the {gb(memory)} of {cfg['device']}: {fix}"
     )
 
 
@@ -232,7 +233,7 @@ def check_same_data(cfg: dict, data: Data, ckpt: dict) -> None:
     and goes ahead (restore() notes that its validation differs)."""
     old = ckpt.get("config", {})
     same_ids = ckpt.get("tokenizer") in (None, data.meta["tokenizer"])  # nanoGPT's checkpoints keep none
-    if old.get("task", "") == cfg["task"] and same_ids:
+    if (old.get("task") or "") == cfg["task"] and same_ids:
         return
     if old.get("task") and old["task"] != cfg["task"]:
         fix = f"resume with its task's config, config/{old['task']}.py"

@@ -82,6 +82,42 @@ def test_consolidating_a_run_that_cannot_be_written_says_so_first(tmp_path, monk
         checkpoint.consolidate(tmp_path)
 
 
+def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
+    """checkpoint.py OUT_DIR refuses, before reading the shards, to replace a ckpt.pt newer than ckpt.dcp (or one whose
+    iteration cannot be read), naming both iterations and the fix; with --overwrite it replaces it, and an older
+    ckpt.pt gives way unasked."""
+    from dataclasses import asdict
+
+    from conftest import run_cli
+
+    from checkpoint import save_checkpoint
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    model = GPT(config)
+    cfg = {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99, "pe_lr_scale": 1.0}
+    state = checkpoint.training_state(model, checkpoint.new_optimizer(model, cfg))
+    save_sharded(state, {"iter_num": 4, "model_args": asdict(config), "config": cfg}, tmp_path, ("ckpt.dcp",))
+    path, newer = tmp_path / "ckpt.pt", {"model": {}, "model_args": {}, "iter_num": 8}
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.ShardedCheckpoint, "load_into", lambda *a: pytest.fail("read the shards"))
+        save_checkpoint(newer, path)
+        before = path.read_bytes()
+        r = run_cli(checkpoint.main, [str(tmp_path)])
+        assert r.returncode == 1 and f"{path} is at iteration 8, newer than the sharded ckpt.dcp's 4" in r.stderr
+        assert f"python checkpoint.py {tmp_path} --overwrite" in r.stderr and len(r.stderr.splitlines()) == 1
+        assert path.read_bytes() == before
+        path.write_bytes(b"my notes")
+        r = run_cli(checkpoint.main, [str(tmp_path)])
+        assert r.returncode == 1 and "is not a checkpoint whose iteration can be read" in r.stderr
+        assert path.read_bytes() == b"my notes"
+    save_checkpoint(newer | {"iter_num": 2}, path)
+    assert run_cli(checkpoint.main, [str(tmp_path)]).returncode == 0 and load_checkpoint(path)["iter_num"] == 4
+    save_checkpoint(newer, path)
+    assert run_cli(checkpoint.main, [str(tmp_path), "--overwrite"]).returncode == 0
+    assert load_checkpoint(path)["iter_num"] == 4
+
+
 # Checkpoints that an earlier version of train.py wrote, at iteration 6 of a 12-iteration run, and the model weights of
 # the same run trained straight to 12 by that version (tests/fixtures/before_redesign: ALiBi, 1 layer, 16 dims, on
 # the first 200k characters of the embedded corpus, in one process; the sharded one with --parallel=fsdp). Today's

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import close, run_cli
 
-from checkpoint import save_checkpoint
+import checkpoint as checkpoint_py
+from checkpoint import ShardedCheckpoint, load_checkpoint, save_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -205,9 +206,9 @@ def saved_run(folder: Path, pe: str = "rope", **kw) -> Path:
     return folder
 
 
-def refused(args: list[str], message: str) -> None:
+def refused(args: list[str], message: str, cli=export.main) -> None:
     """The command exits 1 with one line, 'error: ...' matching message, and no traceback."""
-    r = run_cli(export.main, args)
+    r = run_cli(cli, args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert re.search(message, lines[0]), lines[0]
@@ -251,6 +252,62 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path):
     assert run_cli(export.main, [str(run), "--out", str(hf), "--overwrite"]).returncode == 0
     assert '"pos_encoding": "rope"' in (hf / "nanope.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine", "out-rope", "out-sin"]  # no folder left
+
+
+def test_overwrite_deletes_only_what_an_export_writes(tmp_path):
+    """--overwrite on an export whose nanope.json lists a file no export writes (the user's notes.txt, a path out of
+    the folder), or holds no list of names (null, nested lists, not JSON, not an object): one line, nothing deleted."""
+    run = saved_run(tmp_path / "out-rope")
+    hf = export.export(checkpoint(pos_encoding="rope")[0], tmp_path / "hf", remote_code=True)
+    info = json.loads((hf / "nanope.json").read_text())
+    assert "model.py" in info["files"] and set(info["files"]) <= export.EXPORT_FILES  # every file it wrote
+    (hf / "notes.txt").write_text("mine")
+    cases = [
+        ({"files": [*info["files"], "notes.txt"]}, "lists 'notes.txt', which no export writes; choose another --out"),
+        ({"files": [*info["files"], "../notes.txt", "/notes.txt"]}, "lists '../notes.txt', '/notes.txt', which no"),
+        ({"files": None}, "is not an export's"),
+        ({"files": [["config.json"]]}, "is not an export's"),
+        ({"files": "config.json"}, "is not an export's"),
+        ([], "is not an export's"),
+    ]
+    for listed, message in [*((json.dumps(c), m) for c, m in cases), ("{not json", "is not an export's")]:
+        (hf / "nanope.json").write_text(listed)
+        before = tree(tmp_path)
+        refused([str(run), "--out", str(hf), "--overwrite"], re.escape(f"{hf} is not one: its nanope.json ") + message)
+        assert tree(tmp_path) == before
+
+
+def sharded_run(folder: Path, iter_num: int) -> None:
+    """A run's folder as train.py --parallel=fsdp saves it: ckpt.dcp, a link to the folder of its shards."""
+    ckpt, _ = checkpoint(pos_encoding="rope")
+    optimizer = {"learning_rate": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "pe_lr_scale": 1.0}
+    meta = {k: v for k, v in ckpt.items() if k != "model"} | {"iter_num": iter_num}
+    save_sharded({"model": ckpt["model"]}, meta | {"config": ckpt["config"] | optimizer}, folder, ("ckpt.dcp",))
+
+
+@pytest.mark.parametrize("moment", ["meta.pt", "shards"])
+def test_a_sharded_checkpoint_replaced_while_read_says_so(moment, tmp_path, monkeypatch):
+    """The training run saving while export.py or checkpoint.py reads its ckpt.dcp (the save moves the link, then
+    removes the folder being read) as meta.pt or the shards are read: one line saying so and to run the command again,
+    not a damaged shard; run again, each reads the new checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    sharded_run(run, 1)
+    target, name = (checkpoint_py, "_load") if moment == "meta.pt" else (FileSystemReader, "read_data")
+    real, saves = getattr(target, name), iter(range(2, 10))
+
+    def save_then_read(*args, **kw):  # the training's next save lands as the reader starts reading
+        monkeypatch.setattr(target, name, real)
+        with torch.device("cpu"):  # meta.pt is read while the reader builds its model on the meta device
+            sharded_run(run, next(saves))
+        return real(*args, **kw)
+
+    for cli, args in [(export.main, [str(run), "--out", str(tmp_path / "hf")]), (checkpoint_py.main, [str(run)])]:
+        monkeypatch.setattr(target, name, save_then_read)
+        refused(args, "ckpt.dcp was replaced while it was read .*: run the command again$", cli)
+        assert run_cli(cli, args).returncode == 0
+    assert load_checkpoint(run / "ckpt.pt")["iter_num"] == ShardedCheckpoint(run / "ckpt.dcp").meta["iter_num"] == 3
 
 
 def test_bad_out_is_refused_before_any_work(tmp_path, monkeypatch):

@@ -294,6 +294,32 @@ def test_resuming_a_finished_run_writes_nothing(tiny_data, tmp_path, capsys):
     assert (tmp_path / "ckpt.pt").stat().st_mtime_ns == before
 
 
+def test_a_resume_on_other_data_is_refused(tiny_data, tmp_path):
+    """Resuming a synthetic-task run without its task, with another task or task_vocab, or a text run on a dataset
+    of another tokenizer, is a one-line error naming what the checkpoint trained on and the fix; it writes nothing."""
+    import train as train_py
+
+    other = tmp_path / "other"
+    prepare_text("a b c d\n" * 500, other, "char")  # another character set: the ids mean other characters
+    task, text = tmp_path / "task", tmp_path / "text"
+    train_here("--task=needle", "--block_size=64", "--max_iters=1", f"--out_dir={task}")
+    train_here(f"--dataset={tiny_data}", "--max_iters=1", f"--out_dir={text}")
+    before = {out: (out / "ckpt.pt").read_bytes() for out in (task, text)}
+    cases = [
+        (task, [f"--dataset={tiny_data}"], "the synthetic task 'needle' (task_vocab=128), and this run would train"),
+        (task, [f"--dataset={tiny_data}"], "resume with its task's config, config/needle.py"),
+        (task, ["--task=passkey", "--block_size=64"], "this run would train it on the synthetic task 'passkey'"),
+        (task, ["--task=needle", "--block_size=64", "--task_vocab=256"], "resume with its --task_vocab=128"),
+        (text, ["--task=needle", "--block_size=64"], "drop the task's config (--task)"),
+        (text, [f"--dataset={other}"], f"another tokenizer): resume on its dataset (--dataset={tiny_data})"),
+    ]
+    for out, args, message in cases:
+        r = run_cli(train_py.cli, [*TINY, *args, "--max_iters=2", "--init_from=resume", f"--out_dir={out}"])
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert all((out / "ckpt.pt").read_bytes() == ckpt for out, ckpt in before.items())
+
+
 def test_rope_scaling_keys_train(tiny_data, tmp_path):
     """train.py takes the RoPE scaling keys (README: training configs take them) and stores them in the model."""
     train_here(

@@ -193,6 +193,39 @@ def test_a_finished_run_is_not_overwritten(small_data, tmp_path):
     prepare(resolved("--init_from=resume", f"--out_dir={tmp_path}"))
 
 
+@pytest.mark.parametrize("kind", ["folder", "dangling link", "link into another folder", "link to a folder"])
+def test_a_lock_that_is_not_a_file_is_named_and_never_followed(tmp_path, kind):
+    """out_dir/.lock that is a folder or a link (dangling, to a missing file in a folder elsewhere, or to a folder) is a
+    one-line error naming it and the fix, before any work; the lock is never made through the link, and nothing
+    there is removed."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"a run")
+    lock, target = out / ".lock", elsewhere if kind == "link to a folder" else elsewhere / "lock"
+    if kind == "folder":
+        lock.mkdir()
+        (lock / "notes.txt").write_text("mine")
+    else:
+        if kind != "dangling link":
+            elsewhere.mkdir()  # where following the link would create the lock file, or open a folder
+        lock.symlink_to(target)
+    with pytest.raises(CheckpointError) as e:
+        prepare(resolved("--init_from=resume", f"--out_dir={out}"))
+    what = "a folder" if kind == "folder" else f"a link (to {target})"
+    assert f"{lock} is {what}" in str(e.value) and "remove it (rm" in str(e.value) and "\n" not in str(e.value)
+    assert (lock / "notes.txt").read_text() == "mine" if kind == "folder" else lock.is_symlink()
+    assert not elsewhere.exists() or list(elsewhere.iterdir()) == []
+
+
+def test_a_model_too_large_for_memory_names_the_option(tmp_path):
+    """An absurd task_vocab (or width) is a one-line error naming the option and the fix before the model is built,
+    not torch's allocation error."""
+    with pytest.raises(ConfigError, match=r"task_vocab=1,000,000,000,000 makes a model of .* lower --task_vocab"):
+        main("--task=needle", "--block_size=64", "--task_vocab=1000000000000", f"--out_dir={tmp_path / 'task'}")
+    with pytest.raises(ConfigError, match=r"n_layer=1, n_embd=1,000,000,000 make a model .* lower --n_layer or"):
+        main("--task=needle", "--block_size=64", "--n_head=1", "--n_embd=1000000000", f"--out_dir={tmp_path / 'w'}")
+
+
 def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     """The temporary file of a save killed mid-write is removed by the next run; a live process's file stays."""
     dead = subprocess.Popen([sys.executable, "-c", ""])
