@@ -38,7 +38,7 @@ import torch
 import eval_length
 import synthetic
 import tasks
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import LINKS, CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
 from tokenizer import tokenizer_from_meta
@@ -63,6 +63,15 @@ def run_dir(out_dir: Path, enc: str, seed: int) -> Path:
     return out_dir / f"{enc}-seed{seed}"
 
 
+def stamp(path: Path) -> list[int]:
+    """Which version of a file (a checkpoint, a report) something was computed from: its size and modification time.
+    Every write replaces the file, so a run trained again (after its checkpoints were deleted) or resumed has a new
+    stamp, found without reading the checkpoint; a copy that does not keep the times only costs computing it again.
+    The size tells apart two writes within one tick of a coarse file clock."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
 def read_json(path: Path) -> dict | None:
     """A JSON file the sweep wrote, or None where it is missing or unreadable (a file left truncated by an older
     version, or edited by hand): the sweep then makes it again."""
@@ -79,9 +88,15 @@ def progress(ckpt: dict) -> tuple[int, int | None]:
 
 def finished(d: Path) -> bool | None:
     """True if d holds a finished run (it reached max_iters), False if an unfinished one (to resume), None if none.
-    An unreadable ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run."""
+    An unreadable ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run. So does a
+    folder with other checkpoints but no ckpt.pt: the sweep can neither resume it nor (train.py refuses) start anew."""
     path = d / "ckpt.pt"
     if not path.exists():
+        if others := [name for name in ("ckpt_best.pt", *LINKS) if os.path.lexists(d / name)]:
+            sys.exit(
+                f"[sweep] {d} holds {', '.join(others)} but no ckpt.pt (the checkpoint the sweep resumes and reports): "
+                "move the folder aside (or delete it), then re-run the sweep to train the run again"
+            )
         return None
     try:
         ckpt = load_checkpoint(path)
@@ -420,13 +435,13 @@ SYNTHETIC_FACTORS = (1, 2, 4, 8)  # evaluation lengths, in training lengths (16x
 
 def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
     """A run's accuracy at each length (default: SYNTHETIC_FACTORS times its training length; cached in
-    <run>/synthetic.json, for these lengths and trials), per answer token and per whole sequence, whether and when it
-    learned its task, its task options and its training seconds."""
+    <run>/synthetic.json, for this checkpoint, these lengths and trials), per answer token and per whole sequence,
+    whether and when it learned its task, its training length, task options and training seconds."""
     ckpt = finished_checkpoint(d)
     cfg = ckpt["config"]
     lengths = lengths or [cfg["block_size"] * k for k in SYNTHETIC_FACTORS]
     cache = d / "synthetic.json"
-    key = {"lengths": lengths, "trials": trials, "iter": ckpt["iter_num"], "version": SYNTHETIC_VERSION}
+    key = {"lengths": lengths, "trials": trials, "checkpoint": stamp(d / "ckpt.pt"), "version": SYNTHETIC_VERSION}
     if (old := read_json(cache)) and old.get("key") == key:
         return old
     t0 = time.time()
@@ -443,6 +458,7 @@ def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
         "learned_at": synthetic.learned_at(history),
         "final_val_acc": history[-1]["acc"] if history else None,
         "iters": ckpt["iter_num"],
+        "block_size": cfg["block_size"],  # the training length
         "params": model.get_num_params(),
         "seconds": timing.get("seconds", 0.0),
         "eval_seconds": time.time() - t0,
@@ -477,7 +493,7 @@ def synthetic_table(by_enc: dict, lengths: list[int], train_len: int, floors: di
     """One task's table of key (accuracy or whole_sequence) by length: over every seed (part 0) or over the seeds
     that learned (part 1), under a row of the floor."""
     lines = [
-        "| encoding | learned | at step | " + " | ".join(f"{L} ({L // train_len}×)" for L in lengths) + " |",
+        "| encoding | learned | at step | " + " | ".join(f"{L} ({L / train_len:.3g}×)" for L in lengths) + " |",
         "|---|---:|---:|" + "---:|" * len(lengths),
         "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[str(L)]:.0f}%*" for L in lengths) + " |",
     ]
@@ -493,9 +509,14 @@ def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float,
     """report.md: per task, the floor, seeds learned and accuracy by length per encoding over every seed and over
     the seeds that learned; a plot per task; the cost."""
     first = next(iter(next(iter(results.values())).values()))[0]
-    train_len = int(next(iter(first["accuracy"])))
     lengths = [int(L) for L in first["accuracy"]]
     runs = [r for by_enc in results.values() for rs in by_enc.values() for r in rs]
+    if len(blocks := sorted({r["block_size"] for r in runs})) > 1:  # their lengths and multiples would not line up
+        sys.exit(
+            f"[sweep] the runs were trained at different lengths (block_size {', '.join(map(str, blocks))}), which one "
+            "report cannot compare: move the runs trained with other options aside, then re-run the sweep"
+        )
+    train_len = first["block_size"]
     train_min, eval_min = sum(r["seconds"] for r in runs) / 60, sum(r["eval_seconds"] for r in runs) / 60
     seeds = max(len(rs) for by_enc in results.values() for rs in by_enc.values())
     floors = task_floors(results, trials)
@@ -635,25 +656,32 @@ def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
 
 def _main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=SIZES, default="cpu" if not torch.cuda.is_available() else "gpu")
+    p.add_argument("--size", choices=SIZES, default=None, help="default: gpu where there is one, else cpu")
     p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1337])
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="evaluation lengths (default: per size)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="evaluation lengths (default: per size; synthetic: 1, 2, 4 and 8 times the training length, and any "
+        "other length is labelled with its multiple of it, 1.56x)",
+    )
     p.add_argument(
         "--rope_scaling",
         nargs="*",
-        default=["yarn", "dynamic_ntk"],
+        default=None,
         choices=[s for s in ROPE_SCALINGS if s != "none"],
-        help="extra RoPE rows (eval_length)",
+        help="extra RoPE rows (eval_length; default: yarn dynamic_ntk)",
     )
-    p.add_argument("--out_dir", default=None, help="default: sweep-<size>")
+    p.add_argument("--out_dir", default=None, help="default: sweep-<size>, or sweep-synthetic")
     p.add_argument("--eval_tokens", type=int, default=None, help="validation tokens per length (default: per size)")
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--jobs", type=int, default=1, help="training runs side by side (they share the CPU cores or GPU)")
     p.add_argument(
         "--task_trials", type=int, default=None, help="sequences per length (and depth): default 5, synthetic 400"
     )
-    p.add_argument("--task_depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1")
+    p.add_argument("--task_depths", type=int, default=None, help="passkey depths, evenly spaced in [0, 1] (default 10)")
     p.add_argument(
         "--synthetic",
         nargs="*",
@@ -661,14 +689,24 @@ def _main(argv: list[str]) -> None:
         choices=list(synthetic.TASKS),
         help="run the synthetic suite: these tasks (none named: "
         + ", ".join(synthetic.SUITE)
-        + "), config/<task>.py each",
+        + "), config/<task>.py each; --size, --rope_scaling, --eval_tokens and --task_depths are the text sweep's",
     )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
     if args.synthetic is not None:
         args.synthetic = args.synthetic or list(synthetic.SUITE)
-    for name in ("encodings", "seeds"):
-        xs = getattr(args, name)
+    # the text sweep's options: None unless given, so that the synthetic suite, which has no use for them (its model
+    # and sequences are its own), refuses them instead of ignoring them; then their defaults
+    text_only = {"size": "gpu" if torch.cuda.is_available() else "cpu", "rope_scaling": ["yarn", "dynamic_ntk"]}
+    text_only |= {"eval_tokens": None, "task_depths": 10}
+    for name, default in text_only.items():
+        if args.synthetic is not None and getattr(args, name) is not None:
+            p.error(f"--{name}: the synthetic suite does not use it (only the text sweep does); drop it")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    # a name twice would train one run twice (side by side, into one folder) and count it twice in the report
+    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling"):
+        xs = getattr(args, name) or []
         if len(set(xs)) != len(xs):
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds) < 0:
@@ -724,13 +762,14 @@ def _main(argv: list[str]) -> None:
     if args.wandb_log:
         evaluation |= {"wandb_log": True, "wandb_run_name": f"sweep-{args.size}-eval"}
     # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
-    # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again
+    # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again, if the
+    # report is still the one they made: not one that the synthetic suite (or anything else) wrote over it since
     inputs = {"eval": evaluation, "tasks": [args.task_trials, args.task_depths]}
-    inputs["runs"] = [[r["dir"], os.stat(Path(r["dir"]) / "ckpt.pt").st_mtime_ns] for r in runs]
+    inputs["runs"] = [[r["dir"], *stamp(Path(r["dir"]) / "ckpt.pt")] for r in runs]
     inputs_path = out_dir / "report_inputs.json"
     report_path = out_dir / "report.md"
     if not args.wandb_log and report_path.exists() and inputs_path.exists():
-        if read_json(inputs_path) == inputs:
+        if read_json(inputs_path) == inputs | {"report": stamp(report_path)}:
             print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
             return
     report = eval_length.evaluate_runs([r["dir"] for r in runs], **evaluation)
@@ -738,7 +777,7 @@ def _main(argv: list[str]) -> None:
         report["tasks"] = evaluate_tasks(runs, lengths, args)
         write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
     path = write_report(out_dir, report, runs, argv)
-    write_atomic(inputs_path, json.dumps(inputs))
+    write_atomic(inputs_path, json.dumps(inputs | {"report": stamp(path)}))
     print(f"[sweep] report: {path}")
 
 

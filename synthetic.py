@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.n < 1 or (args.lengths and min(args.lengths) < 1):
         p.error("--n and every length must be at least 1")
+    if args.lengths and len(set(args.lengths)) != len(args.lengths):  # a row has a cell per length, not per mention
+        p.error(f"--lengths {' '.join(map(str, args.lengths))}: each length may appear once")
     if not 0 <= args.seed < 2**63:
         p.error(f"--seed={args.seed}: must be in [0, 2**63) (numpy's generators take non-negative seeds)")
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
+from test_synthetic import synthetic_checkpoint
 from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 import sweep
@@ -165,10 +166,20 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--task_depths", "1"], "--task_depths=1: must be at least 2"),
         (["--seeds", "1", "2", "--train", "--seed=5"], "--train --seed=5: the sweep sets seed for each run itself"),
         (["--train", "--out_dir=x"], "--train --out_dir=x: the sweep sets out_dir"),
+        (["--synthetic", "needle", "needle"], "--synthetic needle needle: each may appear once"),
+        (["--lengths", "64", "64"], "--lengths 64 64: each may appear once"),
+        (["--rope_scaling", "yarn", "yarn"], "--rope_scaling yarn yarn: each may appear once"),
+        (["--synthetic", "--eval_tokens", "100"], "--eval_tokens: the synthetic suite does not use it"),
+        (["--synthetic", "needle", "--rope_scaling", "yarn"], "--rope_scaling: the synthetic suite does not use it"),
+        (["--synthetic", "--rope_scaling"], "--rope_scaling: the synthetic suite does not use it"),
+        (["--synthetic", "--size=cpu"], "--size: the synthetic suite does not use it"),
+        (["--synthetic", "--task_depths=3"], "--task_depths: the synthetic suite does not use it"),
     ],
 )
-def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
-    """Bad sweep options stop before any training with a one-line error naming the option."""
+def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, message):
+    """Bad sweep options, and options that the synthetic suite would ignore, stop before any training with a one-line
+    error naming the option."""
+    monkeypatch.setattr(sweep, "train_all", lambda *a: pytest.fail("trained before the checks"))
     (tmp_path / "FILE").write_text("")
     args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
     with pytest.raises(SystemExit) as e:
@@ -236,3 +247,34 @@ def test_unreadable_sweep_files_are_made_again(tiny_data, tmp_path, capsys):  # 
     sweep.main(["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"])
     assert "up to date" not in capsys.readouterr().out and (out / "report.md").read_text() != "old"
     assert json.loads((out / "report_inputs.json").read_text())["eval"]
+
+
+def test_a_run_without_ckpt_pt_gets_advice_the_sweep_takes(tiny_data, tmp_path, monkeypatch):  # noqa: F811
+    """A run whose ckpt.pt was deleted but whose ckpt_best.pt remains stops the sweep before any training, with
+    advice that works with the sweep (move the folder aside), not train.py's (--init_from=resume, --overwrite=True:
+    options the sweep sets itself); the folder is left as it was."""
+    out = tmp_path / "sweep"
+    finished_run(out, "rope", 1, tiny_data)
+    d = sweep.run_dir(out, "rope", 1)
+    (d / "ckpt.pt").rename(d / "ckpt_best.pt")
+    monkeypatch.setattr(sweep, "train_all", lambda *a: pytest.fail("trained before the check"))
+    with pytest.raises(SystemExit, match="holds ckpt_best.pt but no ckpt.pt .*move the folder aside .*re-run"):
+        sweep.main(["--encodings", "rope", "--seeds", "1", f"--out_dir={out}"])
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt_best.pt"]
+
+
+def test_text_report_is_made_again_after_a_synthetic_one(tiny_data, tmp_path, capsys):  # noqa: F811
+    """A text sweep run again after a synthetic sweep wrote its report.md into the same out_dir makes its report again
+    instead of calling the synthetic one up to date."""
+    out = tmp_path / "sweep"
+    finished_run(out, "rope", 1, tiny_data)
+    synthetic_checkpoint(out / "needle" / "alibi-seed1")
+    text = ["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"]
+    sweep.main(text)
+    synthetic = ["--synthetic", "needle", "--encodings", "alibi", "--seeds", "1", "--lengths", "64", "--task_trials=5"]
+    sweep.main([*synthetic, f"--out_dir={out}"])
+    assert (out / "report.md").read_text().startswith("# Synthetic tasks")
+    capsys.readouterr()
+    sweep.main(text)
+    assert "up to date" not in capsys.readouterr().out
+    assert (out / "report.md").read_text().startswith("# Positional encodings")

@@ -419,13 +419,13 @@ def test_synthetic_suite_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 2
 
 
-def synthetic_checkpoint(out_dir, task: str = "needle") -> None:
+def synthetic_checkpoint(out_dir, task: str = "needle", n_embd: int = 16) -> None:
     """A random model's checkpoint as train.py writes one for a synthetic task (block 64, vocabulary 128)."""
     from dataclasses import asdict
 
     from checkpoint import save_checkpoint
 
-    config = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=16, pos_encoding="alibi")
+    config = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=n_embd, pos_encoding="alibi")
     cfg = {"task": task, "task_vocab": V, "task_pairs": 8, "task_queries": 4, "block_size": 64, "max_iters": 1}
     ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "config": cfg, "iter_num": 1}
     save_checkpoint(ckpt | {"tokenizer": {"kind": "ids", "vocab_size": V}, "best_val_loss": 1.0}, out_dir / "ckpt.pt")
@@ -441,6 +441,7 @@ def synthetic_checkpoint(out_dir, task: str = "needle") -> None:
         (["--out_json", "DIR/missing/x.json"], "does not exist; create it"),
         (["--lengths", "2"], "needs a length of at least 3 tokens (its fixed parts alone), got 2; evaluate at longer"),
         (["--lengths", "10000000"], "length 10,000,000 needs at least"),
+        (["--lengths", "64", "64", "100"], "--lengths 64 64 100: each length may appear once"),
     ],
 )
 def test_synthetic_cli_bad_values_are_one_line_errors_before_work(tmp_path, args, message, monkeypatch):
@@ -470,3 +471,29 @@ def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
     synthetic_checkpoint(d)
     out = sweep.evaluate_synthetic(d, [64, 96], 5)
     assert list(out["accuracy"]) == ["64", "96"]
+
+
+def test_synthetic_cache_is_for_its_checkpoint(tmp_path):
+    """A run trained again with other options (its checkpoints deleted, the same number of iterations) is evaluated
+    again, not given the deleted model's cached synthetic.json."""
+    d = tmp_path / "needle" / "alibi-seed1"
+    synthetic_checkpoint(d)
+    before = sweep.evaluate_synthetic(d, [64], 5)
+    (d / "ckpt.pt").unlink()
+    synthetic_checkpoint(d, n_embd=32)  # --train --n_embd=32
+    after = sweep.evaluate_synthetic(d, [64], 5)
+    assert after["params"] > before["params"] and after["key"] != before["key"]
+    assert sweep.evaluate_synthetic(d, [64], 5) == after  # the same checkpoint: read from the cache
+
+
+def test_synthetic_report_takes_the_training_length_from_the_checkpoints(tmp_path):
+    """--lengths that start past the training length: the report says the checkpoints' block size (64), not the first
+    length, and labels each length with its multiple of it; runs trained at different lengths are refused."""
+    d = tmp_path / "needle" / "alibi-seed1"
+    synthetic_checkpoint(d)
+    results = {"needle": {"alibi": [sweep.evaluate_synthetic(d, [100, 200], 5)]}}
+    report = sweep.synthetic_report(tmp_path, results, [], 0.0, 5).read_text()
+    assert "trained at 64 tokens" in report and "| 100 (1.56×) | 200 (3.12×) |" in report
+    results["needle"]["rope"] = [results["needle"]["alibi"][0] | {"block_size": 128}]
+    with pytest.raises(SystemExit, match="trained at different lengths .block_size 64, 128."):
+        sweep.synthetic_report(tmp_path, results, [], 0.0, 5)
