@@ -664,8 +664,8 @@ def _main(argv: list[str]) -> None:
         type=int,
         nargs="+",
         default=None,
-        help="evaluation lengths (default: per size; synthetic: 1, 2, 4 and 8 times the training length, and any "
-        "other length is labelled with its multiple of it, 1.56x)",
+        help="evaluation lengths (default: per size; synthetic: 1, 2, 4 and 8 times the training length, and the "
+        "report labels each length with its multiple of that, 100 (1.56×))",
     )
     p.add_argument(
         "--rope_scaling",
