@@ -22,6 +22,7 @@ and their accuracy by length, a plot per task, and what it cost.
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import signal
@@ -610,7 +611,11 @@ def synthetic_suite(args, argv: list[str], out_dir: Path) -> None:
     # --jobs evaluations side by side, each on its share of the cores; Ctrl-C reaches the sweep alone, which lets the
     # evaluations in progress end (each a few seconds) and drops the rest: the next run evaluates them
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    with ProcessPoolExecutor(args.jobs, initializer=evaluation_worker, initargs=(threads,)) as pool:
+    # workers from a fork server, not forked from this process: a fork after torch has run its thread pool here (a
+    # caller that evaluated something first, a test) can deadlock the child in OpenMP
+    fresh = multiprocessing.get_context("forkserver")
+    fresh.set_forkserver_preload(["torch", "synthetic"])
+    with ProcessPoolExecutor(args.jobs, fresh, initializer=evaluation_worker, initargs=(threads,)) as pool:
         futures = [pool.submit(evaluate_synthetic, dirs[x], args.lengths, trials) for x in triples]
         try:
             for i, ((t, e, s), future) in enumerate(zip(triples, futures, strict=True)):

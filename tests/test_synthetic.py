@@ -497,3 +497,23 @@ def test_synthetic_report_takes_the_training_length_from_the_checkpoints(tmp_pat
     results["needle"]["rope"] = [results["needle"]["alibi"][0] | {"block_size": 128}]
     with pytest.raises(SystemExit, match="trained at different lengths .block_size 64, 128."):
         sweep.synthetic_report(tmp_path, results, [], 0.0, 5)
+
+
+@pytest.mark.slow
+def test_synthetic_suite_from_a_process_that_ran_torch_threads(tmp_path):
+    """The suite's evaluation workers come from a fork server: forked from a process whose torch thread pool has
+    run (a caller that computed something first), a worker with more than one thread (here --jobs 1 on 2 cores)
+    deadlocked in OpenMP and the sweep never ended."""
+    for enc in ("alibi", "rope"):
+        synthetic_checkpoint(tmp_path / "needle" / f"{enc}-seed1")
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(2); torch.randn(512, 512) @ "
+        "torch.randn(512, 512); import sweep; sweep.main(['--synthetic', 'needle', '--encodings', 'alibi', 'rope', "
+        "'--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2]])"
+    )
+    env = dict(ENV, OMP_NUM_THREADS="2")
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (tmp_path / "report.md").exists()
