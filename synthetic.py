@@ -308,48 +308,101 @@ def accuracy(model, task: str, vocab: int, length: int, n: int, seed: int = 0, *
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Floors: what a model scores without retrieving anything. Each task has a shortcut that reads the sequence without
-# finding the answer where the task hides it; its accuracy, computed on the evaluation's own sequences, is the floor a
-# table must be read against (chance is below it: a model at the floor has learned the shortcut, not the task).
+# Floors: what a model scores without retrieving anything. Each task has a family of shortcuts, strategies that read
+# the sequence without finding the answer where the task hides it; the best of them, on the evaluation's own
+# sequences, is the floor a table must be read against (a model at the floor has learned a shortcut, not the task).
 
 
-def shortcut(task: str, x: np.ndarray, t: int, v: Vocab) -> np.ndarray:
-    """The tokens a no-retrieval strategy picks among, uniformly, for the answer after x[:t + 1]:
-    needle: any key (chance: the key is found by content, which is retrieval);
-    passkey: the most frequent key so far (the key after MARK is one more occurrence of it);
-    mqar: a value present in the context (the answers never enter the input, so none can be ruled out);
-    offset: the token right after MARK (right when k = 1);
-    copy: a token that followed an earlier occurrence of the current one (right where the string does not repeat)."""
-    seen = x[: t + 1]
-    if task == "passkey":
-        counts = np.bincount(seen[(seen >= v.keys[0]) & (seen < v.keys[1])] - v.keys[0], minlength=v.n)
-        return v.keys[0] + np.flatnonzero(counts == counts.max())
-    if task == "mqar":
-        return np.unique(seen[(seen >= v.values[0]) & (seen < v.values[1])])
-    if task == "offset":
-        return x[np.flatnonzero(seen == MARK)[:1] + 1]
-    if task == "copy":
-        earlier = np.flatnonzero(seen[:-1] == x[t])
-        if len(earlier):
-            return np.unique(x[earlier + 1])
+def _keys(x, t, v):  # chance among the keys
     return np.arange(*v.keys)
 
 
-FLOOR_SEQUENCES = 2000  # at 400 sequences a floor of 27% moves by about 2 points from one length to the next
+def _most_frequent_key(x, t, v):  # passkey: the key after MARK is one more occurrence of it
+    seen = x[: t + 1]
+    counts = np.bincount(seen[(seen >= v.keys[0]) & (seen < v.keys[1])] - v.keys[0], minlength=v.n)
+    return v.keys[0] + np.flatnonzero(counts == counts.max())
 
 
-def floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict[str, float]:
-    """The shortcut's expected accuracy on the sequences that scores() reads (its n, and more up to FLOOR_SEQUENCES):
-    "token" (each answer right with probability 1/|candidates| if it is among them) and "sequence" (every answer of a
-    sequence right)."""
+def _values_present(x, t, v):  # mqar: the answers never enter the input, so no value present can be ruled out
+    seen = x[: t + 1]
+    return np.unique(seen[(seen >= v.values[0]) & (seen < v.values[1])])
+
+
+def _last_value(x, t, v):  # mqar: the value seen last (a recency guess, blind to the key asked)
+    seen = x[: t + 1]
+    return seen[(seen >= v.values[0]) & (seen < v.values[1])][-1:]
+
+
+def _after_mark(x, t, v):  # offset: the token right after MARK (right when k = 1)
+    return x[np.flatnonzero(x[: t + 1] == MARK)[:1] + 1]
+
+
+def _commonest_after_mark(
+    x, t, v
+):  # offset: the commonest of the OFFSETS tokens after MARK, ties to the first: k unread
+    after = x[np.flatnonzero(x[: t + 1] == MARK)[0] + 1 :][:OFFSETS]
+    tokens, first, counts = np.unique(after, return_index=True, return_counts=True)
+    return tokens[np.lexsort((first, -counts))][:1]
+
+
+def _followed_before(x, t, v):  # copy: a token that followed an earlier occurrence of the current one
+    earlier = np.flatnonzero(x[:t] == x[t])
+    return np.unique(x[earlier + 1]) if len(earlier) else np.arange(*v.keys)
+
+
+# Each task's shortcuts: {name: fn(x, t, vocab) -> the tokens it picks among, uniformly, for the answer after x[:t+1]}
+SHORTCUTS = {
+    "needle": {"chance among the keys": _keys},  # the key is the only key token: finding it by content is the task
+    "passkey": {"the most frequent key": _most_frequent_key, "chance among the keys": _keys},
+    "mqar": {"a value present": _values_present, "the last value": _last_value},
+    "offset": {
+        "the token after the marker": _after_mark,
+        "the commonest of the 4 after the marker": _commonest_after_mark,
+    },
+    "copy": {"a token that followed the current one": _followed_before},
+}
+
+
+def shortcut(task: str, x: np.ndarray, t: int, v: Vocab) -> np.ndarray:
+    """The candidates of the task's first shortcut (the one the docs name) for the answer after x[:t + 1]."""
+    return next(iter(SHORTCUTS[task].values()))(x, t, v)
+
+
+FLOOR_SEQUENCES = 2000  # the steadier estimate: at 400 sequences a floor of 27% moves by ~2 points between lengths
+
+
+def floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict:
+    """The best shortcut's accuracy on the n sequences that scores() reads (drawn through batch(), as it does), its
+    expected "token" (each answer right with probability 1/|candidates| if it is among them) and "sequence" (every
+    answer of a sequence right) accuracy; "strategy", its name (the best on the token accuracy); "band", the 95%
+    half-width of an accuracy of the floor's size measured on these answers (binomial: what another no-retrieval
+    strategy as good on average scores on these sequences; a cell within floor ± band is at the floor, not below
+    it); "strategies", every shortcut's token accuracy; and "steady", the best shortcut's token accuracy over
+    FLOOR_SEQUENCES sequences (these n and more from the same stream), a steadier estimate."""
     v, rng = Vocab(vocab), eval_rng(seed, task, length)
-    p_tokens, p_sequences = [], []
-    for _ in range(max(n, FLOOR_SEQUENCES)):  # scores()'s n sequences first, then more: a steadier estimate
-        x, y = sequence(task, vocab, length, rng, **kw)
-        p = [float(y[t] in (c := shortcut(task, x, t, v))) / len(c) for t in np.flatnonzero(y >= 0)]
-        p_tokens += p
-        p_sequences.append(float(np.prod(p)))
-    return {"token": float(np.mean(p_tokens)), "sequence": float(np.mean(p_sequences))}
+    names = list(SHORTCUTS[task])
+    p = {name: [] for name in names}  # per answer token: the chance that the shortcut is right
+    seq = {name: [] for name in names}  # per sequence: the chance that it is right at every answer
+    for i in range(max(n, FLOOR_SEQUENCES)):
+        if i == n:  # the scored sequences end here
+            scored = {name: (np.array(p[name]), np.array(seq[name])) for name in names}
+        x, y = (a[0].numpy() for a in batch(task, vocab, 1, length, rng, train=False, **kw))
+        for name, fn in SHORTCUTS[task].items():
+            hits = [float(y[t] in (c := fn(x, t, v))) / len(c) for t in np.flatnonzero(y >= 0)]
+            p[name] += hits
+            seq[name].append(float(np.prod(hits)))
+    if n >= FLOOR_SEQUENCES:
+        scored = {name: (np.array(p[name]), np.array(seq[name])) for name in names}
+    best = max(names, key=lambda name: scored[name][0].mean())
+    tok, whole = scored[best]
+    return {
+        "token": float(tok.mean()),
+        "sequence": float(whole.mean()),
+        "strategy": best,
+        "band": float(1.96 * np.sqrt(tok.mean() * (1 - tok.mean()) / len(tok))),
+        "strategies": {name: float(scored[name][0].mean()) for name in names},
+        "steady": float(np.mean(p[best])),
+    }
 
 
 def evaluate_checkpoint(
