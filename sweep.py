@@ -1,12 +1,13 @@
 """
 One command to compare encodings: train the same model with every encoding (same data, seeds and token budget),
-evaluate each at several lengths (eval_length.py), and write a report (markdown tables and plots).
+evaluate each at several lengths (eval_length.py), and write a report (markdown tables and plots, sweep_report.py).
 
-    python sweep.py --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~20 minutes
+    python sweep.py --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~35 minutes
     python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
     python sweep.py --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1   # with retrieval tasks
     python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
     python sweep.py --synthetic --seeds 1337 1338 1339 --jobs 2   # the synthetic tasks (synthetic.py), on a CPU
+    python sweep.py --synthetic mqar offset --recipes --selection_seeds 2001 --seeds 3001 3002 3003 3004 3005 --jobs 2
 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
@@ -15,22 +16,28 @@ mean ± standard deviation over seeds: a difference smaller than that is noise. 
 report opens with a summary: one row per encoding.
 
 --synthetic [TASK ...] runs the token-level suite instead: every encoding trained on each task (config/<task>.py,
-default all of them) and scored at 1x to 16x its training length, 400 sequences per cell. Runs go to
+default all of them) and scored at 1x to 8x its training length, 400 sequences per cell. Runs go to
 <out_dir>/<task>/<encoding>-seed<seed>; the report gives, per task, how many seeds learned it at the training length
 and their accuracy by length, a plot per task, and what it cost.
+
+--recipes (with --synthetic) gives every encoding its best recipe of a small grid (RECIPES: the task's curriculum on
+and off, two learning rates) before comparing: each recipe is trained on the --selection_seeds, each encoding's best
+by final validation accuracy is trained on the --seeds, and only those are reported, with the learned counts' 95%
+intervals and the differences exact tests tell apart. Runs go to <out_dir>/grid/<recipe>/<task>/... and
+<out_dir>/final/<recipe>/<task>/....
 """
 
 import argparse
 import json
 import multiprocessing
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +49,7 @@ import tasks
 from checkpoint import LINKS, CheckpointError, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
+from sweep_report import Cell, Study, TaskScore, TextRun, recipe_report, synthetic_report, text_report
 from tokenizer import tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parent
@@ -123,8 +131,9 @@ def finished_checkpoint(d: Path) -> dict:
     return ckpt
 
 
-def train_command(enc: str, seed: int, d: Path, args, configs: list[str]) -> list[str] | None:
-    """train.py's command for one run (resuming an unfinished one), or None if the run is finished."""
+def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=()) -> list[str] | None:
+    """train.py's command for one run (resuming an unfinished one), or None if the run is finished: the encoding's
+    config, then configs, then the sweep's own options, extra (a recipe's) and --train's."""
     state = finished(d)
     if state:
         print(f"[sweep] {d.parent.name}/{d.name}: finished earlier, not trained again", flush=True)
@@ -138,6 +147,7 @@ def train_command(enc: str, seed: int, d: Path, args, configs: list[str]) -> lis
         f"--seed={seed}",
         f"--wandb_log={args.wandb_log}",
         f"--wandb_run_name={enc}-seed{seed}",
+        *extra,
         *args.train,
     ]
     return cmd + ["--init_from=resume"] if state is False else cmd
@@ -210,7 +220,7 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
         raise
 
 
-def evaluate_tasks(runs: list[dict], lengths: list[int], args) -> dict:
+def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
     """Retrieval accuracy of every run at every length (tasks.py): passkey over a grid of depths, recall and copy;
     the same sequences for every run."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,214 +228,18 @@ def evaluate_tasks(runs: list[dict], lengths: list[int], args) -> dict:
     out = {"lengths": lengths, "depths": depths, "trials": args.task_trials, "runs": {}}
     t0 = time.time()
     for i, r in enumerate(runs):
-        ckpt = load_checkpoint(Path(r["dir"]) / "ckpt.pt")
+        ckpt = load_checkpoint(Path(r.dir) / "ckpt.pt")
         model = model_from_checkpoint(ckpt).to(device).eval()
         tok = tokenizer_from_meta(ckpt["tokenizer"])
         try:
-            out["runs"][r["dir"]] = tasks.evaluate_checkpoint(
+            out["runs"][r.dir] = tasks.evaluate_checkpoint(
                 model, tok, lengths, depths, args.task_trials, 0, list(tasks.TASKS), 8, device
             )
         except tasks.TaskError as e:
-            sys.exit(f"[sweep] {r['dir']}: {e}")
+            sys.exit(f"[sweep] {r.dir}: {e}")
         eta = (time.time() - t0) / (i + 1) * (len(runs) - i - 1) / 60
-        print(
-            f"[sweep] retrieval tasks: {Path(r['dir']).name} done ({i + 1}/{len(runs)}, ETA {eta:.0f} min)", flush=True
-        )
+        print(f"[sweep] retrieval tasks: {Path(r.dir).name} done ({i + 1}/{len(runs)}, ETA {eta:.0f} min)", flush=True)
     return out
-
-
-def mean_spread(xs: list[float], digits: int = 2) -> str:
-    if len(xs) == 1:
-        return f"{xs[0]:.{digits}f}"
-    return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
-
-
-def commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    cpu = (
-        next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")
-            ),
-            platform.processor(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else ""
-    )
-    return f"{cpu or platform.machine()}, {torch.get_num_threads()} threads"
-
-
-def aggregate(report: dict) -> dict:
-    """{name: {mode: {L: [ppl per seed] or None}}}, runs of one encoding (and scaling) over seeds together."""
-    out: dict = {}
-    for r in report["runs"]:
-        by_mode = out.setdefault(r["name"], {m: {} for m in report["modes"]})
-        for m, by_len in r["results"].items():
-            for L, res in by_len.items():
-                by_mode[m].setdefault(int(L), [])
-                if res is not None:
-                    by_mode[m][int(L)].append(res["ppl"])
-    return out
-
-
-def pct(xs: list[float | None]) -> str:
-    """Accuracies over seeds as a percentage, mean ± std; n/a where the model has no positions there (learned)."""
-    xs = [100 * x for x in xs if x is not None]
-    return mean_spread(xs, 0) + "%" if xs else "n/a"
-
-
-def summary_lines(report: dict, runs: list[dict], agg: dict) -> list[str]:
-    """One row per encoding, mean ± std over seeds: what to compare first."""
-    train_len, lengths, tk = report["runs"][0]["train_len"], report["lengths"], report.get("tasks")
-    mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
-    far = [k for k in (4, 16) if k * train_len in lengths]
-    L4 = 4 * train_len if tk and 4 * train_len in tk["lengths"] else None
-    cols = ["val loss"] + [f"perplexity {k}×" for k in far]
-    cols += (["passkey k_max"] if tk else []) + ([f"recall {L4}", f"copy {L4} (chars)"] if L4 else [])
-    lines = [
-        f"## Summary: mean ± std over seeds (perplexity with {mode} windows; accuracy is exact match, copy's per "
-        "character; k_max: the longest length with passkey accuracy >= 20%, 0 if none)",
-        "",
-        "| encoding | " + " | ".join(cols) + " | training k tokens/s |",
-        "|---|" + "---:|" * (len(cols) + 1),
-    ]
-    for enc in dict.fromkeys(r["enc"] for r in runs):
-        rs = [r for r in runs if r["enc"] == enc]
-        cells = [mean_spread([r["val"] for r in rs], 3)]
-        cells += [mean_spread(v) if (v := agg[enc][mode][k * train_len]) else "n/a" for k in far]
-        if tk:
-            res = [tk["runs"][r["dir"]] for r in rs]
-            k_max = [x["k_max"] or 0 for x in res]
-            cells.append(mean_spread(k_max, 0) if any(k_max) else "0")
-            if L4:
-                cells += [pct([x["recall"][L4] for x in res]), pct([x["copy_tokens"][L4] for x in res])]
-        speed = [r["tokens"] / r["seconds"] / 1000 for r in rs if r["seconds"]]
-        cells.append(mean_spread(speed, 1) if speed else "-")
-        lines.append(f"| {enc} | " + " | ".join(cells) + " |")
-    parallel = max(r["parallel"] for r in runs)
-    lines += [
-        "",
-        "Training speed is wall clock (start-up and evaluations included)"
-        + (f", with {parallel} runs side by side" if parallel > 1 else "")
-        + ": compare it only within one sweep on an otherwise idle machine.",
-    ]
-    return lines
-
-
-def retrieval_lines(report: dict, runs: list[dict], out_dir: Path) -> list[str]:
-    """Accuracy by length for each task (mean ± std over seeds) and the passkey heatmaps (averaged over seeds)."""
-    tk = report["tasks"]
-    lengths, depths = tk["lengths"], tk["depths"]
-    lines = [
-        "## Retrieval tasks (tasks.py), mean ± std over seeds",
-        "",
-        f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} depths. Exact match of "
-        "each answer (5-digit key, 2-digit value), and for copy also the share of right characters.",
-    ]
-    heat = {}
-    for task, title in (
-        ("passkey", "passkey"),
-        ("recall", "recall (exact)"),
-        ("copy", "copy (exact)"),
-        ("copy_tokens", "copy (characters)"),
-    ):
-        lines += ["", f"| {title} | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---:|" * len(lengths)]
-        for enc in dict.fromkeys(r["enc"] for r in runs):
-            res = [tk["runs"][r["dir"]] for r in runs if r["enc"] == enc]
-            lines.append(f"| {enc} | " + " | ".join(pct([x[task][L] for x in res]) for L in lengths) + " |")
-            grids = [x["passkey_grid"] for x in res]
-            heat[enc] = {
-                "passkey_grid": {L: None if grids[0][L] is None else np.mean([g[L] for g in grids], 0) for L in lengths}
-            }
-    tasks.plot_heatmaps({"checkpoints": heat}, lengths, depths, str(out_dir / "passkey.png"))
-    return lines + ["", "![passkey accuracy by length and depth, mean over seeds](passkey.png)", ""]
-
-
-def write_report(out_dir: Path, report: dict, runs: list[dict], argv: list[str]) -> Path:
-    agg = aggregate(report)
-    lengths, train_len = report["lengths"], report["runs"][0]["train_len"]
-    lines = [
-        "# Positional encodings: train short, test long",
-        "",
-        f"Command: `python sweep.py {' '.join(argv)}`  ",
-        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
-        f"Training length {train_len}; seeds {sorted({r['seed'] for r in runs})}; training "
-        f"{sum(r['seconds'] for r in runs) / 60:.1f} min, evaluation {report['seconds'] / 60:.1f} min.",
-        "",
-        *summary_lines(report, runs, agg),
-        "",
-        "## Validation loss at the training length (train.py's estimate, best of its evaluations)",
-        "",
-        "| encoding | val loss | parameters (tied embedding once, no position table) | minutes to train |",
-        "|---|---:|---:|---:|",
-    ]
-    for enc in dict.fromkeys(r["enc"] for r in runs):
-        rs = [r for r in runs if r["enc"] == enc]
-        lines.append(
-            f"| {enc} | {mean_spread([r['val'] for r in rs], 3)} | {rs[0]['params'] / 1e6:.2f}M | "
-            f"{statistics.mean(r['seconds'] for r in rs) / 60:.1f} |"
-        )
-    for mode in report["modes"]:
-        lines += ["", f"## Perplexity by evaluation length, {mode} windows", ""]
-        if mode == "sliding":
-            lines.append(
-                f"(stride {report['stride']}: each window scores its last quarter only, so every token is scored once, "
-                "with at least 3/4 of the window as context; the text's first 3/4 window is not scored)\n"
-            )
-        lines.append("| encoding | " + " | ".join(f"{L}{' (train)' if L == train_len else ''}" for L in lengths) + " |")
-        lines.append("|---|" + "---:|" * len(lengths))
-        for name, by_mode in agg.items():
-            cells = [mean_spread(v) if v else "n/a" for v in (by_mode[mode][L] for L in lengths)]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "![perplexity by length](length.png)", "", "![loss by position](position.png)", ""]
-    if report.get("tasks"):
-        lines += retrieval_lines(report, runs, out_dir)
-    plot_report(agg, report, out_dir)
-    path = out_dir / "report.md"
-    write_atomic(path, "\n".join(lines))
-    return path
-
-
-def plot_report(agg: dict, report: dict, out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train_len = report["runs"][0]["train_len"]
-    fig, axes = plt.subplots(1, len(report["modes"]), figsize=(6.5 * len(report["modes"]), 4.8), squeeze=False)
-    for ax, mode in zip(axes[0], report["modes"], strict=True):
-        ax.set_prop_cycle(eval_length.line_styles())
-        for name, by_mode in agg.items():
-            pts = [(L, v) for L, v in sorted(by_mode[mode].items()) if v]
-            xs = [L for L, _ in pts]
-            ys = [statistics.mean(v) for _, v in pts]
-            err = [statistics.stdev(v) if len(v) > 1 else 0 for _, v in pts]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
-        ax.axvline(train_len, color="gray", ls=":", lw=1)
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="evaluation length (tokens)",
-            ylabel="perplexity",
-            title=f"{mode} windows (dotted: training length)",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "length.png", dpi=110)
-    plt.close(fig)
-    first = report["runs"][0]["out_dir"].rsplit("-seed", 1)[1]  # loss by position: the first seed's runs
-    runs = [r for r in report["runs"] if r["out_dir"].endswith(f"-seed{first}")]
-    eval_length.plot(dict(report, runs=runs), str(out_dir / "position.png"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -434,209 +248,240 @@ def plot_report(agg: dict, report: dict, out_dir: Path) -> None:
 SYNTHETIC_FACTORS = (1, 2, 4, 8)  # evaluation lengths, in training lengths (16x costs as much as these together)
 
 
-def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> dict:
-    """A run's accuracy at each length (default: SYNTHETIC_FACTORS times its training length; cached in
-    <run>/synthetic.json, for this checkpoint, these lengths and trials), per answer token and per whole sequence,
-    whether and when it learned its task, its training length, task options and training seconds."""
+SYNTHETIC_VERSION = 2  # the generators' version a cached evaluation was made with (2: mqar without its leak)
+
+
+def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> TaskScore:
+    """A run's scores at each length (default: SYNTHETIC_FACTORS times its training length), cached in
+    <run>/synthetic.json for this checkpoint, these lengths and trials."""
     ckpt = finished_checkpoint(d)
     cfg = ckpt["config"]
     lengths = lengths or [cfg["block_size"] * k for k in SYNTHETIC_FACTORS]
     cache = d / "synthetic.json"
     key = {"lengths": lengths, "trials": trials, "checkpoint": stamp(d / "ckpt.pt"), "version": SYNTHETIC_VERSION}
     if (old := read_json(cache)) and old.get("key") == key:
-        return old
+        return TaskScore.from_json(old)
     t0 = time.time()
     model = model_from_checkpoint(ckpt).eval()
     acc = synthetic.evaluate_checkpoint(model, cfg, lengths, trials)
     history = ckpt.get("history", [])
-    timing = read_json(d / "sweep.json") or {}
-    out = {
-        "key": key,
-        "task": cfg["task"],
-        "task_options": {"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)},
-        "accuracy": {str(L): None if a is None else a["token"] for L, a in acc.items()},
-        "whole_sequence": {str(L): None if a is None else a["sequence"] for L, a in acc.items()},
-        "learned_at": synthetic.learned_at(history),
-        "final_val_acc": history[-1]["acc"] if history else None,
-        "iters": ckpt["iter_num"],
-        "block_size": cfg["block_size"],  # the training length
-        "params": model.get_num_params(),
-        "seconds": timing.get("seconds", 0.0),
-        "eval_seconds": time.time() - t0,
-    }
-    write_atomic(cache, json.dumps(out, indent=1))
-    return out
+    score = TaskScore(
+        key=key,
+        task=cfg["task"],
+        task_options={"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)},
+        accuracy={L: None if a is None else a["token"] for L, a in acc.items()},
+        whole_sequence={L: None if a is None else a["sequence"] for L, a in acc.items()},
+        learned_at=synthetic.learned_at(history),
+        final_val_acc=history[-1]["acc"] if history else None,
+        iters=ckpt["iter_num"],
+        block_size=cfg["block_size"],
+        params=model.get_num_params(),
+        seconds=(read_json(d / "sweep.json") or {}).get("seconds", 0.0),
+        eval_seconds=time.time() - t0,
+    )
+    write_atomic(cache, json.dumps(score.to_json(), indent=1))
+    return score
 
 
-SYNTHETIC_VERSION = 2  # the generators' version a cached evaluation was made with (2: mqar without its leak)
-
-
-def task_floors(results: dict, trials: int) -> dict:
-    """{task: {length: the shortcut's accuracy (synthetic.floor)}} on the sequences the runs were scored on."""
-    out = {}
-    for task, by_enc in results.items():
-        r = next(iter(by_enc.values()))[0]
-        opts = dict(r["task_options"])
-        vocab = opts.pop("vocab")
-        out[task] = {L: synthetic.floor(task, vocab, int(L), trials, **opts) for L in r["accuracy"]}
-    return out
-
-
-def seed_cells(rs: list[dict], L: int, key: str = "accuracy") -> tuple[str, str]:
-    """At length L: (mean ± std over every seed, mean ± std over the seeds that learned the task, '-' if none)."""
-    learned = [r for r in rs if r["learned_at"] is not None]
-    if rs[0][key][str(L)] is None:
-        return "n/a", "n/a"  # no positions there (learned)
-    return pct([r[key][str(L)] for r in rs]), pct([r[key][str(L)] for r in learned]) if learned else "-"
-
-
-def synthetic_table(by_enc: dict, lengths: list[int], train_len: int, floors: dict, key: str, part: int) -> list[str]:
-    """One task's table of key (accuracy or whole_sequence) by length: over every seed (part 0) or over the seeds
-    that learned (part 1), under a row of the floor."""
-    lines = [
-        "| encoding | learned | at step | " + " | ".join(f"{L} ({L / train_len:.3g}×)" for L in lengths) + " |",
-        "|---|---:|---:|" + "---:|" * len(lengths),
-        "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[str(L)]:.0f}%*" for L in lengths) + " |",
-    ]
-    for enc, rs in by_enc.items():
-        steps = [r["learned_at"] for r in rs if r["learned_at"] is not None]
-        at = f"{statistics.mean(steps):,.0f}" if steps else "-"
-        cells = [seed_cells(rs, L, key)[part] for L in lengths]
-        lines.append(f"| {enc} | {len(steps)} of {len(rs)} | {at} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def synthetic_report(out_dir: Path, results: dict, argv: list[str], wall: float, trials: int) -> Path:
-    """report.md: per task, the floor, seeds learned and accuracy by length per encoding over every seed and over
-    the seeds that learned; a plot per task; the cost."""
-    first = next(iter(next(iter(results.values())).values()))[0]
-    lengths = [int(L) for L in first["accuracy"]]
-    runs = [r for by_enc in results.values() for rs in by_enc.values() for r in rs]
-    if len(blocks := sorted({r["block_size"] for r in runs})) > 1:  # their lengths and multiples would not line up
-        sys.exit(
-            f"[sweep] the runs were trained at different lengths (block_size {', '.join(map(str, blocks))}), which one "
-            "report cannot compare: move the runs trained with other options aside, then re-run the sweep"
-        )
-    train_len = first["block_size"]
-    train_min, eval_min = sum(r["seconds"] for r in runs) / 60, sum(r["eval_seconds"] for r in runs) / 60
-    seeds = max(len(rs) for by_enc in results.values() for rs in by_enc.values())
-    floors = task_floors(results, trials)
-    lines = [
-        "# Synthetic tasks: retrieval past the training length",
-        "",
-        f"Command: `python sweep.py {' '.join(argv)}`  ",
-        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
-        f"{len(runs)} runs ({first['params']:,} parameters each, trained at {train_len} tokens); training "
-        f"{train_min:.0f} CPU-minutes (each run's wall clock, one thread each when side by side), evaluation "
-        f"{eval_min:.0f} minutes; this invocation {wall / 60:.0f} minutes of wall clock.",
-        "",
-        f"A run *learned* its task when its validation accuracy at the training length (on the evaluation's "
-        f"distribution) reached {synthetic.LEARNED:.0%} at some evaluation; **learned** counts those seeds and gives "
-        "the step (the first evaluation at or above it, mean over them). Accuracy is exact match per answer token over "
-        f"{trials} sequences per length, the same sequences for every run, mean ± std over seeds: first over every "
-        "seed, then over the seeds that learned. The *floor* is what a strategy that retrieves nothing scores on the "
-        "same sequences (synthetic.shortcut: passkey the most frequent key, mqar a value present in the context, "
-        "offset the token right after the marker, copy a token that followed an earlier occurrence of the current "
-        "one, needle chance among the keys): a cell at the floor has learned the shortcut, not the task.",
-    ]
-    for task, by_enc in results.items():
-        token_floor = {L: f["token"] for L, f in floors[task].items()}
-        lines += ["", f"## {task}", "", "Every seed:", ""]
-        lines += synthetic_table(by_enc, lengths, train_len, token_floor, "accuracy", 0)
-        lines += ["", "The seeds that learned it:", ""]
-        lines += synthetic_table(by_enc, lengths, train_len, token_floor, "accuracy", 1)
-        if task == "copy":  # per token, the shortcut copies most of a string; the whole string is the task
-            lines += ["", "Whole string exact (every copied token right), every seed:", ""]
-            seq_floor = {L: f["sequence"] for L, f in floors[task].items()}
-            lines += synthetic_table(by_enc, lengths, train_len, seq_floor, "whole_sequence", 0)
-    lines += ["", "![accuracy by length, per task, every seed; dashed: the floor](synthetic.png)", ""]
-    plot_synthetic(results, floors, lengths, train_len, out_dir / "synthetic.png")
-    path = out_dir / "report.md"
-    write_atomic(path, "\n".join(lines))
-    summary = {"seeds": seeds, "trials": trials, "floors": floors, "results": results}
-    write_atomic(out_dir / "results.json", json.dumps(summary, indent=1))
-    return path
-
-
-def plot_synthetic(results: dict, floors: dict, lengths: list[int], train_len: int, path: Path) -> None:
-    """A panel per task: accuracy by length, mean ± std over every seed, and the task's floor (dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False, sharey=True)
-    for ax, (task, by_enc) in zip(axes[0], results.items(), strict=True):
-        ax.set_prop_cycle(eval_length.line_styles())
-        for enc, rs in by_enc.items():
-            learned = sum(r["learned_at"] is not None for r in rs)
-            pts = [(L, [r["accuracy"][str(L)] for r in rs]) for L in lengths]
-            pts = [(L, xs) for L, xs in pts if None not in xs]
-            ax.errorbar(
-                [L for L, _ in pts],
-                [100 * statistics.mean(xs) for _, xs in pts],
-                yerr=[100 * statistics.stdev(xs) if len(xs) > 1 else 0 for _, xs in pts],
-                marker="o",
-                capsize=3,
-                label=f"{enc} ({learned}/{len(rs)})",
-            )
-        floor = [100 * floors[task][str(L)]["token"] for L in lengths]
-        ax.plot(lengths, floor, color="black", ls="--", lw=1.2, label="floor (no retrieval)")
-        ax.axvline(train_len, color="gray", ls=":", lw=1)
-        ax.set(xscale="log", xlabel="evaluation length (tokens)", title=task, ylim=(-3, 103))
-        ax.set_xticks(lengths, [str(L) for L in lengths])
-        ax.minorticks_off()  # a log axis labels its minor ticks too (6×10¹ over 64)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="encoding (seeds learned)", title_fontsize=7)
-    axes[0][0].set_ylabel("accuracy (%), mean over every seed")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def synthetic_suite(args, argv: list[str], out_dir: Path) -> None:
-    """Train every encoding on each task and seed (resuming, skipping finished runs), score, report."""
-    t0 = time.time()
-    # a seed at a time, so that an interrupted suite has whole seeds to report
-    triples = [(t, e, s) for s in args.seeds for t in args.synthetic for e in args.encodings]
-    dirs = {x: out_dir / x[0] / f"{x[1]}-seed{x[2]}" for x in triples}
-    jobs = [
-        (dirs[t, e, s], cmd)
-        for t, e, s in triples
-        if (cmd := train_command(e, s, dirs[t, e, s], args, [f"config/{t}.py"]))
-    ]
-    train_all(jobs, args.jobs)
-    results: dict = {}
-    trials = args.task_trials or 400
-    # --jobs evaluations side by side, each on its share of the cores; Ctrl-C reaches the sweep alone, which lets the
-    # evaluations in progress end (each a few seconds) and drops the rest: the next run evaluates them
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+def evaluate_all(dirs: list[Path], lengths: list[int] | None, trials: int, jobs: int) -> list[TaskScore]:
+    """Score the runs, jobs side by side, each on its share of the cores. Ctrl-C reaches the sweep alone, which lets
+    the evaluations in progress end (each a few seconds) and drops the rest: the next run evaluates them."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
     # workers from a fork server, not forked from this process: a fork after torch has run its thread pool here (a
     # caller that evaluated something first, a test) can deadlock the child in OpenMP
     fresh = multiprocessing.get_context("forkserver")
     fresh.set_forkserver_preload(["torch", "synthetic"])
-    with ProcessPoolExecutor(args.jobs, fresh, initializer=evaluation_worker, initargs=(threads,)) as pool:
-        futures = [pool.submit(evaluate_synthetic, dirs[x], args.lengths, trials) for x in triples]
+    out = []
+    with ProcessPoolExecutor(jobs, fresh, initializer=evaluation_worker, initargs=(threads,)) as pool:
+        futures = [pool.submit(evaluate_synthetic, d, lengths, trials) for d in dirs]
         try:
-            for i, ((t, e, s), future) in enumerate(zip(triples, futures, strict=True)):
+            for i, (d, future) in enumerate(zip(dirs, futures, strict=True)):
                 try:
-                    r = future.result()
+                    out.append(future.result())
                 except (CheckpointError, synthetic.SyntheticError) as err:
                     pool.shutdown(cancel_futures=True)
                     sys.exit(f"[sweep] {err}")
-                results.setdefault(t, {}).setdefault(e, []).append(r)
-                print(f"[sweep] evaluated {t}/{e}-seed{s} ({i + 1}/{len(triples)})", flush=True)
+                print(f"[sweep] evaluated {d.parent.name}/{d.name} ({i + 1}/{len(dirs)})", flush=True)
         except KeyboardInterrupt:
             print("\n[sweep] interrupted: finishing the evaluations in progress ...", flush=True)
             pool.shutdown(cancel_futures=True)
             raise
-    print(f"[sweep] report: {synthetic_report(out_dir, results, argv, time.time() - t0, trials)}")
+    return out
 
 
 def evaluation_worker(threads: int) -> None:
     """A process of the evaluation pool: its share of the cores, and deaf to Ctrl-C (the sweep answers it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
+
+
+def synthetic_suite(args, argv: list[str], out_dir: Path) -> None:
+    """Train every encoding on each task and seed (resuming, skipping finished runs), score, report."""
+    t0 = time.time()
+    # a seed at a time, so that an interrupted suite has whole seeds to report
+    runs = [(t, e, s, out_dir / t / f"{e}-seed{s}") for s in args.seeds for t in args.synthetic for e in args.encodings]
+    train_all([(d, cmd) for t, e, s, d in runs if (cmd := train_command(e, s, d, args, [f"config/{t}.py"]))], args.jobs)
+    scores = evaluate_all([d for *_, d in runs], args.lengths, args.task_trials, args.jobs)
+    cells: dict[str, dict[str, Cell]] = {}
+    for (t, e, _, _), score in zip(runs, scores, strict=True):
+        cells.setdefault(t, {}).setdefault(e, Cell(e, [])).scores.append(score)
+    cells_by_task = {t: list(by_enc.values()) for t, by_enc in cells.items()}
+    print(f"[sweep] report: {synthetic_report(out_dir, cells_by_task, argv, time.time() - t0, args.task_trials)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recipe study (--recipes): every encoding with its best recipe of a small grid, chosen on the selection seeds,
+# reported on fresh seeds
+
+RECIPE_STEPS = 3000  # every recipe's budget: mqar's seeds learned at 1,000 to 2,500 steps, offset's slowest at ~2,700
+RATES = {"3e-3": 3e-3, "1e-3": 1e-3}  # the learning rates (min_lr a tenth), the suite's own first
+CURRICULA = {  # the task's curriculum, (train.py option, on, off): on is the task config's
+    "passkey": ("task_mix", 0.25, 0),
+    "mqar": ("task_prev_tokens", True, False),
+    "offset": ("task_mix", 0.25, 0),
+}
+
+
+def recipes(task: str) -> dict[str, list[str]]:
+    """{name: train.py options} of the task's grid, in the order a tie is broken in: the suite's recipe (curriculum
+    on, 3e-3) first, then the curriculum off at that rate, then both at the next rate."""
+    out = {}
+    curricula = [(1, CURRICULA[task][1]), (0, CURRICULA[task][2])] if task in CURRICULA else [(None, None)]
+    for rate_name, rate in RATES.items():
+        for on, value in curricula:
+            name = (f"cur{on}-" if on is not None else "") + f"lr{rate_name}"
+            options = [f"--{CURRICULA[task][0]}={value}"] if on is not None else []
+            options += [f"--learning_rate={rate}", f"--min_lr={rate / 10:g}"]
+            out[name] = options + [f"--max_iters={RECIPE_STEPS}", f"--lr_decay_iters={RECIPE_STEPS}"]
+    return out
+
+
+def choose(grid: dict[str, list[float]], order: list[str]) -> str:
+    """The recipe with the highest mean final validation accuracy; within 1 point, the earlier in order."""
+    mean = {r: statistics.mean(grid[r]) for r in order}
+    best = max(mean.values())
+    return next(r for r in order if mean[r] >= best - 0.01)
+
+
+def recipe_study(args, argv: list[str], out_dir: Path) -> None:
+    """Train the grid on the selection seeds, choose each encoding's recipe per task, train the chosen recipes on the
+    fresh seeds (resuming, skipping finished runs, as everywhere), score those, report."""
+    t0 = time.time()
+    grid_runs = [
+        (t, r, e, s, out_dir / "grid" / r / t / f"{e}-seed{s}")
+        for t in args.synthetic
+        for r in recipes(t)
+        for e in args.encodings
+        for s in args.selection_seeds
+    ]
+    jobs = [
+        (d, cmd)
+        for t, r, e, s, d in grid_runs
+        if (cmd := train_command(e, s, d, args, [f"config/{t}.py"], recipes(t)[r]))
+    ]
+    train_all(jobs, args.jobs)
+    grid: dict = {}
+    grid_seconds = 0.0
+    for t, r, e, _, d in grid_runs:
+        history = finished_checkpoint(d).get("history") or [{"acc": 0.0}]
+        grid.setdefault(t, {}).setdefault(e, {}).setdefault(r, []).append(history[-1].get("acc", 0.0))
+        grid_seconds += (read_json(d / "sweep.json") or {}).get("seconds", 0.0)
+    chosen = {t: {e: choose(rs, list(recipes(t))) for e, rs in by_enc.items()} for t, by_enc in grid.items()}
+    for t, by_enc in chosen.items():
+        print(f"[sweep] {t}: " + ", ".join(f"{e} {r}" for e, r in by_enc.items()), flush=True)
+    final = [
+        (t, e, s, out_dir / "final" / chosen[t][e] / t / f"{e}-seed{s}")
+        for s in args.seeds  # a seed at a time, so that an interrupted study has whole seeds
+        for t in args.synthetic
+        for e in args.encodings
+    ]
+    jobs = [
+        (d, cmd)
+        for t, e, s, d in final
+        if (cmd := train_command(e, s, d, args, [f"config/{t}.py"], recipes(t)[chosen[t][e]]))
+    ]
+    train_all(jobs, args.jobs)
+    scores = evaluate_all([d for *_, d in final], args.lengths, args.task_trials, args.jobs)
+    cells: dict[str, dict[str, Cell]] = {}
+    for (t, e, _, _), score in zip(final, scores, strict=True):
+        cells.setdefault(t, {}).setdefault(e, Cell(e, [], chosen[t][e])).scores.append(score)
+    study = Study(
+        grid=grid,
+        recipes={t: list(recipes(t)) for t in args.synthetic},
+        chosen=chosen,
+        cells={t: list(by_enc.values()) for t, by_enc in cells.items()},
+        selection_seeds=args.selection_seeds,
+        grid_seconds=grid_seconds,
+        options={t: recipes(t) for t in args.synthetic},
+    )
+    print(f"[sweep] report: {recipe_report(out_dir, study, argv, time.time() - t0, args.task_trials)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The text sweep
+
+
+def text_sweep(args, argv: list[str], out_dir: Path) -> None:
+    """Train every encoding and seed at the size's settings, evaluate them (eval_length, and tasks.py's tasks for
+    runs trained with them), report; a sweep with nothing new keeps the report it wrote."""
+    size = SIZES[args.size]
+    pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
+    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args, size["train"]))]
+    train_all(jobs, args.jobs)
+    runs = [text_run(enc, seed, d) for enc, seed, d in pairs]
+    write_atomic(out_dir / "runs.json", json.dumps([asdict(r) for r in runs], indent=1))
+    lengths = args.lengths or size["lengths"]
+    evaluation = {
+        "lengths": lengths,
+        "eval_tokens": args.eval_tokens or size["eval_tokens"],
+        "out_json": str(out_dir / "eval.json"),
+        "plot": "",  # the report draws its own
+        "rope_scaling": args.rope_scaling,
+    }
+    if args.wandb_log:
+        evaluation |= {"wandb_log": True, "wandb_run_name": f"sweep-{args.size}-eval"}
+    # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
+    # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again, if the
+    # report is still the one they made: not one that the synthetic suite (or anything else) wrote over it since
+    inputs = {"eval": evaluation, "tasks": [args.task_trials, args.task_depths]}
+    inputs["runs"] = [[r.dir, *stamp(Path(r.dir) / "ckpt.pt")] for r in runs]
+    inputs_path = out_dir / "report_inputs.json"
+    report_path = out_dir / "report.md"
+    if not args.wandb_log and report_path.exists() and inputs_path.exists():
+        if read_json(inputs_path) == inputs | {"report": stamp(report_path)}:
+            print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
+            return
+    report = eval_length.evaluate_runs([r.dir for r in runs], **evaluation)
+    if any(r.task_fraction > 0 for r in runs):
+        report["tasks"] = evaluate_tasks(runs, lengths, args)
+        write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
+    path = text_report(out_dir, report, runs, argv)
+    write_atomic(inputs_path, json.dumps(inputs | {"report": stamp(path)}))
+    print(f"[sweep] report: {path}")
+
+
+def text_run(enc: str, seed: int, d: Path) -> TextRun:
+    ckpt = finished_checkpoint(d)
+    timing = read_json(d / "sweep.json") or {}
+    cfg = ckpt.get("config", {})
+    return TextRun(
+        enc=enc,
+        seed=seed,
+        dir=str(d),
+        val=ckpt["best_val_loss"],
+        params=model_from_checkpoint(ckpt).get_num_params(),
+        seconds=timing.get("seconds", 0.0),
+        parallel=timing.get("parallel", 1),
+        tokens=ckpt.get("iter_num", 0)
+        * cfg.get("batch_size", 0)
+        * cfg.get("block_size", 0)
+        * cfg.get("gradient_accumulation_steps", 1),
+        task_fraction=cfg.get("task_fraction", 0.0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line
 
 
 def main(argv: list[str]) -> None:
@@ -660,6 +505,17 @@ def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
 
 
 def _main(argv: list[str]) -> None:
+    args, out_dir = parse_args(argv)
+    if args.recipes:
+        recipe_study(args, argv, out_dir)
+    elif args.synthetic is not None:
+        synthetic_suite(args, argv, out_dir)
+    else:
+        text_sweep(args, argv, out_dir)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
+    """The options, checked (a bad one is a one-line error before any work), and the output folder."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default=None, help="default: gpu where there is one, else cpu")
     p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
@@ -696,6 +552,19 @@ def _main(argv: list[str]) -> None:
         + ", ".join(synthetic.SUITE)
         + "), config/<task>.py each; --size, --rope_scaling, --eval_tokens and --task_depths are the text sweep's",
     )
+    p.add_argument(
+        "--recipes",
+        action="store_true",
+        help="with --synthetic: each encoding's best recipe of the grid (RECIPES), chosen on --selection_seeds, "
+        "reported on --seeds",
+    )
+    p.add_argument(
+        "--selection_seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--recipes: the seeds the grid is trained on (2001)",
+    )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
     if args.synthetic is not None:
@@ -709,13 +578,21 @@ def _main(argv: list[str]) -> None:
             p.error(f"--{name}: the synthetic suite does not use it (only the text sweep does); drop it")
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.recipes and args.synthetic is None:
+        p.error("--recipes: the recipe study is the synthetic suite's; add --synthetic and its tasks")
+    if args.selection_seeds is not None and not args.recipes:
+        p.error("--selection_seeds: only the recipe study (--recipes) has them; drop it or add --recipes")
+    args.selection_seeds = args.selection_seeds or [2001]
+    if shared := sorted(set(args.selection_seeds) & set(args.seeds)):
+        if args.recipes:  # a recipe chosen on a seed cannot be reported on it: the choice would flatter it
+            p.error(f"--seeds and --selection_seeds share {shared}: the reported seeds must be fresh; choose others")
     # a name twice would train one run twice (side by side, into one folder) and count it twice in the report
-    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling"):
+    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling", "selection_seeds"):
         xs = getattr(args, name) or []
         if len(set(xs)) != len(xs):
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
-    if min(args.seeds) < 0:
-        p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds)}")
+    if min(args.seeds + args.selection_seeds) < 0:
+        p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds + args.selection_seeds)}")
     for name, least in (("jobs", 1), ("task_trials", 1), ("eval_tokens", 1), ("task_depths", 2)):
         if (x := getattr(args, name)) is not None and x < least:
             p.error(f"--{name}={x}: must be at least {least}")
@@ -727,63 +604,8 @@ def _main(argv: list[str]) -> None:
         p.error(f"--out_dir={out_dir} is a file, not a folder; choose a folder for the runs and the report")
     if problem := cannot_write(out_dir, create=True):
         p.error(f"--out_dir={out_dir}: cannot write there ({problem}); choose another folder")
-    if args.synthetic is not None:
-        return synthetic_suite(args, argv, out_dir)
-    args.task_trials = args.task_trials or 5
-    size = SIZES[args.size]
-    pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
-    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args, size["train"]))]
-    train_all(jobs, args.jobs)
-    runs = []
-    for enc, seed, d in pairs:
-        ckpt = finished_checkpoint(d)
-        timing = read_json(d / "sweep.json") or {}
-        cfg = ckpt.get("config", {})
-        runs.append(
-            dict(
-                enc=enc,
-                seed=seed,
-                dir=str(d),
-                val=ckpt["best_val_loss"],
-                params=model_from_checkpoint(ckpt).get_num_params(),  # the tied wte/lm_head once; no wpe table
-                seconds=timing.get("seconds", 0.0),
-                parallel=timing.get("parallel", 1),
-                tokens=ckpt.get("iter_num", 0)
-                * cfg.get("batch_size", 0)
-                * cfg.get("block_size", 0)
-                * cfg.get("gradient_accumulation_steps", 1),
-                task_fraction=cfg.get("task_fraction", 0.0),
-            )
-        )
-    write_atomic(out_dir / "runs.json", json.dumps(runs, indent=1))
-    lengths = args.lengths or size["lengths"]
-    evaluation = {
-        "lengths": lengths,
-        "eval_tokens": args.eval_tokens or size["eval_tokens"],
-        "out_json": str(out_dir / "eval.json"),
-        "plot": "",  # the report draws its own
-        "rope_scaling": args.rope_scaling,
-    }
-    if args.wandb_log:
-        evaluation |= {"wandb_log": True, "wandb_run_name": f"sweep-{args.size}-eval"}
-    # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
-    # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again, if the
-    # report is still the one they made: not one that the synthetic suite (or anything else) wrote over it since
-    inputs = {"eval": evaluation, "tasks": [args.task_trials, args.task_depths]}
-    inputs["runs"] = [[r["dir"], *stamp(Path(r["dir"]) / "ckpt.pt")] for r in runs]
-    inputs_path = out_dir / "report_inputs.json"
-    report_path = out_dir / "report.md"
-    if not args.wandb_log and report_path.exists() and inputs_path.exists():
-        if read_json(inputs_path) == inputs | {"report": stamp(report_path)}:
-            print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
-            return
-    report = eval_length.evaluate_runs([r["dir"] for r in runs], **evaluation)
-    if any(r["task_fraction"] > 0 for r in runs):
-        report["tasks"] = evaluate_tasks(runs, lengths, args)
-        write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
-    path = write_report(out_dir, report, runs, argv)
-    write_atomic(inputs_path, json.dumps(inputs | {"report": stamp(path)}))
-    print(f"[sweep] report: {path}")
+    args.task_trials = args.task_trials or (400 if args.synthetic is not None else 5)
+    return args, out_dir
 
 
 if __name__ == "__main__":

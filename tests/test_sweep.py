@@ -16,6 +16,7 @@ import sweep
 from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
+from sweep_report import Cell
 from tasks import DIGITS
 
 
@@ -274,9 +275,84 @@ def test_text_report_is_made_again_after_a_synthetic_one(tiny_data, tmp_path, ca
     # threads ran, would hang)
     d = out / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
-    sweep.synthetic_report(out, {"needle": {"alibi": [sweep.evaluate_synthetic(d, [64], 5)]}}, [], 0.0, 5)
+    sweep.synthetic_report(out, {"needle": [Cell("alibi", [sweep.evaluate_synthetic(d, [64], 5)])]}, [], 0.0, 5)
     assert (out / "report.md").read_text().startswith("# Synthetic tasks")
     capsys.readouterr()
     sweep.main(text)
     assert "up to date" not in capsys.readouterr().out
     assert (out / "report.md").read_text().startswith("# Positional encodings")
+
+
+def test_recipe_study_statistics_against_published_values():
+    """Wilson's interval, Fisher's exact test and the exact permutation test against published values: Wilson 0 of
+    5 is [0, 43.4%] and 3 of 5 [23.1%, 88.2%] (Newcombe 1998's method 3); Fisher's lady tasting tea, 3 of 4 against
+    1 of 4, p = 0.486, and 4 of 4 against 0 of 4, p = 0.0286 (Fisher 1935); five seeds all above five others,
+    p = 2 / 252."""
+    from sweep_report import fisher_exact, permutation_p, wilson
+
+    assert wilson(0, 5)[0] == 0 and wilson(0, 5)[1] == pytest.approx(0.4345, abs=1e-4)
+    assert wilson(3, 5) == pytest.approx((0.2307, 0.8824), abs=1e-4)
+    assert wilson(5, 5)[0] == pytest.approx(0.5655, abs=1e-4) and wilson(5, 5)[1] == 1
+    assert fisher_exact(3, 4, 1, 4) == pytest.approx(0.4857, abs=1e-4)
+    assert fisher_exact(4, 4, 0, 4) == pytest.approx(0.0286, abs=1e-4)
+    assert fisher_exact(2, 3, 2, 3) == 1
+    assert permutation_p([0.9, 0.8, 1.0, 0.95, 0.85], [0.1, 0.2, 0.3, 0.25, 0.15]) == pytest.approx(2 / 252)
+    assert permutation_p([0.5, 0.6], [0.55, 0.45]) == pytest.approx(4 / 6)  # 4 of the 6 splits differ as much
+    assert permutation_p([0.5, 0.5], [0.5, 0.5]) == 1
+
+
+def test_recipe_choice_and_grid():
+    """Each task's grid: the curriculum on and off at each rate, the suite's recipe first; the choice is the best mean
+    final validation accuracy, a tie within a point going to the earlier recipe."""
+    assert list(sweep.recipes("mqar")) == ["cur1-lr3e-3", "cur0-lr3e-3", "cur1-lr1e-3", "cur0-lr1e-3"]
+    assert sweep.recipes("mqar")["cur0-lr1e-3"][:3] == [
+        "--task_prev_tokens=False",
+        "--learning_rate=0.001",
+        "--min_lr=0.0001",
+    ]
+    assert sweep.recipes("offset")["cur1-lr3e-3"][0] == "--task_mix=0.25" and list(sweep.recipes("needle")) == [
+        "lr3e-3",
+        "lr1e-3",
+    ]
+    order = list(sweep.recipes("mqar"))
+    grid = {
+        "cur1-lr3e-3": [0.5, 0.7],
+        "cur0-lr3e-3": [0.605, 0.6],
+        "cur1-lr1e-3": [0.2, 0.2],
+        "cur0-lr1e-3": [0.9, 0.1],
+    }
+    assert sweep.choose(grid, order) == "cur1-lr3e-3"  # 0.6 against 0.6025: within a point, the earlier
+    grid["cur0-lr3e-3"] = [0.7, 0.7]
+    assert sweep.choose(grid, order) == "cur0-lr3e-3"
+
+
+@pytest.mark.slow
+def test_recipe_study_end_to_end(tmp_path):
+    """sweep.py --synthetic --recipes: the grid on the selection seed, each encoding's choice, the chosen recipe on
+    the fresh seeds (and only those evaluated and reported), the learned counts with their intervals, the floor
+    with its band; a second run trains nothing. Seeds shared between the two sets are refused."""
+    out = tmp_path / "study"
+    cmd = ["--synthetic", "needle", "--recipes", "--encodings", "alibi", "rope", "--selection_seeds", "5"]
+    cmd += ["--seeds", "6", "7", "--jobs", "2", "--task_trials", "20", "--lengths", "64", "128", f"--out_dir={out}"]
+    cmd += ["--train", "--eval_interval=10", "--max_iters=20"]  # after the recipe's own budget: this one wins
+    r = run_cli(sweep.main, cmd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in (out / "grid").iterdir()) == ["lr1e-3", "lr3e-3"]
+    results = json.loads((out / "results.json").read_text())
+    chosen = results["chosen"]["needle"]
+    assert set(chosen) == {"alibi", "rope"} and set(chosen.values()) <= {"lr3e-3", "lr1e-3"}
+    for enc, recipe in chosen.items():
+        assert sorted(p.name for p in (out / "final" / recipe / "needle").iterdir() if enc in p.name) == [
+            f"{enc}-seed6",
+            f"{enc}-seed7",
+        ]
+    report = (out / "report.md").read_text()
+    assert "## The grid" in report and "| encoding | lr3e-3 | lr1e-3 | chosen |" in report
+    assert "| *floor: chance among the keys* | | | | *2 ± " in report and " of 2 (" in report
+    assert "Told apart at 2 seeds" in report and (out / "recipes.png").stat().st_size > 10_000
+    again = run_cli(sweep.main, cmd)
+    assert (
+        again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 8
+    )  # 4 of the grid, 4 final
+    shared = run_cli(sweep.main, [*cmd[:7], "6", *cmd[8:]])
+    assert shared.returncode == 2 and "reported seeds must be fresh" in shared.stderr

@@ -5,6 +5,7 @@ learns the one-step task; train.py's and sweep.py's synthetic track end to end."
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from checkpoint import load_checkpoint
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
 from parallel import Processes
+from sweep_report import Cell
 from tokenizer import IdsTokenizer, tokenizer_from_meta
 
 V = 128
@@ -498,7 +500,9 @@ def test_unreadable_synthetic_cache_is_evaluated_again(tmp_path):
     synthetic_checkpoint(d)
     (d / "synthetic.json").write_text('{"key": {"lengths": [64')
     out = sweep.evaluate_synthetic(d, [64], 5)
-    assert 0 <= out["accuracy"]["64"] <= 1 and json.loads((d / "synthetic.json").read_text()) == out
+    assert 0 <= out.accuracy[64] <= 1 and json.loads((d / "synthetic.json").read_text())["accuracy"] == {
+        "64": out.accuracy[64]
+    }
 
 
 def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
@@ -506,7 +510,7 @@ def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
     out = sweep.evaluate_synthetic(d, [64, 96], 5)
-    assert list(out["accuracy"]) == ["64", "96"]
+    assert list(out.accuracy) == [64, 96]
 
 
 def test_synthetic_cache_is_for_its_checkpoint(tmp_path):
@@ -518,7 +522,7 @@ def test_synthetic_cache_is_for_its_checkpoint(tmp_path):
     (d / "ckpt.pt").unlink()
     synthetic_checkpoint(d, n_embd=32)  # --train --n_embd=32
     after = sweep.evaluate_synthetic(d, [64], 5)
-    assert after["params"] > before["params"] and after["key"] != before["key"]
+    assert after.params > before.params and after.key != before.key
     assert sweep.evaluate_synthetic(d, [64], 5) == after  # the same checkpoint: read from the cache
 
 
@@ -527,10 +531,11 @@ def test_synthetic_report_takes_the_training_length_from_the_checkpoints(tmp_pat
     length, and labels each length with its multiple of it; runs trained at different lengths are refused."""
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
-    results = {"needle": {"alibi": [sweep.evaluate_synthetic(d, [100, 200], 5)]}}
+    score = sweep.evaluate_synthetic(d, [100, 200], 5)
+    results = {"needle": [Cell("alibi", [score])]}
     report = sweep.synthetic_report(tmp_path, results, [], 0.0, 5).read_text()
     assert "trained at 64 tokens" in report and "| 100 (1.56×) | 200 (3.12×) |" in report
-    results["needle"]["rope"] = [results["needle"]["alibi"][0] | {"block_size": 128}]
+    results["needle"].append(Cell("rope", [replace(score, block_size=128)]))
     with pytest.raises(SystemExit, match="trained at different lengths .block_size 64, 128."):
         sweep.synthetic_report(tmp_path, results, [], 0.0, 5)
 
