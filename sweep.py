@@ -20,7 +20,7 @@ default all of them) and scored at 1x to 8x its training length, 400 sequences p
 <out_dir>/<task>/<encoding>-seed<seed>; the report gives, per task, how many seeds learned it at the training length
 and their accuracy by length, a plot per task, and what it cost.
 
---recipes (with --synthetic) gives every encoding its best recipe of a small grid (RECIPES: the task's curriculum on
+--recipes (with --synthetic) gives every encoding its best recipe of a small grid (recipes(): the task's curriculum on
 and off, two learning rates) before comparing: each recipe is trained on the --selection_seeds, each encoding's best
 by final validation accuracy is trained on the --seeds, and only those are reported, with the learned counts' 95%
 intervals and the differences exact tests tell apart. Runs go to <out_dir>/grid/<recipe>/<task>/... and
@@ -555,7 +555,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     p.add_argument(
         "--recipes",
         action="store_true",
-        help="with --synthetic: each encoding's best recipe of the grid (RECIPES), chosen on --selection_seeds, "
+        help="with --synthetic: each encoding's best recipe of the grid (recipes()), chosen on --selection_seeds, "
         "reported on --seeds",
     )
     p.add_argument(
