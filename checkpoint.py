@@ -1,16 +1,19 @@
 """
-Checkpoints with nanoGPT's keys (`model`, `optimizer`, `model_args`, `iter_num`, `best_val_loss`, `config`) plus
-`tokenizer` (see tokenizer.py) and what exact resumption needs. Written atomically; loaded with weights_only=True,
-so nothing loaded can run code.
+A training run's checkpoints: what they hold, where they are, how they are written and read. Every key a checkpoint
+holds is written and read back in one place, the Checkpointer's save() and restore(): nanoGPT's (`model`,
+`optimizer`, `model_args`, `iter_num`, `best_val_loss`, `config`), `tokenizer` (see tokenizer.py), and what exact
+resumption needs (`eval_setup`, `rng`, `data_rng`, `scaler`, `wandb_run_id`, `history`). Written atomically; loaded
+with weights_only=True, so nothing loaded can run code.
 
 A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead: every process its own shards, through
-torch.distributed.checkpoint, which loads them back at any number of processes. Every reader here loads either
-kind; `python checkpoint.py OUT_DIR` turns ckpt.dcp into a ckpt.pt (for a run resumed without sharding).
+torch.distributed.checkpoint, which loads them back at any number of processes. `latest(out_dir)` says where a run's
+latest checkpoint is, in either format, and every reader here loads either; `python checkpoint.py OUT_DIR` turns
+ckpt.dcp into a ckpt.pt (for a run resumed without sharding).
 
-It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp) and its one reader, ShardedCheckpoint,
-the two formats as train.py saves and restores them, and the Checkpointer, which owns a training run's out_dir (its
-lock, what it may overwrite, which format it holds, saving and restoring); last, the readers of the evaluation
-scripts and the consolidation.
+It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp) and its reader, the two formats (each
+answers exists, load and save; load gives a Checkpoint either way) and where a run's latest checkpoint is, what a
+checkpoint holds (a training run's state), and the Checkpointer, which owns a training run's out_dir (its lock, what it
+may overwrite) and saves and restores the run's state; last, the evaluation scripts' reader and the consolidation.
 """
 
 import contextlib
@@ -19,7 +22,7 @@ import shutil
 import sys
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -32,6 +35,30 @@ from outputs import cannot_write
 
 class CheckpointError(Exception):
     pass
+
+
+STATES = ("model", "optimizer")  # the keys a format writes its own way (sharded: each process its shards)
+
+
+class Checkpoint:
+    """A checkpoint as a resume reads it, in either format (PlainCheckpoint, ShardedCheckpoint): `meta`, every key but
+    the model's and AdamW's states, and load_into(), which reads those states into a model and optimizer as they are
+    now."""
+
+    meta: dict
+
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    @property
+    def model_config(self) -> GPTConfig:
+        """The architecture of the model it holds (a resume builds it, then load_into fills its weights)."""
+        return GPTConfig(**self.meta["model_args"])
+
+    @property
+    def config(self) -> dict:
+        """train.py's options of the run that wrote it ({} for a checkpoint of nanoGPT's, which keeps fewer)."""
+        return self.meta.get("config") or {}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -102,8 +129,8 @@ def _zip_or_pickle(path: Path) -> bool:
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
-    """A checkpoint, ckpt.pt or (where only that exists) its sharded ckpt.dcp, with the model's full weights and no
-    optimizer state."""
+    """A checkpoint, ckpt.pt or (where only that exists) its sharded ckpt.dcp (path may name either: latest's), as one
+    dict; a sharded one with the model's full weights and no optimizer state."""
     path = Path(path)
     if not path.is_file() and os.path.lexists(path.with_suffix(".dcp")):
         return ShardedCheckpoint(path.with_suffix(".dcp")).whole()
@@ -129,10 +156,16 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     return model
 
 
-def new_optimizer(model: GPT, cfg: dict, device_type: str = "cpu") -> torch.optim.Optimizer:
-    """AdamW as train.py's config sets it up for this model (the state a checkpoint's optimizer fills)."""
-    betas = (cfg["beta1"], cfg["beta2"])
-    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
+class PlainCheckpoint(Checkpoint):
+    """A ckpt.pt as a resume reads it: the whole file, whose states load_into puts into the run's model and AdamW."""
+
+    def __init__(self, path: Path):
+        self.ckpt = load_checkpoint(path)
+        self.meta = {k: v for k, v in self.ckpt.items() if k not in STATES}
+
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model.load_state_dict(model_state(self.ckpt["model"]))
+        optimizer.load_state_dict(self.ckpt["optimizer"])
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -280,7 +313,7 @@ def unless_replaced(link: Path, folder: Path):
         raise
 
 
-class ShardedCheckpoint:
+class ShardedCheckpoint(Checkpoint):
     """The one reader of a sharded checkpoint (ckpt.dcp, or its folder): the link is resolved once, here (the folder
     checked whole), so that a save moving the link meanwhile cannot mix two checkpoints. Its meta, its states read
     into any sharding, the whole model for the evaluation scripts."""
@@ -352,51 +385,164 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The two formats of a training run's checkpoints, as the Checkpointer saves and restores them. Each save removes the
-# other format's checkpoint of the same name: it is older now, and a reader must not find it.
+# The two formats of a training run's checkpoints. Each answers whether out_dir holds its checkpoint (exists), reads
+# it for a resume (load: a Checkpoint, whichever the format) and writes one (save). Each save removes the other
+# format's checkpoint of the same name: it is older now, and a reader must not find it.
 
 
-class PlainFormat:
+class Format:
+    """Where a format keeps a run's checkpoints in out_dir, and whether it holds one."""
+
+    suffix: str  # of out_dir/ckpt<suffix> and out_dir/ckpt_best<suffix>
+
+    def path(self, out_dir: str | Path, name: str = "ckpt") -> Path:
+        return Path(out_dir) / f"{name}{self.suffix}"
+
+    def exists(self, out_dir: str | Path, name: str = "ckpt") -> bool:
+        return os.path.lexists(self.path(out_dir, name))  # a link counts: a reader names what it lacks
+
+
+class PlainFormat(Format):
     """ckpt.pt (and ckpt_best.pt): the whole checkpoint in one file, written by the first process."""
 
-    name, other = "ckpt.pt", "ckpt.dcp"
+    suffix = ".pt"
 
-    def load(self, out_dir: Path) -> dict:
-        return load_checkpoint(out_dir / self.name)
+    def check(self, out_dir: Path) -> None:
+        """Before any work: nothing to check that the load would not find as fast."""
 
-    def restore(self, out_dir: Path, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        model.load_state_dict(model_state(ckpt["model"]))
-        optimizer.load_state_dict(ckpt["optimizer"])
+    def load(self, out_dir: Path) -> Checkpoint:
+        return PlainCheckpoint(self.path(out_dir))
 
     def save(self, out_dir: Path, names: list[str], meta: dict, model, optimizer, master: bool) -> None:
         if not master:
             return
         ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}
         for n in names:
-            save_checkpoint(ckpt, out_dir / f"{n}.pt")
+            save_checkpoint(ckpt, self.path(out_dir, n))
         for n in names:
             (out_dir / f"{n}.dcp").unlink(missing_ok=True)
         remove_unlinked_shards(out_dir)  # the shards the removed links named
 
+    def advice(self, out_dir: Path) -> str:
+        """What a sharded run is told that finds only this format's checkpoint to resume."""
+        return (
+            f"{out_dir} holds an unsharded checkpoint (ckpt.pt), and parallel=fsdp resumes from a sharded one "
+            "(ckpt.dcp): resume it with --parallel=ddp (the default), or start a sharded run in another --out_dir"
+        )
 
-class ShardedFormat:
+
+class ShardedFormat(Format):
     """ckpt.dcp (and ckpt_best.dcp): a link to a folder of every process's shards."""
 
-    name, other = "ckpt.dcp", "ckpt.pt"
-    reader: ShardedCheckpoint | None = None  # the checkpoint load() read: restore() reads the same folder's states
+    suffix = ".dcp"
 
-    def load(self, out_dir: Path) -> dict:
-        self.reader = ShardedCheckpoint(out_dir / self.name)
-        return self.reader.meta  # the weights load once sharded: restore()
+    def check(self, out_dir: Path) -> None:
+        """Before any work: the folder ckpt.dcp names is whole (every shard); an error names what is missing."""
+        sharded_folder(self.path(out_dir))
 
-    def restore(self, out_dir: Path, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        (self.reader or ShardedCheckpoint(out_dir / self.name)).load_into(model, optimizer)
+    def load(self, out_dir: Path) -> Checkpoint:
+        return ShardedCheckpoint(self.path(out_dir))  # the states load once sharded, in load_into
 
     def save(self, out_dir: Path, names: list[str], meta: dict, model, optimizer, master: bool) -> None:
-        save_sharded(training_state(model, optimizer), meta, out_dir, tuple(f"{n}.dcp" for n in names))
+        save_sharded(training_state(model, optimizer), meta, out_dir, tuple(self.path(out_dir, n).name for n in names))
         if master:
             for n in names:
                 (out_dir / f"{n}.pt").unlink(missing_ok=True)
+
+    def advice(self, out_dir: Path) -> str:
+        """What an unsharded run is told that finds only this format's checkpoint to resume."""
+        return (
+            f"{out_dir} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
+            f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out_dir}"
+        )
+
+
+FORMATS = (PlainFormat(), ShardedFormat())  # in the order a reader looks: ckpt.pt first (see latest)
+
+
+def latest(out_dir: str | Path) -> Path | None:
+    """Where the run in out_dir keeps its latest checkpoint: out_dir/ckpt.pt, or out_dir/ckpt.dcp where the run
+    saved sharded (each save removes the other format's checkpoint, so where both are there, a consolidation wrote
+    ckpt.pt from ckpt.dcp: the same iteration, in one file); None where it holds neither. Every reader of a run's
+    folder asks this, and load_checkpoint reads either."""
+    return next((f.path(out_dir) for f in FORMATS if f.exists(out_dir)), None)
+
+
+def checkpoints(out_dir: str | Path) -> list[Path]:
+    """Every checkpoint out_dir holds, latest and best, in either format (for errors that name them)."""
+    return [f.path(out_dir, n) for f in FORMATS for n in ("ckpt", "ckpt_best") if f.exists(out_dir, n)]
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# What a checkpoint holds. A training run's state is a few objects (train.py's Run holds them): the model, AdamW and
+# the grad scaler (torch's state_dict() / load_state_dict()), the training batches' sampler, every process's RNGs,
+# and the loop's counters and record. The Checkpointer's save() writes them as a checkpoint's keys, beside what
+# describes the run (its model's arguments, options, tokenizer and validation setup), and its restore() reads them
+# back: nothing else builds or unpacks a checkpoint. Before the restore, a resume builds the model the checkpoint
+# describes (Checkpoint.model_config) on the data it trained on (check_same_data).
+
+# what decides which batches a validation estimate averages over: val losses compare only when these agree
+EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
+
+
+def new_optimizer(model: GPT, cfg: dict, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """AdamW as train.py's options set it up for this model: the optimizer whose state a checkpoint holds (a run
+    builds it, and the consolidation builds it to read a sharded checkpoint's state into)."""
+    betas = (cfg["beta1"], cfg["beta2"])
+    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
+
+
+def eval_setup(cfg: dict, world_size: int) -> dict:
+    return {k: cfg[k] for k in EVAL_SETUP_KEYS if k in cfg} | {"world_size": world_size}
+
+
+def changed_eval_setup(meta: dict, setup: dict) -> list[str]:
+    """How this run's validation differs from the checkpoint's, as 'key old -> new'; older checkpoints without
+    eval_setup are read from their config and RNG states."""
+    old = meta.get("eval_setup") or (
+        {k: meta.get("config", {}).get(k) for k in EVAL_SETUP_KEYS} | {"world_size": len(meta.get("rng", []))}
+    )
+    return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in setup.items() if old.get(k) != v]
+
+
+def rng_state(device: str) -> dict:
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_same_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> None:
+    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same (the
+    tokenizer, which the checkpoint keeps for sample.py). Another text dataset of the same tokenizer is fine-tuning,
+    and goes ahead (restore() notes that its validation differs)."""
+    old = checkpoint.config
+    same_ids = checkpoint.meta.get("tokenizer") in (None, tokenizer)  # nanoGPT's checkpoints keep none
+    if (old.get("task") or "") == cfg["task"] and same_ids:
+        return
+    if old.get("task") and old["task"] != cfg["task"]:
+        fix = f"resume with its task's config, config/{old['task']}.py"
+    elif old.get("task"):
+        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
+    elif cfg["task"]:
+        fix = "drop the task's config (--task)"
+    else:
+        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
+    raise CheckpointError(
+        f"{cfg['out_dir']} was trained on {data_name(old)}, and this run would train it on {data_name(cfg)}"
+        + ("" if same_ids else ", whose token ids mean other things (another tokenizer)")
+        + f": {fix}, or train on this in another --out_dir"
+    )
+
+
+def data_name(cfg: dict) -> str:
+    """What a run trains on, as its options say."""
+    if cfg.get("task"):
+        return f"the synthetic task {cfg['task']!r} (task_vocab={cfg.get('task_vocab')})"
+    return f"the text of dataset {cfg.get('dataset')!r}"
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -413,13 +559,13 @@ class Checkpointer:
         self.out_dir = Path(out_dir)
         self.sharded = sharded
         self.master = master  # the process that writes what one process writes (ckpt.pt, meta.pt, the links)
-        self.format = ShardedFormat() if sharded else PlainFormat()
+        self.format, self.other = FORMATS[::-1] if sharded else FORMATS
         self._lock = None  # the open file whose lock holds out_dir (see hold)
 
     @property
     def path(self) -> Path:
         """The checkpoint a resume reads: out_dir/ckpt.dcp when sharded, else out_dir/ckpt.pt."""
-        return self.out_dir / self.format.name
+        return self.format.path(self.out_dir)
 
     # before any work, in the first process
 
@@ -438,7 +584,7 @@ class Checkpointer:
                 f"cannot write checkpoints to out_dir={str(out)!r} ({problem}); choose another --out_dir"
             )
         self.hold()  # before the checks below and before clearing temporaries: a live run's are not stale
-        found = [name for name in ("ckpt.pt", "ckpt_best.pt", *LINKS) if os.path.lexists(out / name)]
+        found = [path.name for path in checkpoints(out)]
         if found and init_from != "resume" and not overwrite:
             raise CheckpointError(
                 f"{out} already holds a run ({', '.join(found)}), which starting from {init_from} would "
@@ -454,22 +600,12 @@ class Checkpointer:
 
     def check_resumable(self) -> None:
         """A resume needs the checkpoint its format writes: ckpt.dcp (whole: every shard) for fsdp, else ckpt.pt."""
-        out, mine, other = self.out_dir, self.format.name, self.format.other
-        if os.path.lexists(out / mine):
-            if self.sharded:
-                sharded_folder(out / mine)  # names what is missing
+        if self.format.exists(self.out_dir):
+            self.format.check(self.out_dir)
             return
-        if self.sharded and os.path.lexists(out / other):
-            raise CheckpointError(
-                f"{out} holds an unsharded checkpoint (ckpt.pt), and parallel=fsdp resumes from a sharded one "
-                "(ckpt.dcp): resume it with --parallel=ddp (the default), or start a sharded run in another --out_dir"
-            )
-        if os.path.lexists(out / other):
-            raise CheckpointError(
-                f"{out} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
-                f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out}"
-            )
-        raise CheckpointError(f"no checkpoint at {out / mine} to resume from; check --out_dir")
+        if self.other.exists(self.out_dir):
+            raise CheckpointError(self.other.advice(self.out_dir))
+        raise CheckpointError(f"no checkpoint at {self.path} to resume from; check --out_dir")
 
     def hold(self) -> None:
         """Lock out_dir/.lock for this run, or say which process holds it: two runs in one folder would overwrite
@@ -516,20 +652,64 @@ class Checkpointer:
             self._lock.close()  # closing the file drops its lock
             self._lock = None
 
-    # the run
+    # the run: what a checkpoint holds, saved and restored
 
-    def load(self) -> dict:
-        """The checkpoint a resume starts from: every key but, for a sharded one, the states (restore reads them)."""
+    def load(self) -> Checkpoint:
+        """The checkpoint a resume starts from, in the run's format: its meta now, its states in restore()."""
         return self.format.load(self.out_dir)
 
-    def restore(self, ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """The model's weights and AdamW's state of ckpt (load's), into model and optimizer as they are now."""
-        self.format.restore(self.out_dir, ckpt, model, optimizer)
-
-    def save(self, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, best: bool) -> None:
-        """Every process calls this: ckpt (and ckpt_best if best), with meta's keys beside the states."""
+    def save(self, run, best: bool) -> None:
+        """Every process calls this: ckpt (and ckpt_best if best) of run (train.py's Run), in the run's format. Every
+        process's RNG states are gathered (a resume at the same process count replays dropout exactly)."""
+        meta = {
+            "model_args": asdict(run.model.config),
+            "iter_num": run.iter_num,
+            "best_val_loss": run.best_val_loss,
+            "config": run.cfg,
+            "tokenizer": run.data.meta["tokenizer"],
+            "eval_setup": eval_setup(run.cfg, run.procs.world_size),
+            "rng": run.procs.gather(rng_state(run.procs.device)),
+            "data_rng": run.data_rng.get_state(),
+            "scaler": run.scaler.state_dict(),
+            "wandb_run_id": run.wandb_run_id,
+            "history": run.history,
+        }
         names = ["ckpt", "ckpt_best"] if best else ["ckpt"]
-        self.format.save(self.out_dir, names, meta, model, optimizer, self.master)
+        self.format.save(self.out_dir, names, meta, run.model, run.optimizer, self.master)
+
+    def restore(self, run, checkpoint: Checkpoint) -> None:
+        """Continue checkpoint's run exactly in run (train.py's Run, set up for it): weights, iteration, best loss (if
+        it still compares), optimizer, grad scaler, data sampler, RNG states and wandb run."""
+        meta, procs = checkpoint.meta, run.procs
+        run.iter_num, run.best_val_loss = meta["iter_num"], meta["best_val_loss"]
+        run.wandb_run_id = meta.get("wandb_run_id")
+        # this iteration is evaluated again
+        run.history = [h for h in meta.get("history", []) if h["iter"] < run.iter_num]
+        procs.log(f"resuming from {self.path} at iteration {run.iter_num}")
+        changed = changed_eval_setup(meta, eval_setup(run.cfg, procs.world_size))
+        if changed and run.best_val_loss < float("inf"):
+            procs.log(
+                f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
+                f"{run.best_val_loss:.4f} does not compare; ckpt_best goes to this run's best evaluation"
+            )
+            run.best_val_loss = float("inf")
+        try:
+            checkpoint.load_into(run.model, run.optimizer)
+        except (ValueError, KeyError) as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
+            raise CheckpointError(
+                f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own "
+                f"pe_lr_scale={checkpoint.config.get('pe_lr_scale', 1.0)}"
+            ) from e
+        if meta.get("scaler") and run.scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
+            run.scaler.load_state_dict(meta["scaler"])
+        if "data_rng" in meta:
+            run.data_rng.set_state(meta["data_rng"])
+        if len(meta.get("rng", [])) == procs.world_size:
+            set_rng_state(meta["rng"][procs.rank])
+        else:
+            procs.log(
+                "note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly"
+            )
 
 
 def open_lock_file(path: Path):
@@ -559,6 +739,7 @@ class TrainedRun:
 
     ckpt: dict
     model: GPT
+    path: Path | None = None  # the checkpoint read: ckpt.pt, or the sharded ckpt.dcp
 
 
 def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> TrainedRun:
@@ -567,19 +748,20 @@ def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> Tr
     out_dir = Path(out_dir)
     if out_dir.is_file():
         raise CheckpointError(f"{out_dir} is a file; give the run's folder (train.py's out_dir), e.g. {out_dir.parent}")
-    if not any(os.path.lexists(out_dir / name) for name in ("ckpt.pt", "ckpt.dcp")):
+    path = latest(out_dir)
+    if path is None:
         what = (
             f"{out_dir} holds no checkpoint (ckpt.pt)" if out_dir.is_dir() else f"the folder {out_dir} does not exist"
         )
         raise CheckpointError(f"{what}; give a run's folder (train.py's out_dir, where it wrote ckpt.pt)")
-    ckpt = load_checkpoint(out_dir / "ckpt.pt")
+    ckpt = load_checkpoint(path)
     cfg = ckpt.get("config") or {}
     if text and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
         raise CheckpointError(
             f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
             f"python synthetic.py {out_dir}"
         )
-    return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval())
+    return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval(), path)
 
 
 def consolidate(out_dir: str | Path, overwrite: bool = False) -> Path:

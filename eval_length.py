@@ -35,7 +35,7 @@ from tqdm import tqdm
 from checkpoint import CheckpointError, load_run, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import autocast, check_device, device_memory, forward_bytes, gb
+from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -127,7 +127,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--rope_factor={args.rope_factor}: must be a number >= 1 (how many times longer than training)")
     if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
         p.error(f"--memory_gb={args.memory_gb}: must be a positive number")
-    if args.dtype not in (None, "float32", "bfloat16", "float16"):
+    if args.dtype not in (None, *DTYPES):
         p.error(f"--dtype={args.dtype}: choose float32, bfloat16 or float16")
     try:
         check_device(args.device)

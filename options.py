@@ -11,8 +11,9 @@ from pathlib import Path
 
 import synthetic
 from configurator import ConfigError, require
-from devices import check_device, default_dtype
+from devices import DTYPES, check_device, default_dtype, device_memory, gb
 from model import ENCODING_OPTIONS, GPTConfig
+from parallel import STRATEGIES
 
 TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
 MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")
@@ -35,7 +36,7 @@ def resolve(cfg: dict, defaults: dict) -> dict:
     cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
     if cfg["compile"] is None:
         cfg["compile"] = cfg["device"].startswith("cuda")
-    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+    if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"dtype={cfg['dtype']!r}: choose float32, bfloat16 or float16")
     if not isinstance(cfg["compile"], bool):
         raise ConfigError(f"compile={cfg['compile']!r}: expected True or False")
@@ -43,7 +44,7 @@ def resolve(cfg: dict, defaults: dict) -> dict:
         if not isinstance(cfg["pe_lr_scale"], int | float) or isinstance(cfg["pe_lr_scale"], bool):
             raise ConfigError(f"pe_lr_scale={cfg['pe_lr_scale']!r}: expected a number, e.g. 30, or None")
         cfg["pe_lr_scale"] = float(cfg["pe_lr_scale"])
-    if cfg["parallel"] not in ("ddp", "fsdp"):
+    if cfg["parallel"] not in STRATEGIES:
         raise ConfigError(f"parallel={cfg['parallel']!r}: choose ddp (the default) or fsdp (sharded)")
     if cfg["parallel"] == "fsdp" and cfg["dtype"] == "float16":
         raise ConfigError(
@@ -141,6 +142,27 @@ def check_ranges(cfg: dict) -> None:
     need(isinstance(cfg["task_seed"], int) and cfg["task_seed"] >= 0, "task_seed", "must be an integer at least 0")
     need(
         cfg["grad_clip"] >= 0, "grad_clip", "must be at least 0 (0 disables clipping; a negative norm trains backwards)"
+    )
+
+
+def check_fits(config: GPTConfig, cfg: dict, shards: int, defaults: dict) -> None:
+    """Refuse, before building it, a model that cannot train in the device's memory (torch's allocation error would
+    name no option). Every process builds its float32 weights whole (4 bytes a parameter), then training holds them
+    with their gradients and AdamW's two moments (16 bytes), which FSDP splits over its processes. The parameters are
+    counted as integers from the shape, not by building the model (of an absurd size, that would overflow or hang):
+    at least the token table (vocab_size x n_embd, tied to lm_head) and 12 n_embd^2 a layer (attention 4, MLP 8)."""
+    table = config.vocab_size * config.n_embd
+    n = table + 12 * config.n_layer * config.n_embd**2
+    per_param, memory = max(4, 16 // shards), device_memory(cfg["device"])
+    if not memory or n * per_param <= memory:
+        return
+    if cfg["task"] and 2 * table > n:  # most of it is the task's vocabulary
+        what, fix = f"task_vocab={cfg['task_vocab']:,} makes", f"lower --task_vocab (default {defaults['task_vocab']})"
+    else:
+        what, fix = f"n_layer={config.n_layer}, n_embd={config.n_embd:,} make", "lower --n_layer or --n_embd"
+    raise ConfigError(
+        f"{what} a model of at least {n:,} parameters, which needs at least {gb(n * per_param)} to train (float32 "
+        f"weights, gradients and AdamW's two moments), more than the {gb(memory)} of {cfg['device']}: {fix}"
     )
 
 

@@ -1,6 +1,7 @@
 """
-The processes of a training run, and what differs between its parallel strategies. train.py's loop asks the strategy;
-it never asks which strategy runs.
+The processes of a training run (started, and stopped by Ctrl-C together), and what differs between its parallel
+strategies. train.py's loop asks the strategy (a Strategy: a few methods); it never asks which strategy runs. The two
+are siblings:
 
 - Replicated: one process, or DDP under torchrun: every process holds the whole model, its gradients and AdamW's
   state, and DDP averages the gradients.
@@ -14,6 +15,8 @@ start of train.py does not pay for them.
 
 import contextlib
 import os
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +82,27 @@ def start_processes(device: str, backend: str, seed: int) -> Processes:
     return Processes(distributed, rank, local_rank, world_size, device)
 
 
+def stop_on_signals(procs: Processes, trained: Callable[[], bool]) -> torch.Tensor:
+    """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops, once Strategy.any has every process agree
+    on it); a second signal quits at once. Before this process has trained an iteration (the first evaluation, the
+    first compile), there is nothing to save: it quits at once, and the checkpoint it started from (if any) stays."""
+    stop = torch.zeros(1, device=procs.device if procs.distributed and procs.device_type == "cuda" else "cpu")
+
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if stop.item():
+            raise KeyboardInterrupt
+        if not trained():
+            procs.log(f"\n{name}: nothing trained yet in this run, so nothing to save: stopping now")
+            raise SystemExit(128 + signum)
+        stop.fill_(1)
+        procs.log(f"\n{name}: saving a checkpoint after this iteration or evaluation (again to quit at once)")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
 def held_bytes(tensors, whole: bool = False) -> int:
     """The bytes of these tensors that this process holds (its own shards of FSDP's DTensors, which have to_local),
     or with whole, the bytes of the whole tensors."""
@@ -90,36 +114,33 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-class Replicated:
-    """One process, or DDP: a whole copy of the model in each process."""
+class Strategy:
+    """What the loop asks of a parallel strategy. Each strategy overrides the first four (how the model is made the
+    strategy's, called, synchronized and clipped); the rest (agreeing on a flag, the memory line, leaving the process
+    group) is the same for all."""
 
-    name = "ddp"
-    sharded = False  # checkpoints: one ckpt.pt, written by the first process
+    name: str  # train.py's `parallel` option
+    sharded: bool  # checkpoints: sharded (ckpt.dcp, each process its own shards) or one ckpt.pt
 
     def __init__(self, procs: Processes):
         self.procs = procs
 
     def prepare(self, model: torch.nn.Module, dtype: str) -> None:
-        """Make the model this strategy's, before the optimizer takes its parameters: nothing to do here (DDP's
-        wrapper is the module the loop calls, see wrap)."""
+        """Make the model this strategy's, before the optimizer takes its parameters."""
+        raise NotImplementedError
 
     def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
-        """The module the loop calls: compiled (compile) and, under torchrun, in DDP, which broadcasts the first
-        process's weights and averages the gradients."""
-        net = torch.compile(model) if compile else model
-        if self.procs.distributed:
-            net = DDP(net, device_ids=[self.procs.local_rank] if self.procs.device_type == "cuda" else None)
-        return net
+        """The module the loop calls (net): the model, compiled where compile is set."""
+        raise NotImplementedError
 
-    def sync_gradients(self, net: torch.nn.Module, model: torch.nn.Module, sync: bool) -> None:
-        """Whether the next backward averages the gradients over the processes: only on an iteration's last
+    def sync_gradients(self, net: torch.nn.Module, sync: bool) -> None:
+        """Whether net's next backward averages the gradients over the processes: only on an iteration's last
         micro-step, so that gradient accumulation communicates once."""
-        if self.procs.distributed:
-            net.require_backward_grad_sync = sync
+        raise NotImplementedError
 
     def clip(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the gradients at max_norm (inf: no clipping); return their norm over every process's gradients."""
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        raise NotImplementedError
 
     def any(self, flags: torch.Tensor) -> torch.Tensor:
         """flags (float 0/1) raised on any process, the same on every one: one process stopping alone would leave the
@@ -158,7 +179,31 @@ class Replicated:
         dist.destroy_process_group()
 
 
-class Sharded(Replicated):
+class Replicated(Strategy):
+    """One process, or DDP: a whole copy of the model in each process."""
+
+    name = "ddp"
+    sharded = False  # checkpoints: one ckpt.pt, written by the first process
+
+    def prepare(self, model: torch.nn.Module, dtype: str) -> None:
+        """Nothing to do: DDP's wrapper is the module the loop calls (see wrap)."""
+
+    def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
+        """Under torchrun, in DDP, which broadcasts the first process's weights and averages the gradients."""
+        net = torch.compile(model) if compile else model
+        if self.procs.distributed:
+            net = DDP(net, device_ids=[self.procs.local_rank] if self.procs.device_type == "cuda" else None)
+        return net
+
+    def sync_gradients(self, net: torch.nn.Module, sync: bool) -> None:
+        if self.procs.distributed:
+            net.require_backward_grad_sync = sync  # DDP's flag, on its wrapper
+
+    def clip(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+class Sharded(Strategy):
     """FSDP2: each process holds 1/N of the model, its gradients and AdamW's state."""
 
     name = "fsdp"
@@ -194,18 +239,18 @@ class Sharded(Replicated):
     def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
         return torch.compile(model) if compile else model  # FSDP shards the module itself
 
-    def sync_gradients(self, net: torch.nn.Module, model: torch.nn.Module, sync: bool) -> None:
+    def sync_gradients(self, net: torch.nn.Module, sync: bool) -> None:
         if self.procs.distributed:
-            model.set_requires_gradient_sync(sync)
+            net.set_requires_gradient_sync(sync)  # the FSDP module's, reached through torch.compile's wrapper too
 
     def clip(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor: the norm over every shard
 
 
-STRATEGIES = {"ddp": Replicated, "fsdp": Sharded}
+STRATEGIES = {s.name: s for s in (Replicated, Sharded)}  # train.py's `parallel` option: ddp | fsdp
 
 
-def strategy(parallel: str, procs: Processes) -> Replicated:
+def strategy(parallel: str, procs: Processes) -> Strategy:
     """The strategy named by train.py's `parallel` option (ddp also covers a single process)."""
     return STRATEGIES[parallel](procs)

@@ -16,9 +16,19 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, checkpoints, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure, require, script_usage
-from devices import allow_tf32, autocast, check_device, default_device, default_dtype, device_memory, forward_bytes, gb
+from devices import (
+    DTYPES,
+    allow_tf32,
+    autocast,
+    check_device,
+    default_device,
+    default_dtype,
+    device_memory,
+    forward_bytes,
+    gb,
+)
 from model import GPT, ROPE_SCALINGS, number
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
@@ -66,7 +76,7 @@ def check_options(cfg: dict) -> None:
         "rope_factor",
         "must be a number >= 1 (0: the default)",
     )
-    need(cfg["dtype"] in ("", "float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
+    need(cfg["dtype"] in ("", *DTYPES), "dtype", "choose float32, bfloat16 or float16")
     need(cfg["ckpt"] != "", "ckpt", "name a checkpoint file in out_dir, e.g. ckpt.pt or ckpt_best.pt")
     need(0 <= cfg["seed"] < 2**64, "seed", "must be an integer from 0 to 2**64 - 1")
     check_device(cfg["device"])
@@ -80,7 +90,7 @@ def checkpoint_advice(out_dir: Path, ckpt_path: Path) -> str:
             f"--out_dir={out_dir} is a file; give the folder that holds the checkpoint, e.g. --out_dir={out_dir.parent}"
         )
     if not os.path.lexists(ckpt_path) and not os.path.lexists(ckpt_path.with_suffix(".dcp")):  # nothing there
-        found = [n for n in ("ckpt.pt", "ckpt_best.pt", "ckpt.dcp", "ckpt_best.dcp") if os.path.lexists(out_dir / n)]
+        found = [path.name for path in checkpoints(out_dir)]
         if found:  # --ckpt=ckpt.pt reads a sharded ckpt.dcp where it is alone
             return f"{out_dir} holds {', '.join(found)}: sample from one with --ckpt={found[0].replace('.dcp', '.pt')}"
         return f"Train a model first, e.g.: python train.py config/rope.py --out_dir={out_dir}"

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         if "tokenizer" not in run.ckpt:
-            sys.exit(f"error: {out_dir}/ckpt.pt stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
+            sys.exit(f"error: {run.path} stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
         tok = tokenizer_from_meta(run.ckpt["tokenizer"])
         L = max((L for L in lengths if run.model.encoding.reaches(L)), default=0)  # the longest evaluated
         need = forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L

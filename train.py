@@ -12,24 +12,22 @@ Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; 
 import math
 import os
 import runpy
-import signal
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import synthetic
-from checkpoint import Checkpointer, CheckpointError, new_optimizer
+from checkpoint import Checkpoint, Checkpointer, CheckpointError, check_same_data, new_optimizer
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
-from devices import autocast, default_device, device_memory, gb, peak_flops
+from devices import autocast, default_device, peak_flops
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, with_kernel_fallbacks
-from options import odd_values, resolve
-from parallel import STRATEGIES, Processes, Replicated, held_bytes, start_processes, strategy
+from options import check_fits, odd_values, resolve
+from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
 
@@ -105,11 +103,9 @@ defaults = dict(
 )
 defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # rpe_max_distance, rope_base, ...
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
-# what decides which batches a validation estimate averages over: val losses compare only when these agree
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
-EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
 
 
 class TrainError(Exception):
@@ -164,11 +160,11 @@ def load_data(cfg: dict, procs: Processes) -> Data:
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 
-def build_model(cfg: dict, data: Data, ckpt: dict | None, log, shards: int = 1) -> GPT:
+def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: int = 1) -> GPT:
     """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
-    shape of the checkpoint it resumes (ckpt: its weights load in restore()), or GPT-2's weights. The checkpoint or
-    GPT-2 decides the architecture: cfg follows it, with a note where it disagreed. What the data is cannot follow
-    it: a resume on other data (check_same_data) is an error."""
+    shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), or GPT-2's weights. The
+    checkpoint or GPT-2 decides the architecture: cfg follows it, with a note where it disagreed. What the data is
+    cannot follow it: a resume on other data (check_same_data) is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
     if cfg["init_from"] == "scratch":
@@ -178,11 +174,11 @@ def build_model(cfg: dict, data: Data, ckpt: dict | None, log, shards: int = 1) 
             )
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
-        check_fits(config, cfg, shards)
+        check_fits(config, cfg, shards, defaults)
         model = GPT(config)
-    elif ckpt is not None:
-        check_same_data(cfg, data, ckpt)
-        model = GPT(GPTConfig(**ckpt["model_args"]))
+    elif resumed is not None:
+        check_same_data(resumed, cfg, data.meta["tokenizer"])
+        model = GPT(resumed.model_config)
     else:
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
@@ -202,68 +198,18 @@ def build_model(cfg: dict, data: Data, ckpt: dict | None, log, shards: int = 1) 
     if cfg["block_size"] > model.config.block_size:
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
-        cfg["pe_lr_scale"] = (ckpt or {}).get("config", {}).get("pe_lr_scale") or model.encoding.lr_scale
+        cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
     return model
-
-
-def check_fits(config: GPTConfig, cfg: dict, shards: int) -> None:
-    """Refuse, before building it, a model that cannot train in the device's memory (torch's allocation error would
-    name no option). Every process builds its float32 weights whole (4 bytes a parameter), then training holds them
-    with their gradients and AdamW's two moments (16 bytes), which FSDP splits over its processes. The parameters are
-    counted as integers from the shape, not by building the model (of an absurd size, that would overflow or hang):
-    at least the token table (vocab_size x n_embd, tied to lm_head) and 12 n_embd^2 a layer (attention 4, MLP 8)."""
-    table = config.vocab_size * config.n_embd
-    n = table + 12 * config.n_layer * config.n_embd**2
-    per_param, memory = max(4, 16 // shards), device_memory(cfg["device"])
-    if not memory or n * per_param <= memory:
-        return
-    if cfg["task"] and 2 * table > n:  # most of it is the task's vocabulary
-        what, fix = f"task_vocab={cfg['task_vocab']:,} makes", f"lower --task_vocab (default {defaults['task_vocab']})"
-    else:
-        what, fix = f"n_layer={config.n_layer}, n_embd={config.n_embd:,} make", "lower --n_layer or --n_embd"
-    raise ConfigError(
-        f"{what} a model of at least {n:,} parameters, which needs at least {gb(n * per_param)} to train (float32 "
-        f"weights, gradients and AdamW's two moments), more than the {gb(memory)} of {cfg['device']}: {fix}"
-    )
-
-
-def check_same_data(cfg: dict, data: Data, ckpt: dict) -> None:
-    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same (the
-    tokenizer, which the checkpoint keeps for sample.py). Another text dataset of the same tokenizer is fine-tuning,
-    and goes ahead (restore() notes that its validation differs)."""
-    old = ckpt.get("config", {})
-    same_ids = ckpt.get("tokenizer") in (None, data.meta["tokenizer"])  # nanoGPT's checkpoints keep none
-    if (old.get("task") or "") == cfg["task"] and same_ids:
-        return
-    if old.get("task") and old["task"] != cfg["task"]:
-        fix = f"resume with its task's config, config/{old['task']}.py"
-    elif old.get("task"):
-        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
-    elif cfg["task"]:
-        fix = "drop the task's config (--task)"
-    else:
-        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
-    raise TrainError(
-        f"{cfg['out_dir']} was trained on {data_name(old)}, and this run would train it on {data_name(cfg)}"
-        + ("" if same_ids else ", whose token ids mean other things (another tokenizer)")
-        + f": {fix}, or train on this in another --out_dir"
-    )
-
-
-def data_name(cfg: dict) -> str:
-    """What a run trains on, as its config says."""
-    if cfg.get("task"):
-        return f"the synthetic task {cfg['task']!r} (task_vocab={cfg.get('task_vocab')})"
-    return f"the text of dataset {cfg.get('dataset')!r}"
 
 
 @dataclass
 class Run:
-    """A training run: what the loop reads and updates, and what a checkpoint saves."""
+    """A training run: what the loop reads and updates, and what a checkpoint saves (the Checkpointer reads and sets
+    its state)."""
 
     cfg: dict
     procs: Processes
-    strategy: Replicated  # how the processes share the work (parallel.py): the loop asks it, never its name
+    strategy: Strategy  # how the processes share the work (parallel.py): the loop asks it, never its name
     checkpointer: Checkpointer  # out_dir's checkpoints, in the strategy's format
     data: Data
     model: GPT  # the module itself, whose state_dict is saved
@@ -275,10 +221,6 @@ class Run:
     best_val_loss: float = float("inf")
     wandb_run_id: str | None = None
     history: list = field(default_factory=list)  # every evaluation: {"iter", "train", "val"[, "acc"]}
-
-    @property
-    def eval_setup(self) -> dict:
-        return {k: self.cfg[k] for k in EVAL_SETUP_KEYS if k in self.cfg} | {"world_size": self.procs.world_size}
 
     @property
     def tokens_per_iter(self) -> int:
@@ -302,82 +244,6 @@ class Run:
             x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, train, mix, previous, **opts)
             return x.to(p.device), y.to(p.device)
         return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
-
-    def meta(self) -> dict:
-        """Everything a checkpoint holds besides the model's and AdamW's states. Every process calls this: the RNG
-        states of all of them are gathered (a resume at the same process count replays dropout exactly)."""
-        return {
-            "model_args": asdict(self.model.config),
-            "iter_num": self.iter_num,
-            "best_val_loss": self.best_val_loss,
-            "config": self.cfg,
-            "tokenizer": self.data.meta["tokenizer"],
-            "eval_setup": self.eval_setup,
-            "rng": self.procs.gather(rng_state(self.procs.device)),
-            "data_rng": self.data_rng.get_state(),
-            "scaler": self.scaler.state_dict(),
-            "wandb_run_id": self.wandb_run_id,
-            "history": self.history,
-        }
-
-
-def save(run: Run, best: bool) -> None:
-    """Every process calls this: ckpt (and ckpt_best if best), in the run's format."""
-    run.checkpointer.save(run.meta(), run.model, run.optimizer, best)
-
-
-def restore(run: Run, ckpt: dict) -> None:
-    """Continue a checkpoint's run exactly: weights, iteration, best loss (if it still compares), optimizer, grad
-    scaler, data sampler, RNG states and wandb run."""
-    log = run.procs.log
-    run.iter_num, run.best_val_loss, run.wandb_run_id = (
-        ckpt["iter_num"],
-        ckpt["best_val_loss"],
-        ckpt.get("wandb_run_id"),
-    )
-    run.history = [h for h in ckpt.get("history", []) if h["iter"] < run.iter_num]  # this iteration is evaluated again
-    log(f"resuming from {run.checkpointer.path} at iteration {run.iter_num}")
-    changed = changed_eval_setup(ckpt, run.eval_setup)
-    if changed and run.best_val_loss < float("inf"):
-        log(
-            f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
-            f"{run.best_val_loss:.4f} does not compare; ckpt_best goes to this run's best evaluation"
-        )
-        run.best_val_loss = float("inf")
-    try:
-        run.checkpointer.restore(ckpt, run.model, run.optimizer)
-    except (ValueError, KeyError) as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
-        own = ckpt.get("config", {}).get("pe_lr_scale", 1.0)
-        raise TrainError(
-            f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own pe_lr_scale={own}"
-        ) from e
-    if ckpt.get("scaler") and run.scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
-        run.scaler.load_state_dict(ckpt["scaler"])
-    if "data_rng" in ckpt:
-        run.data_rng.set_state(ckpt["data_rng"])
-    if len(ckpt.get("rng", [])) == run.procs.world_size:
-        set_rng_state(ckpt["rng"][run.procs.rank])
-    else:
-        log("note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly")
-
-
-def changed_eval_setup(ckpt: dict, setup: dict) -> list[str]:
-    """How this run's validation differs from the checkpoint's, as 'key old -> new'; older checkpoints without
-    eval_setup are read from their config and RNG states."""
-    old = ckpt.get("eval_setup") or (
-        {k: ckpt.get("config", {}).get(k) for k in EVAL_SETUP_KEYS} | {"world_size": len(ckpt.get("rng", []))}
-    )
-    return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in setup.items() if old.get(k) != v]
-
-
-def rng_state(device: str) -> dict:
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -407,7 +273,7 @@ def train_step(run: Run) -> torch.Tensor:
         # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
         seed = (cfg["task_seed"], run.iter_num, micro_step, run.procs.rank)
         X, Y = mix_tasks(X, Y, cfg["task_fraction"], run.data.task_tok, seed)
-        strategy.sync_gradients(run.net, run.model, micro_step == grad_accum - 1)
+        strategy.sync_gradients(run.net, micro_step == grad_accum - 1)
         with run.autocast():
             loss = run.net(X, Y)[1] / grad_accum
         loss_sum += loss.detach()
@@ -426,7 +292,7 @@ def train_step(run: Run) -> torch.Tensor:
     return loss_sum
 
 
-def non_finite(strategy: Replicated, loss: torch.Tensor, norm: torch.Tensor, check_norm: bool) -> str | None:
+def non_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor, check_norm: bool) -> str | None:
     """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets the same answer:
     one stopping alone would leave the others waiting in their next collective."""
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm) & check_norm]).float()
@@ -495,7 +361,7 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
         metrics = {"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
         wandb.log(metrics | ({"val/accuracy": losses["acc"]} if "acc" in losses else {}))
     if not cfg["eval_only"] and (cfg["always_save_checkpoint"] or improved or run.iter_num >= cfg["max_iters"]):
-        save(run, best=improved)
+        run.checkpointer.save(run, best=improved)
     return seconds
 
 
@@ -566,7 +432,7 @@ def with_fallback(run: Run, step):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The run's surroundings: wandb, Ctrl-C
+# The run's surroundings: wandb, the first log lines
 
 
 def start_wandb(run: Run):
@@ -587,27 +453,6 @@ def start_wandb(run: Run):
     run.wandb_run_id = wrun.id
     wandb.define_metric("*", step_metric="iter")
     return wandb
-
-
-def stop_on_signals(procs: Processes, trained: Callable[[], bool]) -> torch.Tensor:
-    """A flag that Ctrl-C or SIGTERM raises (the loop then saves and stops); a second signal quits at once. Before
-    this process has trained an iteration (the first evaluation, the first compile), there is nothing to save: it
-    quits at once, and the checkpoint it started from (if any) stays."""
-    stop = torch.zeros(1, device=procs.device if procs.distributed and procs.device_type == "cuda" else "cpu")
-
-    def on_signal(signum, frame):
-        name = signal.Signals(signum).name
-        if stop.item():
-            raise KeyboardInterrupt
-        if not trained():
-            procs.log(f"\n{name}: nothing trained yet in this run, so nothing to save: stopping now")
-            raise SystemExit(128 + signum)
-        stop.fill_(1)
-        procs.log(f"\n{name}: saving a checkpoint after this iteration or evaluation (again to quit at once)")
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    return stop
 
 
 def log_start(run: Run) -> None:
@@ -670,15 +515,8 @@ def train(cfg: dict, checkpointer: Checkpointer) -> None:
     parallel = strategy(cfg["parallel"], procs)
     log = procs.log
     data = load_data(cfg, procs)
-    ckpt = checkpointer.load() if cfg["init_from"] == "resume" else None
-    model = build_model(cfg, data, ckpt, log, shards=procs.world_size if parallel.sharded else 1)
-    if ckpt is not None and ckpt["iter_num"] >= cfg["max_iters"] and not cfg["eval_only"]:
-        log(
-            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
-            "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
-        )
-        parallel.finish()
-        return
+    resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
+    model = build_model(cfg, data, resumed, log, shards=procs.world_size if parallel.sharded else 1)
     model.to(procs.device)
     parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
     run = Run(
@@ -692,9 +530,16 @@ def train(cfg: dict, checkpointer: Checkpointer) -> None:
         scaler=torch.amp.GradScaler(procs.device_type, enabled=cfg["dtype"] == "float16"),
         data_rng=torch.Generator().manual_seed(cfg["seed"]),
     )
-    if ckpt is not None:
-        restore(run, ckpt)
-        del ckpt
+    if resumed is not None:
+        checkpointer.restore(run, resumed)
+        del resumed  # a ckpt.pt's states, in memory until now
+    if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
+        log(
+            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
+            "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
+        )
+        parallel.finish()
+        return
     start_iter = run.iter_num
     stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
     log_start(run)
@@ -705,7 +550,7 @@ def train(cfg: dict, checkpointer: Checkpointer) -> None:
         log("compiling the model (the first iterations; once per run) ...")
     while True:
         if parallel.any(stop).item():  # a signal on any process: every process stops at this iteration
-            save(run, best=False)
+            checkpointer.save(run, best=False)
             log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={cfg['out_dir']}")
             break
         lr = get_lr(run.iter_num, cfg)

@@ -3,6 +3,7 @@ fix, never torch's own exception or its advice to unpickle the file."""
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,45 @@ def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
     assert load_checkpoint(path)["iter_num"] == 4
 
 
+def test_latest_and_load_read_both_formats_alike(tmp_path):
+    """checkpoint.latest(out_dir) names a run's ckpt.pt, else its sharded ckpt.dcp, else None (ckpt.pt where a
+    consolidation left both); the Checkpointer's load() gives a Checkpoint of either format alike: every key but the
+    states as meta, and load_into, which puts the saved weights and AdamW's state into a fresh model and optimizer."""
+    from dataclasses import asdict
+
+    from checkpoint import Checkpointer, latest, save_checkpoint
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    cfg = {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99, "pe_lr_scale": 1.0}
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = checkpoint.new_optimizer(model, cfg)
+    idx = torch.randint(0, 16, (2, 9))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    optimizer.step()
+    meta = {"iter_num": 4, "model_args": asdict(config), "config": cfg}
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    assert latest(plain) is None and latest(tmp_path) is None
+    save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}, plain / "ckpt.pt")
+    save_sharded(checkpoint.training_state(model, optimizer), meta, sharded, ("ckpt.dcp",))
+    assert (latest(plain), latest(sharded)) == (plain / "ckpt.pt", sharded / "ckpt.dcp")
+    for out, is_sharded in ((plain, False), (sharded, True)):
+        resumed = Checkpointer(out, sharded=is_sharded).load()
+        assert isinstance(resumed, checkpoint.Checkpoint) and resumed.meta["iter_num"] == 4
+        assert not {"model", "optimizer"} & resumed.meta.keys()
+        fresh = GPT(resumed.model_config)
+        fresh_optimizer = checkpoint.new_optimizer(fresh, resumed.config)
+        resumed.load_into(fresh, fresh_optimizer)
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), (out.name, k)
+        saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+        assert saved.keys() == loaded.keys()
+        assert all(torch.equal(saved[i]["exp_avg"], loaded[i]["exp_avg"]) for i in saved)
+    shutil.copy(plain / "ckpt.pt", sharded / "ckpt.pt")  # as a consolidation leaves the folder
+    assert latest(sharded) == sharded / "ckpt.pt"
+
+
 # Checkpoints that an earlier version of train.py wrote, at iteration 6 of a 12-iteration run, and the model weights of
 # the same run trained straight to 12 by that version (tests/fixtures/before_redesign: ALiBi, 1 layer, 16 dims, on
 # the first 200k characters of the embedded corpus, in one process; the sharded one with --parallel=fsdp). Today's
@@ -152,8 +192,6 @@ def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path
     AVX-512). A resume that loses anything (AdamW's state, the sampler, the RNGs, the schedule) changes the six
     steps it trains, and each step moves the weights by about the rate, 3e-3: the tolerance is a thousandth of
     that, and the test checks that the six steps do move every tensor far beyond it."""
-    import shutil
-
     from conftest import train_in_process
 
     from datafiles import prepare_text, read_embedded_corpus
