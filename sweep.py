@@ -46,7 +46,7 @@ import torch
 import eval_length
 import synthetic
 import tasks
-from checkpoint import LINKS, CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
 from sweep_report import Cell, Study, TaskScore, TextRun, recipe_report, synthetic_report, text_report
@@ -97,14 +97,14 @@ def progress(ckpt: dict) -> tuple[int, int | None]:
 
 def finished(d: Path) -> bool | None:
     """True if d holds a finished run (it reached max_iters), False if an unfinished one (to resume), None if none.
-    An unreadable ckpt.pt stops the sweep: training afresh over it could destroy the only copy of a run. So does a
-    folder with other checkpoints but no ckpt.pt: the sweep can neither resume it nor (train.py refuses) start anew."""
-    path = d / "ckpt.pt"
-    if not path.exists():
-        if others := [name for name in ("ckpt_best.pt", *LINKS) if os.path.lexists(d / name)]:
+    An unreadable checkpoint stops the sweep: training afresh over it could destroy the only copy of a run. So does a
+    folder with only a best checkpoint: the sweep can neither resume it nor (train.py refuses) start anew."""
+    path = latest(d)
+    if path is None:
+        if others := [p.name for p in checkpoints(d)]:
             sys.exit(
-                f"[sweep] {d} holds {', '.join(others)} but no ckpt.pt (the checkpoint the sweep resumes and reports): "
-                "move the folder aside (or delete it), then re-run the sweep to train the run again"
+                f"[sweep] {d} holds {', '.join(others)} but no ckpt.pt or ckpt.dcp (the checkpoint the sweep resumes "
+                "and reports): move the folder aside (or delete it), then re-run the sweep to train the run again"
             )
         return None
     try:
@@ -119,7 +119,7 @@ def finished_checkpoint(d: Path) -> dict:
     """The checkpoint of a finished run, for the report; a run that stopped early (Ctrl-C, SIGTERM) or is missing
     stops the sweep: reporting it as trained would put a half-trained model beside trained ones."""
     try:
-        ckpt = load_checkpoint(d / "ckpt.pt")
+        ckpt = load_checkpoint(latest(d) or d / "ckpt.pt")
     except CheckpointError as e:
         sys.exit(f"[sweep] {e}")
     done, max_iters = progress(ckpt)
@@ -228,7 +228,7 @@ def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
     out = {"lengths": lengths, "depths": depths, "trials": args.task_trials, "runs": {}}
     t0 = time.time()
     for i, r in enumerate(runs):
-        ckpt = load_checkpoint(Path(r.dir) / "ckpt.pt")
+        ckpt = load_checkpoint(latest(r.dir))
         model = model_from_checkpoint(ckpt).to(device).eval()
         tok = tokenizer_from_meta(ckpt["tokenizer"])
         try:
@@ -258,7 +258,7 @@ def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> TaskS
     cfg = ckpt["config"]
     lengths = lengths or [cfg["block_size"] * k for k in SYNTHETIC_FACTORS]
     cache = d / "synthetic.json"
-    key = {"lengths": lengths, "trials": trials, "checkpoint": stamp(d / "ckpt.pt"), "version": SYNTHETIC_VERSION}
+    key = {"lengths": lengths, "trials": trials, "checkpoint": stamp(latest(d)), "version": SYNTHETIC_VERSION}
     if (old := read_json(cache)) and old.get("key") == key:
         return TaskScore.from_json(old)
     t0 = time.time()
@@ -444,7 +444,7 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
     # with nothing new (every run finished, the same settings) keeps its report instead of evaluating again, if the
     # report is still the one they made: not one that the synthetic suite (or anything else) wrote over it since
     inputs = {"eval": evaluation, "tasks": [args.task_trials, args.task_depths]}
-    inputs["runs"] = [[r.dir, *stamp(Path(r.dir) / "ckpt.pt")] for r in runs]
+    inputs["runs"] = [[r.dir, *stamp(latest(r.dir))] for r in runs]
     inputs_path = out_dir / "report_inputs.json"
     report_path = out_dir / "report.md"
     if not args.wandb_log and report_path.exists() and inputs_path.exists():
