@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters
 
 from devices import allow_tf32, autocast, peak_flops
 from model import GPT, POS_ENCODINGS, AttentionOptions, GPTConfig, with_kernel_fallbacks
+from parallel import STRATEGIES
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
@@ -369,7 +370,7 @@ def bench_parallel(args, device: str) -> None:
     print(f"\n### DDP and FSDP at {n} processes, {args.parallel_iters} iterations each ({device})\n")
     print("| strategy | ms/iteration (median) | parameters per process | AdamW's state per process | peak (GPU) |")
     print("|---|---:|---:|---:|---:|")
-    for strategy in ("ddp", "fsdp"):
+    for strategy in STRATEGIES:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
         cmd += [*args.parallel_config, f"--device={device}", f"--parallel={strategy}", "--log_interval=1"]
         cmd += [f"--max_iters={args.parallel_iters}", f"--eval_interval={args.parallel_iters}", "--eval_iters=1"]
