@@ -3,14 +3,15 @@ nanoPE's model: one decoder-only GPT (the GPT-2 architecture) whose attention ta
 POS_ENCODINGS, or none, and a KV cache whose decoding equals the model's own full forward.
 
 It reads top to bottom: the positional encodings (each a small class: a few hooks, its options, what it can do), the
-config (the model's shape and every encoding's options), the KV cache, the attention paths (one table picks the
-kernel), the transformer, the GPT (forward, generation, GPT-2's weights), and last the hand-written autograd kernels
+config (the model's shape and every encoding's options), a chunk's positions and the KV cache, the attention paths
+(one table picks the kernel, one builder per path makes it), the transformer, the GPT (its forward, GPT-2's weights),
+generation (the Engine: the cache's lifecycle, the decode step, sampling), and last the hand-written autograd kernels
 that some attention paths use.
 
 Positions travel as one tensor of absolute positions `pos` (T,), defaulting to arange(T) or continuing the
-cache. Everything positional derives from it once per forward: the embedding added to the tokens, the RoPE
-angles, the score bias, and the mask, which compares query and key positions (so it is aligned correctly
-whether or not keys come from a cache).
+cache, and with the keys' positions and the window as one Chunk. Everything positional derives from it once per
+forward: the embedding added to the tokens, the RoPE angles, the score bias, and the mask, which compares query and
+key positions (so it is aligned correctly whether or not keys come from a cache).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ class PositionalEncoding(nn.Module):
     def reaches(self, length: int) -> bool:
         """Whether it has positions for sequences of `length` tokens (a learned table stops at block_size)."""
         return self.max_len is None or length <= self.max_len
+
+    def cache_exact(self, span: int) -> bool:
+        """Whether a KV cache stays exact for queries that see `span` positions (RoPE's dynamic NTK: up to L0)."""
+        return self.cache_span is None or span <= self.cache_span
 
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None  # (T,) -> (T, C)
@@ -307,6 +312,7 @@ class Kerple(PositionalEncoding):
 
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+# the published constants, which export.py also writes into GPT-NeoX's rope_parameters
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Peng et al. 2023, recommended for LLaMA)
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high frequency factors (its rope_scaling, Meta 2024)
 
@@ -363,6 +369,9 @@ class RoPE(PositionalEncoding):
         self.rotating = round(config.rope_fraction * d / 2)  # pairs that rotate
         self.original = config.rope_original_max_len or config.block_size
         self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
+        # θ_k = theta_base^(-2k/d) (export.py's rope_theta): NTK's is base · s^(d/(d-2)), the original exponent as in
+        # Hugging Face's dynamic variant (one textbook's s^(2/(d-2)) is not it)
+        self.theta_base = self.base * self.factor ** (d / (d - 2)) if self.scaling == "ntk" else self.base
         self.cache_span = self.original if self.scaling == "dynamic_ntk" else None
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
         dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
@@ -393,9 +402,7 @@ class RoPE(PositionalEncoding):
         """θ_k (hs/2,) float32, scaled; length (a 0-d tensor, the sequence length L) matters for dynamic_ntk only."""
         d, s = self.head_dim, self.factor
         k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
-        # NTK: the original exponent d/(d-2), as Hugging Face's dynamic variant; one textbook's s^(2/(d-2)) is not it
-        base = self.base * s ** (d / (d - 2)) if self.scaling == "ntk" else self.base
-        theta = base ** (-2 * k / d)
+        theta = self.theta_base ** (-2 * k / d)
         if self.scaling == "linear":
             theta = theta / s
         elif self.scaling == "yarn":  # ramp 0: keep θ_k (high frequency); ramp 1: interpolate θ_k / s
@@ -411,8 +418,9 @@ class RoPE(PositionalEncoding):
         return torch.where(k < self.rotating, theta, 0.0)  # partial RoPE: the slowest pairs do not turn
 
     def rotary(self, pos, window=None):
-        # dynamic NTK: L is the span the queries see, the last position + 1 but at most the window
-        length = (pos.max() + 1).clamp(max=window or KVCache.EMPTY) if self.scaling == "dynamic_ntk" else None
+        length = None
+        if self.scaling == "dynamic_ntk":  # L is the span the queries see: the last position + 1, at most the window
+            length = pos.max() + 1 if window is None else (pos.max() + 1).clamp(max=window)
         angle = pos.float()[:, None] * self.inv_freq(pos.device, length)  # (T, hs/2)
         # YaRN's temperature on the rotated pairs alone: pairs that do not turn pass through unscaled, as in Hugging
         # Face's partial rotary, which applies cos and sin to the rotary dims only
@@ -585,7 +593,29 @@ class GPTConfig(ModelShape):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KV cache
+# A chunk's positions, and the KV cache
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The positions of one forward's chunk of tokens, derived once (GPT._chunk) and read by everything positional
+    after it: the embedding and RoPE read `pos`; the mask and the bias compare `pos` with `keys`, so cached keys line
+    up whatever Tq and Tk are and whatever slot holds them; attention_path reads the facts."""
+
+    pos: torch.Tensor  # (T,) the tokens' absolute positions, the queries'
+    keys: torch.Tensor  # (Tk,) the keys' positions: pos, or with a cache every slot's (KVCache.EMPTY where unused)
+    slots: torch.Tensor | None  # (T,) the cache slots the chunk's keys and values go to; None without a cache
+    window: int | None  # query i sees key j only where i - j < window; None: every key up to its own position
+    consecutive: bool  # the positions step by one, so that a band of i - j is a band of distances
+
+    @property
+    def cached(self) -> bool:
+        """The keys come from a KV cache (they are not the queries' own)."""
+        return self.slots is not None
+
+    def sees(self, rel: torch.Tensor) -> torch.Tensor:
+        """Whether a query sees a key at i - j = rel (an int tensor): causal, and inside the window if there is one."""
+        return rel >= 0 if self.window is None else (rel >= 0) & (rel < self.window)
 
 
 class KVCache:
@@ -594,7 +624,7 @@ class KVCache:
     every query, where unused). Fixed shapes and in-place writes let a compiled decode step run as one CUDA graph.
 
     Its bookkeeping changes in one method, `claim`, which the model calls once per chunk before the forward that
-    writes it (GPT._positions); `update` writes a layer's keys and values into the slots claim returned.
+    writes it (GPT._chunk); `update` writes a layer's keys and values into the slots claim returned.
 
     Writing a chunk of T tokens evicts the S keys before them, so with a window W a chunk of up to S - W + 1
     tokens stays exact (the model splits longer ones); without a window the cache holds S tokens in all.
@@ -612,8 +642,16 @@ class KVCache:
         self.next_pos = 0  # absolute position of the next token
         self.length = 0  # tokens written so far
 
-    def max_chunk(self, window: int | None) -> int:
-        """The most tokens one forward may write without evicting a key that one of its queries needs."""
+    def max_chunk(self, T: int, window: int | None) -> int:
+        """The most tokens one forward may write without evicting a key that one of its queries needs (the model splits
+        a longer chunk); a ValueError where the cache cannot serve the window, or has no room for T more tokens."""
+        if window is not None and self.size < window:
+            raise ValueError(f"a KV cache of {self.size} slots cannot serve a window of {window} tokens")
+        if window is None and self.length + T > self.size:
+            raise ValueError(
+                f"the KV cache holds {self.size} tokens and has {self.length}; {T} more do not fit "
+                "(make a bigger cache, or pass a window to roll it)"
+            )
         return self.size - self.length if window is None else self.size - window + 1
 
     def claim(self, pos: torch.Tensor, last: int) -> torch.Tensor:
@@ -641,7 +679,7 @@ class KVCache:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Attention paths: which kernel computes attention, chosen once per forward by one table (attention_path) from the
-# model's AttentionOptions, and built by GPT._attention_fn
+# model's AttentionOptions and the chunk's facts, and built by that path's builder (ATTENTION_BUILDERS)
 
 
 @dataclass(frozen=True)
@@ -698,7 +736,7 @@ def attention_path(
     depends on i - j alone and is one constant from some distance on (bias_span); trainable, it has parameters and
     autograd is recording; window and cached, a sliding window or a KV cache (keys that are not the queries' own);
     consecutive, the positions step by one; compiling, torch.compile is tracing; dropout, training with dropout > 0
-    (neither fused kernel has it); fits, FlexAttention takes this head dim on this device (GPT.fused_attention_note).
+    (neither fused kernel has it); fits, FlexAttention takes this head dim on this device (flex_fits).
     fused is options.fused, and where that is None, compiling on CUDA: FlexAttention is a fused kernel only when
     compiled, and has no backward on a CPU."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
@@ -714,7 +752,118 @@ def attention_path(
     return "sdpa_mask"
 
 
-ATTENTION_PATHS = ("sdpa_causal", "flex_band", "flex", "bias_attention", "sdpa_mask")  # attention_path's answers
+FLEX_MIN_HEAD_DIM = 16  # on CUDA: Triton's tl.dot needs at least 16
+# what attention does where the fused kernel cannot be used: the last kernel fallback, and a head dim under the minimum
+MATERIALIZED = "attention adds a materialized bias instead (slower, memory quadratic in the context)"
+
+
+def flex_fits(head_dim: int, device_type: str) -> bool:
+    """Whether FlexAttention takes this head dim on this device (GPT.fused_attention_note tells the user why not)."""
+    return device_type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
+
+
+# The builders, one per path: (chunk, bias, dropout_p, kernel_options) -> attention, a function (q, k, v) -> y of
+# q (B, nh, Tq, hs) and k, v (B, nh, Tk, hs) whose every path compares absolute positions (chunk.pos, chunk.keys).
+# Built once per forward (per layer for a per-layer bias), so what it materializes is shared by the layers.
+
+
+@dataclass(frozen=True)
+class LayerBias:
+    """The encoding's score bias as one layer's attention adds it: bias(h, i, j) for the layer's heads h = 0 … nh - 1
+    (a per-layer encoding's bias counts every layer's heads: this layer's start at `first`)."""
+
+    encoding: PositionalEncoding
+    n_head: int
+    first: int  # the layer's first head in encoding.bias: layer·n_head for a per-layer bias, else 0
+    trainable: bool  # autograd records the encoding's parameters
+
+    def __call__(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
+        return self.encoding.bias(h + self.first, i, j)
+
+
+def sdpa_causal(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
+    return lambda q, k, v: attend(q, k, v, None, dropout_p)
+
+
+def flex_band(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
+    # the kernel reads the bias as a constant table of distances 0 … R, BandBiasGrad gives the table its gradient
+    R, device, pos, keys = bias.encoding.bias_span, chunk.pos.device, chunk.pos, chunk.keys
+    table = bias(torch.arange(bias.n_head, device=device)[:, None], torch.arange(R + 1, device=device)[None], 0)
+    frozen = table.detach()  # (nh, R + 1)
+    score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - keys[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
+    block_mask = flex_block_mask(chunk)
+
+    def attention(q, k, v):
+        y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
+        return BandBiasGrad.apply(y, lse, q, k, v, table, chunk.window)
+
+    return attention
+
+
+def flex(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
+    pos, keys = chunk.pos, chunk.keys
+    score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
+    block_mask = flex_block_mask(chunk)
+    return lambda q, k, v: flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=kernel_options
+    )
+
+
+def bias_attention(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
+    scores = materialized(chunk, bias)  # (nh, Tq, Tk)
+    return lambda q, k, v: BiasAttention.apply(q, k, v, scores.to(q.dtype))
+
+
+def sdpa_mask(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
+    mask = materialized(chunk, bias)
+    return lambda q, k, v: attend(q, k, v, mask, dropout_p)
+
+
+# attention_path's answers, each the name of the builder it picks: the one list of the paths
+ATTENTION_BUILDERS = {build.__name__: build for build in (sdpa_causal, flex_band, flex, bias_attention, sdpa_mask)}
+ATTENTION_PATHS = tuple(ATTENTION_BUILDERS)
+
+
+def flex_block_mask(chunk: Chunk):
+    """FlexAttention's block mask for the chunk: which (query, key) blocks hold any pair a query sees."""
+    pos, keys = chunk.pos, chunk.keys
+    return create_block_mask(
+        lambda b, h, i, j: chunk.sees(pos[i] - keys[j]), None, None, len(pos), len(keys), device=pos.device
+    )
+
+
+def materialized(chunk: Chunk, bias: LayerBias) -> torch.Tensor:
+    """The reference paths' mask: the bias (nh, Tq, Tk) float32 with -inf where a query does not see a key, or without
+    a bias the bool mask (Tq, Tk)."""
+    rel = chunk.pos[:, None] - chunk.keys[None, :]  # (Tq, Tk): i - j
+    allowed = chunk.sees(rel)
+    if not bias.encoding.has_bias:
+        return allowed
+    heads = torch.arange(bias.n_head, device=rel.device)[:, None, None]
+    if bias.trainable:
+        # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
+        # (FIRE's MLP would keep dozens of bias-sized tensors per layer)
+        scores = checkpoint(bias, heads, chunk.pos[:, None], chunk.keys, use_reentrant=False)
+    else:
+        scores = bias(heads, chunk.pos[:, None], chunk.keys)
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal within the chunk (mask None), or under a
+    materialized bool mask or float bias (nh or 1, Tq, Tk)."""
+    if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if mask.dtype == torch.bool or q.dtype == torch.float32:  # reference path: a materialized mask or bias,
+        # (nh or 1, Tq, Tk); 4-D, so CPUs take their flash kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
+    # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16 where
+    # m = 1/256), while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
+    with torch.autocast(q.device.type, enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None], dropout_p=dropout_p)
+    return y.to(q.dtype)
 
 
 # Kernel fallbacks: a fused attention kernel that the compiler cannot build for this model on this GPU (Triton's shared
@@ -727,7 +876,7 @@ KERNEL_FALLBACKS = [
         "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
         {"flex_kernel_options": {"num_stages": 1}},
     ),
-    ("attention adds a materialized bias instead (slower, memory quadratic in the context)", {"fused": False}),
+    (MATERIALIZED, {"fused": False}),
 ]
 
 
@@ -776,23 +925,6 @@ def with_kernel_fallbacks(model: GPT, step: Callable, before_retry: Callable | N
             log(f"note: {note}")
             if before_retry is not None:
                 before_retry()
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
-) -> torch.Tensor:
-    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal within the chunk (mask None), or under a
-    materialized bool mask or float bias (nh or 1, Tq, Tk)."""
-    if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if mask.dtype == torch.bool or q.dtype == torch.float32:  # reference path: a materialized mask or bias,
-        # (nh or 1, Tq, Tk); 4-D, so CPUs take their flash kernel
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
-    # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16 where
-    # m = 1/256), while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
-    with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None], dropout_p=dropout_p)
-    return y.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -851,6 +983,10 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # The GPT
 
+# GPT-2's weights that transformers' Conv1D stores (in, out), transposed from nn.Linear's (out, in): from_hf and
+# export.py's GPT-2 export read them
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -868,7 +1004,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
         self.attention_options = AttentionOptions()  # what attention_path reads; replaced, never edited
-        self._compiled_decode = None
+        self.engine = Engine(self)  # generation: the KV cache's lifecycle and the one-token decode step
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("c_proj.weight"):
@@ -940,7 +1076,7 @@ class GPT(nn.Module):
         return flops_per_token * tokens_per_iter / dt / peak_flops
 
     # ------------------------------------------------------------------------------------------------------------
-    # Forward: features (the hidden states), the attention function each forward picks, logits and loss
+    # Forward: the chunk's positions, the hidden states, the attention function each forward picks, logits and loss
 
     def features(
         self,
@@ -955,39 +1091,30 @@ class GPT(nn.Module):
         With a window W, query i sees only keys j with i - j < W (a sliding-window causal mask).
         """
         T = idx.size(1)
-        if cache is not None:
-            if window is not None and cache.size < window:
-                raise ValueError(f"a KV cache of {cache.size} slots cannot serve a window of {window} tokens")
-            if window is None and cache.length + T > cache.size:
-                raise ValueError(
-                    f"the KV cache holds {cache.size} tokens and has {cache.length}; {T} more do not fit "
-                    "(make a bigger cache, or pass a window to roll it)"
-                )
-            step = cache.max_chunk(window)
-            if T > step:  # split so that no chunk evicts a key its own queries need: exact
-                chunks = [(idx[:, i : i + step], None if pos is None else pos[i : i + step]) for i in range(0, T, step)]
-                return torch.cat([self.features(x, p, cache, window) for x, p in chunks], dim=1)
-        pos, slots, consecutive = self._positions(T, pos, cache, window, idx.device)
-        return self._features(idx, pos, cache, slots, window, consecutive)
+        if cache is not None and T > (step := cache.max_chunk(T, window)):
+            # split so that no chunk evicts a key its own queries need: exact
+            chunks = [(idx[:, i : i + step], None if pos is None else pos[i : i + step]) for i in range(0, T, step)]
+            return torch.cat([self.features(x, p, cache, window) for x, p in chunks], dim=1)
+        return self._features(idx, self._chunk(T, pos, cache, window, idx.device), cache)
 
-    def _positions(self, T, pos, cache, window, device):
-        """A chunk of T tokens' positions (T,), checked against the encoding; its slots (T,) in the cache, or None
-        without one; and whether the positions step by one. The one place that advances a cache (KVCache.claim): both
-        features() and generate()'s decode step come through here before their forward."""
+    def _chunk(self, T, pos, cache, window, device) -> Chunk:
+        """The Chunk of T tokens at positions pos (None: the next T), checked against the encoding, its slots in the
+        cache claimed. The one place that advances a cache (KVCache.claim): both features() and the Engine's decode
+        step come through here before their forward."""
         start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
         if pos is None:
             pos = torch.arange(start, start + T, device=device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
         pe = self.encoding
-        if pe.max_len is not None and last >= pe.max_len:
+        if not pe.reaches(last + 1):
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={pe.max_len} "
                 f"(asked for position {last}); feed at most {pe.max_len} tokens, or use an encoding that "
                 f"extrapolates ({', '.join(n for n, c in POS_ENCODINGS.items() if c.extrapolates)})"
             )
         span = last + 1 if window is None else min(last + 1, window)
-        if cache is not None and pe.cache_span is not None and span > pe.cache_span:
+        if cache is not None and not pe.cache_exact(span):
             raise ValueError(
                 f"this encoding changes every key as the length grows past {pe.cache_span} (here {span}; RoPE's "
                 "dynamic_ntk scaling does), so no KV cache can be exact there; run without a cache (generate() does "
@@ -995,103 +1122,59 @@ class GPT(nn.Module):
             )
         # the band gradient reads i - j as the distance: true of positions that step by one (a range), not of any pos
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
-        slots = cache.claim(pos, last) if cache is not None else None
-        return pos, slots, consecutive
+        if cache is None:
+            return Chunk(pos, keys=pos, slots=None, window=window, consecutive=consecutive)
+        slots = cache.claim(pos, last)  # after the checks: a chunk refused leaves the cache as it was
+        return Chunk(pos, keys=cache.pos, slots=slots, window=window, consecutive=consecutive)
 
-    def _features(self, idx, pos, cache, slots, window, consecutive=True):
-        """features() without the host-side bookkeeping: tensor code only (the slots already claimed), so a decode
-        step compiles to one graph."""
+    def _features(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache | None) -> torch.Tensor:
+        """features() without the host-side bookkeeping: tensor code only (the chunk's slots already claimed), so a
+        decode step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
-        emb = pe.embed(pos)
+        emb = pe.embed(chunk.pos)
         if emb is not None:
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
-        k_pos = cache.pos if cache is not None else pos  # (Tk,)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        attentions = [self._attention_fn(pos, k_pos, window, cache is not None, layer, consecutive) for layer in layers]
-        rope = pe.rotary(pos, window)
+        attentions = [self._attention_fn(chunk, layer) for layer in layers]
+        rope = pe.rotary(chunk.pos, chunk.window)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, rope, attentions[i % len(attentions)], cache, slots)
+            x = block(x, rope, attentions[i % len(attentions)], cache, chunk.slots)
         return self.transformer.ln_f(x)
 
-    def _attention_fn(self, q_pos, k_pos, window, cached, layer=0, consecutive=True):
-        """Attention as one function (q, k, v) -> y for this forward: the path attention_path picks, built for queries
-        at positions q_pos (Tq,) and keys at k_pos (Tk,). Every path compares absolute positions, so cached keys line
-        up whatever Tq and Tk are (and whatever slot holds them). consecutive: the positions step by one, so that a
-        band of i - j is a band of distances. layer picks a per-layer bias's heads."""
-        pe, device = self.encoding, q_pos.device
+    def _attention_fn(self, chunk: Chunk, layer: int = 0) -> Callable:
+        """Attention as one function (q, k, v) -> y for this forward: the path attention_path picks for the model's
+        options and the chunk's facts, built by that path's builder. layer picks a per-layer bias's heads."""
+        pe, cfg, device = self.encoding, self.config, chunk.pos.device
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
         path = attention_path(
             self.attention_options,
             bias=pe.has_bias,
             band=pe.bias_span is not None,
             trainable=trainable,
-            window=window is not None,
-            cached=cached,
-            consecutive=consecutive,
+            window=chunk.window is not None,
+            cached=chunk.cached,
+            consecutive=chunk.consecutive,
             device=device.type,
             compiling=torch.compiler.is_compiling(),
-            dropout=self.training and self.config.dropout > 0,
-            fits=self.fused_attention_note(device.type) is None,
+            dropout=self.training and cfg.dropout > 0,
+            fits=flex_fits(cfg.n_embd // cfg.n_head, device.type),
         )
-        dropout_p = self.config.dropout if self.training else 0.0
-        if path == "sdpa_causal":
-            return lambda q, k, v: attend(q, k, v, None, dropout_p)
-        h0 = layer * self.config.n_head if pe.per_layer else 0  # the first of this layer's heads in bias(h, i, j)
-        window = KVCache.EMPTY if window is None else window
-        if path in ("flex", "flex_band"):
-            block_mask = create_block_mask(
-                lambda b, h, i, j: (q_pos[i] - k_pos[j] >= 0) & (q_pos[i] - k_pos[j] < window),
-                None,
-                None,
-                len(q_pos),
-                len(k_pos),
-                device=device,
-            )
-            R, options = pe.bias_span, self.attention_options.flex_kernel_options
-            if path == "flex":
-                score_mod = lambda s, b, h, i, j: s + pe.bias(h + h0, q_pos[i], k_pos[j]).to(s.dtype)
-                return lambda q, k, v: flex_attention(
-                    q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options
-                )
-            # the kernel reads the bias as a constant, BandBiasGrad gives the table its gradient
-            heads = torch.arange(self.config.n_head, device=device) + h0
-            table = pe.bias(heads[:, None], torch.arange(R + 1, device=device)[None], 0)  # (nh, R + 1)
-            frozen = table.detach()
-            score_mod = lambda s, b, h, i, j: s + frozen[h, (q_pos[i] - k_pos[j]).clamp(0, R)].to(s.dtype)
-
-            def flex_band(q, k, v):
-                y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
-                return BandBiasGrad.apply(y, lse, q, k, v, table, window)
-
-            return flex_band
-        # bias_attention and sdpa_mask: the mask, and the bias, materialized
-        rel = q_pos[:, None] - k_pos[None, :]  # (Tq, Tk): i - j
-        allowed = (rel >= 0) & (rel < window)
-        heads = torch.arange(self.config.n_head, device=device)[:, None, None] + h0
-        if trainable and pe.has_bias:
-            # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
-            # (FIRE's MLP would keep dozens of bias-sized tensors per layer)
-            bias = checkpoint(pe.bias, heads, q_pos[:, None], k_pos, use_reentrant=False)
-        else:
-            bias = pe.bias(heads, q_pos[:, None], k_pos)
-        if bias is None:
-            return lambda q, k, v: attend(q, k, v, allowed, dropout_p)
-        bias = bias.masked_fill(~allowed, float("-inf"))
-        if path == "bias_attention":
-            return lambda q, k, v: BiasAttention.apply(q, k, v, bias.to(q.dtype))
-        return lambda q, k, v: attend(q, k, v, bias, dropout_p)
+        bias = LayerBias(pe, cfg.n_head, layer * cfg.n_head if pe.per_layer else 0, trainable)
+        dropout_p = cfg.dropout if self.training else 0.0
+        return ATTENTION_BUILDERS[path](chunk, bias, dropout_p, self.attention_options.flex_kernel_options)
 
     def fused_attention_note(self, device_type: str) -> str | None:
-        """Why the fused bias kernel (FlexAttention) cannot take this model's shapes on this device, else None."""
+        """For the user: why the fused bias kernel (FlexAttention) cannot take this model's shapes on this device, and
+        what attention does instead; None where it can (flex_fits)."""
         hs = self.config.n_embd // self.config.n_head
-        if device_type == "cuda" and hs < 16:  # Triton's tl.dot needs at least 16
-            return (
-                f"FlexAttention needs a head dim of at least 16 on CUDA (this model has {hs}): "
-                "attention adds a materialized bias instead (slower, memory quadratic in the context)"
-            )
-        return None
+        if flex_fits(hs, device_type):
+            return None
+        return (
+            f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model has {hs}): "
+            + MATERIALIZED
+        )
 
     def forward(
         self,
@@ -1116,20 +1199,83 @@ class GPT(nn.Module):
         L0 = original_max_len or self.config.rope_original_max_len
         self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
         self.transformer.wpe = type(self.encoding)(self.config)  # RoPE holds no weights: nothing is lost
-        self._compiled_decode = None
+        self.engine = Engine(self)  # its compiled step was traced with the old encoding
 
     # ------------------------------------------------------------------------------------------------------------
-    # Generation
+    # Generation: the Engine's (below), here where nanoGPT's callers find it
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *args, **kwargs) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled tokens: Engine.generate, which lists the options."""
+        return self.engine.generate(idx, max_new_tokens, *args, **kwargs)
+
+    def context_window(self, max_context: int | None = None) -> int:
+        """The longest context generation attends to: max_context, by default block_size (Engine.context_window)."""
+        return self.engine.context_window(max_context)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # GPT-2 weights
+
+    @classmethod
+    def from_hf(cls, hf_model, dropout: float = 0.0) -> GPT:
+        """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
+        c = hf_model.config
+        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"only GPT-2's tanh GELU is supported, this model uses {c.activation_function!r}")
+        config = GPTConfig(
+            block_size=c.n_positions,
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            dropout=dropout,
+            bias=True,
+            pos_encoding="learned",
+            gelu="tanh",
+        )
+        model = cls(config)
+        sd, sd_hf = model.state_dict(), hf_model.state_dict()
+        missing = [k for k in sd if k not in sd_hf]
+        if missing:
+            raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
+        with torch.no_grad():
+            for k in sd:
+                w = sd_hf[k]
+                sd[k].copy_(w.t() if k.endswith(CONV1D_WEIGHTS) else w)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> GPT:
+        """GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory) via transformers;
+        downloads when the hub is reachable."""
+        from transformers import GPT2LMHeadModel
+
+        return cls.from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation: the inference engine (nanochat's Engine, in this file): the KV cache's lifecycle, the one-token decode
+# step (compiled on request), and sampling
+
+
+class Engine:
+    """Generation for one model (its `engine`). The model computes a chunk's logits, claiming the chunk's cache slots
+    (GPT._chunk); the engine decides what each step feeds it: a prefill that starts a cache, one token through the
+    decode step, or the whole window again where no cache can be exact."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+        self.compiled_step = None  # step, compiled for this model by the first generate(compile=True)
 
     def context_window(self, max_context: int | None = None) -> int:
         """The longest context generation attends to: max_context, by default block_size."""
-        W = self.config.block_size if max_context is None else max_context
+        model = self.model
+        W = model.config.block_size if max_context is None else max_context
         if not isinstance(W, int) or W < 1:
             raise ValueError(f"max_context={max_context!r} must be a positive integer")
-        pe = self.encoding
-        if pe.max_len is not None and W > pe.max_len:
+        pe = model.encoding
+        if not pe.reaches(W):
             raise ValueError(
-                f"max_context={W} is longer than pos_encoding={self.config.pos_encoding!r} can take "
+                f"max_context={W} is longer than pos_encoding={model.config.pos_encoding!r} can take "
                 f"(block_size={pe.max_len}); use max_context <= {pe.max_len}"
             )
         return W
@@ -1155,93 +1301,51 @@ class GPT(nn.Module):
         step re-runs the cropped window, as nanoGPT does. compile=True compiles the one-token decode step (on a
         GPU as a CUDA graph over the preallocated cache).
         """
+        model = self.model
         W = self.context_window(max_context)
-        relative = self.encoding.relative
+        relative = model.encoding.relative
         window = W if relative else None
         # the cache must hold the window plus the longest chunk written at once (the prompt, in pieces of <= W)
         size = W - 1 + min(idx.size(1), W) if relative else W
-        decode = self._decode_step
-        if compile and use_cache:
-            if self._compiled_decode is None:
-                if idx.device.type == "cuda":  # one CUDA graph per step, replayed over the static cache
-                    kw = dict(mode="reduce-overhead")
-                else:  # batch-1 matmuls as fused multiply-reductions on every core, faster than MKL's GEMV
-                    kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
-                # dynamo keeps compiled graphs, and its limit of 8 recompiles, per code object: a copy of the step's
-                # code for each model, so that a process that compiles many models (a benchmark, a notebook) never
-                # reaches the limit, which fullgraph=True makes an error
-                code = GPT._decode_step.__code__.replace()
-                step = types.MethodType(types.FunctionType(code, GPT._decode_step.__globals__), self)
-                self._compiled_decode = torch.compile(step, fullgraph=True, **kw)
-            decode = self._compiled_decode
+        step = self.compiled(idx.device.type) if compile and use_cache else self.step
         cache, new = None, idx  # new: the tokens the model has not seen yet
-        cache_span = self.encoding.cache_span
         for _ in range(max_new_tokens):
             # dynamic NTK past L0: no cache is exact, recompute the window
-            if not use_cache or (cache_span is not None and min(idx.size(1), W) > cache_span):
-                logits = self.lm_head(self.features(idx[:, -W:])[:, -1])
+            if not use_cache or not model.encoding.cache_exact(min(idx.size(1), W)):
+                logits = model.lm_head(model.features(idx[:, -W:])[:, -1])
             elif cache is None or (not relative and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
-                cache = KVCache(self.config.n_layer, size)
-                logits = self.lm_head(
-                    self.features(new if relative else idx[:, -W:], cache=cache, window=window)[:, -1]
+                cache = KVCache(model.config.n_layer, size)
+                logits = model.lm_head(
+                    model.features(new if relative else idx[:, -W:], cache=cache, window=window)[:, -1]
                 )
                 if compile:  # the cache's tensors keep their addresses, so CUDA graphs need not copy them
                     for t in [cache.pos, *cache.k, *cache.v]:
                         torch._dynamo.mark_static_address(t)
-            else:  # one token: _positions claims its slot (host-side), then the step, compiled or not, on tensors
-                pos, slots, _ = self._positions(1, None, cache, window, idx.device)
-                logits = decode(new, pos, slots, cache, window)
+            else:  # one token: _chunk claims its slot (host-side), then the step, compiled or not, on tensors
+                logits = step(new, model._chunk(1, None, cache, window, idx.device), cache)
             new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx
 
-    def _decode_step(
-        self, idx: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache: KVCache, window: int | None
-    ) -> torch.Tensor:
-        """Logits (B, vocab_size) of one new token idx (B, 1) at position pos (1,), written to the cache's slots (1,)
+    def step(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
+        """Logits (B, vocab_size) of one new token idx (B, 1) at chunk.pos (1,), written to the chunk's cache slots
         (claimed by the caller) and attending to every slot: the unit compiled for fast decoding."""
-        return self.lm_head(self._features(idx, pos, cache, slots, window)[:, -1])
+        return self.model.lm_head(self.model._features(idx, chunk, cache)[:, -1])
 
-    # ------------------------------------------------------------------------------------------------------------
-    # GPT-2 weights
-
-    @classmethod
-    def from_hf(cls, hf_model, dropout: float = 0.0) -> GPT:
-        """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
-        c = hf_model.config
-        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"only GPT-2's tanh GELU is supported, this model uses {c.activation_function!r}")
-        config = GPTConfig(
-            block_size=c.n_positions,
-            vocab_size=c.vocab_size,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_embd=c.n_embd,
-            dropout=dropout,
-            bias=True,
-            pos_encoding="learned",
-            gelu="tanh",
-        )
-        model = cls(config)
-        sd, sd_hf = model.state_dict(), hf_model.state_dict()
-        # HF's Conv1D stores (in, out): transpose to nn.Linear's (out, in)
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        missing = [k for k in sd if k not in sd_hf]
-        if missing:
-            raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
-        with torch.no_grad():
-            for k in sd:
-                w = sd_hf[k]
-                sd[k].copy_(w.t() if k.endswith(transposed) else w)
-        return model
-
-    @classmethod
-    def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> GPT:
-        """GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory) via transformers;
-        downloads when the hub is reachable."""
-        from transformers import GPT2LMHeadModel
-
-        return cls.from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
+    def compiled(self, device_type: str) -> Callable:
+        """step, compiled once for this model."""
+        if self.compiled_step is None:
+            if device_type == "cuda":  # one CUDA graph per step, replayed over the static cache
+                kw = dict(mode="reduce-overhead")
+            else:  # batch-1 matmuls as fused multiply-reductions on every core, faster than MKL's GEMV
+                kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
+            # dynamo keeps compiled graphs, and its limit of 8 recompiles, per code object: a copy of the step's code
+            # for each model, so that a process that compiles many models (a benchmark, a notebook) never reaches the
+            # limit, which fullgraph=True makes an error
+            code = Engine.step.__code__.replace()
+            step = types.MethodType(types.FunctionType(code, Engine.step.__globals__), self)
+            self.compiled_step = torch.compile(step, fullgraph=True, **kw)
+        return self.compiled_step
 
 
 def sample_next(
@@ -1361,7 +1465,7 @@ class BandBiasGrad(torch.autograd.Function):
     backward computes the table's gradient from a band instead. dS = P ⊙ (dP - D) sums to zero over each row, so the
     shared far entry's gradient is minus the near ones' sum, and only the band 0 <= i - j < R is needed: q·k and dy·v
     there, in blocks of R queries against 2R keys, recomputing P from the kernel's log-sum-exp. Linear in T.
-    Positions must be consecutive (q_pos = k_pos = a range), as in training."""
+    Positions must be consecutive (the queries' and the keys' the same range), as in training; window as Chunk's."""
 
     @staticmethod
     def forward(ctx, y, lse, q, k, v, table, window):
@@ -1375,8 +1479,9 @@ class BandBiasGrad(torch.autograd.Function):
         return dy, None, None, None, None, band_bias_grad(q, k, v, y, lse, dy, table, ctx.window), None
 
 
-def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
-    """d loss / d table (nh, R + 1), see BandBiasGrad. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T)."""
+def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> torch.Tensor:
+    """d loss / d table (nh, R + 1), see BandBiasGrad. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window: a query
+    sees keys at i - j < window (None: every earlier key)."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
     if R == 0:  # one bias for every distance: softmax ignores it
@@ -1390,7 +1495,8 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int) -> torch.Tensor:
     r, c = torch.arange(n, device=q.device)[:, None], torch.arange(2 * n, device=q.device)[None, :]
     rel = n + r - c  # (n, 2n): i - j for query r of a block and key c of its window
     i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
-    near = (rel >= 0) & (rel < min(R, window)) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
+    band = R if window is None else min(R, window)  # the distances with a bias of their own that a query sees
+    near = (rel >= 0) & (rel < band) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
     lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
     s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
     p = torch.where(near, (s - lse_b).exp(), 0.0)

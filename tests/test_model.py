@@ -1,6 +1,7 @@
 """Tests for model.py: every positional encoding, the exact KV cache, and GPT-2 parity."""
 
 import contextlib
+import itertools
 import math
 from dataclasses import fields, replace
 
@@ -23,11 +24,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 from model import (
+    ATTENTION_BUILDERS,
     ATTENTION_PATHS,
     ENCODING_OPTIONS,
     GPT,
     POS_ENCODINGS,
     AttentionOptions,
+    Chunk,
     GPTConfig,
     KVCache,
     ModelShape,
@@ -276,6 +279,20 @@ def test_attention_path_follows_its_table(fused, facts, path):
     assert attention_path(options, **{**FACTS, **facts}) == path
 
 
+def test_every_path_of_the_table_has_its_builder():
+    """Over every combination of facts, attention_path answers only paths that have a builder (the builders' names
+    are the one list of paths), and each builder is the answer for some facts: no path is unreachable."""
+    names = [n for n in FACTS if n != "device"]
+    answers = {
+        attention_path(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
+        for fused in (None, True, False)
+        for device in ("cpu", "cuda")
+        for bits in itertools.product((False, True), repeat=len(names))
+    }
+    assert answers == set(ATTENTION_PATHS) == set(ATTENTION_BUILDERS)
+    assert all(ATTENTION_BUILDERS[path].__name__ == path for path in ATTENTION_PATHS)
+
+
 @pytest.mark.parametrize(
     "pe, fused, train, kw, paths",
     [
@@ -362,7 +379,8 @@ def test_attention_matches_handwritten_reference(pe):
     x = torch.randn(2, 12, 32)
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
-    got = cfg_attn(x, model.encoding.rotary(pos), model._attention_fn(pos, pos, None, cached=False), None)
+    chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=True)
+    got = cfg_attn(x, model.encoding.rotary(pos), model._attention_fn(chunk), None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -867,7 +885,7 @@ def test_band_bias_gradient_of_each_entry():
     s = s.masked_fill(rel < 0, float("-inf"))
     y = torch.softmax(s, -1) @ v
     (expected,) = torch.autograd.grad((y * dy).sum(), table)
-    got = band_bias_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table, window=10**9)
+    got = band_bias_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -1050,8 +1068,13 @@ def test_bf16_model_generates(pe):
 
 
 def test_fused_attention_note_names_the_head_dim_limit():
-    """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): the model says so, and not on CPUs."""
-    assert "at least 16" in tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cuda")
+    """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): flex_fits says no, and the model's
+    note says why and what attention does instead; on CPUs, and from 16 on, it fits and there is no note."""
+    from model import flex_fits
+
+    assert not flex_fits(8, "cuda") and flex_fits(8, "cpu") and flex_fits(16, "cuda")
+    note = tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cuda")
+    assert "at least 16" in note and "(this model has 8)" in note and "materialized bias" in note
     assert tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cpu") is None
     assert tiny("alibi", n_head=2, n_embd=32).fused_attention_note("cuda") is None
 
