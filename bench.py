@@ -181,7 +181,8 @@ def bench_encodings(args, device: str) -> None:
     for cfg in sizes(device)["encodings"]:
         if args.encoding_blocks and cfg["block_size"] not in args.encoding_blocks:
             continue
-        print(f"\n### Training step per encoding ({cfg})\n")
+        how = "compiled" if args.compile else "eager"
+        print(f"\n### Training step per encoding, {how} ({cfg})\n")
         peak = peak_flops(device)
         steps, times, memory = {}, {enc: [] for enc in args.step_encodings}, {}
         for enc in args.step_encodings:
@@ -392,6 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
     p.add_argument("--only", choices=["train", "encodings", "decode", "attention", "shapes", "parallel"], default=None)
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the training steps (default: on a GPU; --compile on a CPU too)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median is reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the nanoGPT comparison")
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device=cuda but no CUDA device is visible; use --device=cpu")
-    args.compile = device == "cuda"
+    args.compile = device == "cuda" if args.compile is None else args.compile
     allow_tf32(device)
     if args.threads:
         torch.set_num_threads(args.threads)

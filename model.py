@@ -82,6 +82,7 @@ class PositionalEncoding(nn.Module):
     """
 
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
+    rolling = True  # generation past the window keeps positions counting (a rolling cache); False: crop, restart at 0
     extrapolates = True  # has an encoding for any position (False: max_len is the last)
     max_len = None  # the most positions it can encode (None: unbounded)
     has_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
@@ -132,6 +133,14 @@ class PositionalEncoding(nn.Module):
     def bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
 
+    def layer_bias(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
+        """One layer's bias (nh, Tq, Tk) over a chunk's queries and keys, heads first … first + n_head - 1: bias at
+        every pair. An encoding may compute the same values faster from the chunk's structure (FIRE). recompute: a
+        trainable bias is recomputed in the backward, so that autograd keeps the (nh, Tq, Tk) bias, not every
+        intermediate of its formula (FIRE's MLP would keep dozens of bias-sized tensors per layer)."""
+        heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + first
+        return recomputed(self.bias, recompute)(heads, chunk.pos[:, None], chunk.keys)
+
     def no_decay(self) -> list[nn.Parameter]:
         """Parameters AdamW must not decay: a score bias's (a decayed bias is pulled toward "no preference")."""
         return list(self.parameters()) if self.has_bias else []
@@ -142,6 +151,9 @@ class PositionalEncoding(nn.Module):
 
     def crop(self, block_size: int) -> None:
         """Shrink the training context (GPT-2's 1024 to 256): a table of positions drops its rows."""
+
+    def extend(self, block_size: int) -> None:
+        """Lengthen the training context (a run extended to a longer block): a table of positions gains rows."""
 
 
 class NoPE(PositionalEncoding):
@@ -161,6 +173,7 @@ class Sinusoidal(PositionalEncoding):
     hf_architecture = "gpt2"
 
     relative = False
+    rolling = False
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -186,6 +199,7 @@ class Learned(PositionalEncoding):
     hf_architecture = "gpt2"
 
     relative = False
+    rolling = False
     extrapolates = False
 
     def __init__(self, config: GPTConfig):
@@ -201,6 +215,18 @@ class Learned(PositionalEncoding):
 
     def crop(self, block_size):
         self.weight = nn.Parameter(self.weight[:block_size].detach().clone())
+        self.max_len = block_size
+
+    def extend(self, block_size):
+        """Position interpolation for a table (as Chen et al. 2023 do for RoPE's angles): row p of the new table is the
+        old one read at p·L0/L, linearly between its rows, so the longer context spans the positions trained; for
+        L = s·L0, row s·k is the old row k. The last s - 1 rows, past the old last row, repeat it."""
+        L0 = self.weight.size(0)
+        x = (torch.arange(block_size, dtype=torch.float64) * L0 / block_size).clamp(max=L0 - 1)  # (L,)
+        lo = x.floor().long()
+        hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
+        w = self.weight.detach()
+        self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (L, C)
         self.max_len = block_size
 
 
@@ -476,14 +502,17 @@ class FIRE(PositionalEncoding):
     threshold L trainable. Dividing by ψ of the query's position maps every distance the query can see into [0, 1],
     so a longer context interpolates between trained inputs instead of reaching new ones (L keeps short contexts
     from being stretched). The bias depends on i, not only on i - j: the cache and every attention path pass absolute
-    positions. As the paper's reference code: c starts at 0.1; L = |m|·L0 with a learned multiplier m from 1 and a
-    fixed L0 (block_size), so Adam's steps of about the learning rate move L by a fraction of itself, not by tokens;
-    ε = 1e-6 keeps L = 0 finite at position 0. f has no output bias: a constant per head is lost in the softmax. f's
-    output layer starts small, so training starts near NoPE."""
+    positions, and generation past the window keeps them counting (a rolling cache, exact against a forward over the
+    same positions), as FIRE is meant to read positions past its training length. As the paper's reference code: c
+    starts at 0.1; L = |m|·L0 with a learned multiplier m from 1 and a fixed L0 (block_size), so Adam's steps of about
+    the learning rate move L by a fraction of itself, not by tokens; ε = 1e-6 keeps L = 0 finite at position 0. f has
+    no output bias: a constant per head is lost in the softmax. f's output layer starts small, so training starts
+    near NoPE. c, L and f's first layer are the layer's, shared by its heads: x and the hidden units are computed once
+    a layer, and only the output layer per head."""
 
     summary = "a learned MLP of the distance over the query's position, per layer (FIRE)"
 
-    relative = False  # the query's position matters: past the window, generation crops and restarts as for absolute
+    relative = False  # the query's position matters (its rolling cache is exact against a forward at its positions)
     has_bias = True
     per_layer = True
     hidden = 32
@@ -500,13 +529,22 @@ class FIRE(PositionalEncoding):
         self.w2 = nn.Parameter(torch.randn(L, nh, n) * 0.02)  # (L, nh, 32)
 
     def bias(self, h, i, j):
-        # every parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
-        # of a row read by several heads at once (h // n_head)
+        # every parameter as a row per (layer, head), read at h (which may span layers: probe.py's): inductor's CPU
+        # backend fails to compile the gradient of a row read by several heads at once (h // n_head)
         per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (L, ...) -> (L·nh, ...)
         c, threshold = per_head(self.c).abs()[h], (per_head(self.L_multiplier) * self.init_L).abs()[h]
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
+        return self.mlp(self.input(c, threshold, i, j), w1, b1, w2)
+
+    def input(self, c, threshold, i, j):
+        """The MLP's input x = ψ(i - j) / (ψ(max(L, i)) + ε), ψ(x) = log(c·x + 1)."""
         psi = lambda x: torch.log1p(c * x)  # noqa: E731
-        x = psi((i - j).clamp(min=0).float()) / (psi(torch.maximum(threshold, i.float())) + self.eps)
+        dtype = torch.promote_types(c.dtype, torch.float32)  # a float32 bias (float64 for a float64 model)
+        return psi((i - j).clamp(min=0).to(dtype)) / (psi(torch.maximum(threshold, i.to(dtype))) + self.eps)
+
+    @staticmethod
+    def mlp(x, w1, b1, w2):
+        """f(x): x (...), w1 and b1 (..., 32), w2 (..., 32), broadcast together -> (...)."""
         # with a gradient, eager: ScalarMLP keeps x alone for the backward. Compiled: one broadcast expression, which
         # inductor fuses into its reductions without storing the (..., 32) hidden units, instead of ScalarMLP's 32
         # units unrolled into the graph (the same peak memory, a much smaller graph to compile). Without a gradient
@@ -515,6 +553,35 @@ class FIRE(PositionalEncoding):
         if grad and torch.compiler.is_compiling():
             return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
         return (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
+
+    def layer_bias(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
+        """One layer's (nh, Tq, Tk) bias, its x and hidden units computed once for the layer's heads. Where the chunk's
+        queries are its own keys at consecutive positions (training, a prefill), i - j takes T values, and where every
+        query is within the threshold (i <= L: in training, while L >= block_size) x depends on i - j alone: the MLP
+        runs on the T distances and the bias is a gather, as bias-RPE's is, the same values; else on every pair."""
+        layer, pos = first // n_head, chunk.pos
+        c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
+        w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
+        operands = (c, threshold, w1, b1, w2)
+
+        def every_pair(c, threshold, w1, b1, w2):
+            return self.mlp(self.input(c, threshold, pos[:, None], chunk.keys), w1, b1, w2)
+
+        if chunk.cached or not chunk.consecutive or len(pos) < 2:
+            return recomputed(every_pair, recompute)(*operands)
+        T = len(pos)
+        rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
+
+        def by_distance(c, threshold, w1, b1, w2):  # every query within the threshold: f of the distance alone
+            d = torch.arange(T, device=pos.device)
+            table = self.mlp(self.input(c, threshold, d, 0), w1, b1, w2[:, 0])  # (nh, T): max(L, d) is L here
+            return table[:, rel]  # (nh, T, T)
+
+        branches = [recomputed(f, recompute) for f in (by_distance, every_pair)]
+        within = pos[-1].float() <= threshold  # the positions ascend: the last query is the farthest
+        if torch.compiler.is_compiling():  # one graph: the branch is taken at run time, the other not computed
+            return torch.cond(within, *branches, operands)
+        return branches[0 if within else 1](*operands)
 
 
 POS_ENCODINGS = {
@@ -780,6 +847,10 @@ class LayerBias:
     def __call__(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return self.encoding.bias(h + self.first, i, j)
 
+    def matrix(self, chunk: Chunk) -> torch.Tensor:
+        """The layer's (nh, Tq, Tk) bias over the chunk's queries and keys, recomputed in the backward if trainable."""
+        return self.encoding.layer_bias(self.first, self.n_head, chunk, recompute=self.trainable)
+
 
 def sdpa_causal(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
     return lambda q, k, v: attend(q, k, v, None, dropout_p)
@@ -839,13 +910,7 @@ def materialized(chunk: Chunk, bias: LayerBias) -> torch.Tensor:
     allowed = chunk.sees(rel)
     if not bias.encoding.has_bias:
         return allowed
-    heads = torch.arange(bias.n_head, device=rel.device)[:, None, None]
-    if bias.trainable:
-        # recomputed in the backward: autograd keeps the (nh, Tq, Tk) bias, not every intermediate of its formula
-        # (FIRE's MLP would keep dozens of bias-sized tensors per layer)
-        scores = checkpoint(bias, heads, chunk.pos[:, None], chunk.keys, use_reentrant=False)
-    else:
-        scores = bias(heads, chunk.pos[:, None], chunk.keys)
+    scores = bias.matrix(chunk)
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -856,7 +921,7 @@ def attend(
     materialized bool mask or float bias (nh or 1, Tq, Tk)."""
     if mask is None:  # plain causal attention over this chunk alone: SDPA's fused (flash) path
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if mask.dtype == torch.bool or q.dtype == torch.float32:  # reference path: a materialized mask or bias,
+    if mask.dtype == torch.bool or q.dtype not in (torch.float16, torch.bfloat16):  # reference path: a mask or bias,
         # (nh or 1, Tq, Tk); 4-D, so CPUs take their flash kernel
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
     # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16 where
@@ -1033,6 +1098,13 @@ class GPT(nn.Module):
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
         self.encoding.crop(block_size)
+
+    def extend_block_size(self, block_size: int) -> None:
+        """Lengthen the training context (a run fine-tuned longer, train.py --init_from=<run>): a table of positions
+        is interpolated to the new length; every other encoding reads any length already."""
+        assert block_size >= self.config.block_size
+        self.config.block_size = block_size
+        self.encoding.extend(block_size)
 
     def configure_optimizers(
         self,
@@ -1295,28 +1367,32 @@ class Engine:
     ) -> torch.Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
 
-        The model attends to at most max_context tokens (default block_size). Past that, absolute encodings
-        crop to the last max_context tokens and restart positions at 0 (nanoGPT's semantics); relative ones keep
-        a rolling cache whose keys keep their positions (a sliding-window causal mask). Without the cache every
-        step re-runs the cropped window, as nanoGPT does. compile=True compiles the one-token decode step (on a
-        GPU as a CUDA graph over the preallocated cache).
+        The model attends to at most max_context tokens (default block_size). Past that, the absolute encodings
+        (sinusoidal, learned) crop to the last max_context tokens and restart positions at 0 (nanoGPT's semantics);
+        the others keep a rolling cache whose keys keep their positions (a sliding-window causal mask), FIRE too,
+        which reads positions past its training length by design. Without the cache every step re-runs the window,
+        as nanoGPT does (FIRE's at its own positions). compile=True compiles the one-token decode step (on a GPU as a
+        CUDA graph over the preallocated cache).
         """
         model = self.model
         W = self.context_window(max_context)
-        relative = model.encoding.relative
-        window = W if relative else None
+        rolling = model.encoding.rolling
+        window = W if rolling else None
         # the cache must hold the window plus the longest chunk written at once (the prompt, in pieces of <= W)
-        size = W - 1 + min(idx.size(1), W) if relative else W
+        size = W - 1 + min(idx.size(1), W) if rolling else W
         step = self.compiled(idx.device.type) if compile and use_cache else self.step
         cache, new = None, idx  # new: the tokens the model has not seen yet
         for _ in range(max_new_tokens):
             # dynamic NTK past L0: no cache is exact, recompute the window
             if not use_cache or not model.encoding.cache_exact(min(idx.size(1), W)):
-                logits = model.lm_head(model.features(idx[:, -W:])[:, -1])
-            elif cache is None or (not relative and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
+                T = idx.size(1)  # a rolling encoding that reads absolute positions re-runs the window at its own
+                absolute = rolling and not model.encoding.relative and T > W
+                pos = torch.arange(T - W, T, device=idx.device) if absolute else None
+                logits = model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1])
+            elif cache is None or (not rolling and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
                 cache = KVCache(model.config.n_layer, size)
                 logits = model.lm_head(
-                    model.features(new if relative else idx[:, -W:], cache=cache, window=window)[:, -1]
+                    model.features(new if rolling else idx[:, -W:], cache=cache, window=window)[:, -1]
                 )
                 if compile:  # the cache's tensors keep their addresses, so CUDA graphs need not copy them
                     for t in [cache.pos, *cache.k, *cache.v]:
@@ -1375,6 +1451,14 @@ def sample_next(
 # Attention kernels: hand-written autograd where PyTorch's own is too slow or too big. BiasAttention trains a bias
 # on a CPU's flash kernel; BandBiasGrad gives a fused kernel's bias table its gradient from a band (linear in T);
 # ScalarMLP is FIRE's MLP without one saved tensor per hidden unit.
+
+
+def recomputed(fn: Callable, recompute: bool) -> Callable:
+    """fn, or with recompute fn under activation checkpointing: its intermediates are not kept for the backward but
+    computed again there."""
+    if not recompute:
+        return fn
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
 
 
 def scalar_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -144,7 +144,7 @@ def generation_bytes(model: GPT, prompt: int, new: int, window: int, cache: bool
     """The least memory generate takes: the tokens, the KV cache (keys and values of every layer, fp32, for the window
     and a prompt's chunk) and the largest forward (the prompt's prefill, or without the cache the whole window)."""
     c = model.config
-    slots = window - 1 + min(prompt, window) if model.encoding.relative else window
+    slots = window - 1 + min(prompt, window) if model.encoding.rolling else window
     kv = 8 * c.n_layer * c.n_embd * slots if cache else 0
     return 8 * (prompt + new) + kv + forward_bytes(model, min(prompt, window) if cache else window, logits=False)
 

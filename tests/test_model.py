@@ -1,6 +1,7 @@
 """Tests for model.py: every positional encoding, the exact KV cache, and GPT-2 parity."""
 
 import contextlib
+import copy
 import itertools
 import math
 from dataclasses import fields, replace
@@ -8,11 +9,12 @@ from dataclasses import fields, replace
 import pytest
 import torch
 from conftest import (
-    ABSOLUTE,
     BIASED,
+    CROPPING,
     ENCODINGS,
     EXTRAPOLATING,
     RELATIVE,
+    ROLLING,
     VOCAB,
     cached_logits,
     close,
@@ -118,7 +120,7 @@ def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
         close(windowed[:, t], model(idx[:, max(0, t - W + 1) : t + 1])[0][:, -1], tol=1e-4)
 
 
-@pytest.mark.parametrize("pe", RELATIVE)
+@pytest.mark.parametrize("pe", ROLLING)
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [4, 1, 1, 9, 1, 14], [12, 18]])
 @pytest.mark.parametrize("extra", [0, 3, 40])
 def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
@@ -142,7 +144,25 @@ def test_generation_past_max_context_relative(pe, T):
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
 
 
-@pytest.mark.parametrize("pe", ABSOLUTE)
+@pytest.mark.parametrize("pe", [e for e in ROLLING if e not in RELATIVE])
+@pytest.mark.parametrize("T", [2, 10])
+def test_generation_past_max_context_keeps_absolute_positions(pe, T):
+    """FIRE reads absolute positions past its training length: cached generation past max_context equals greedy
+    sliding-window full forwards at the tokens' own positions, and uncached generation re-runs the window at its
+    positions (not from 0)."""
+    model, W, steps = tiny(pe), 6, 20
+    idx = tokens(2, T)
+    windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
+    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
+
+    def at_own_positions(m, x):
+        return m(x[:, -W:], pos=torch.arange(max(0, x.size(1) - W), x.size(1)))[0][:, -1]
+
+    cropped = greedy_reference(model, idx, steps, at_own_positions)
+    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
+
+
+@pytest.mark.parametrize("pe", CROPPING)
 @pytest.mark.parametrize("T", [2, 10])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generation_past_max_context_absolute(pe, T, use_cache):
@@ -1143,3 +1163,57 @@ def test_kerple_per_layer_gives_each_layer_its_own_pair():
     close(torch.cat([per_layer(idx[:, t : t + 1], cache=cache)[0] for t in range(16)], 1), per_layer(idx)[0])
     with pytest.raises(ValueError, match="kerple_per_layer='yes' must be True or False"):
         tiny("kerple", kerple_per_layer="yes")
+
+
+def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """FIRE's bias from the paper's formula (Li et al. 2023, eq. 3 and their code), written here apart from model.py,
+    in the parameters' dtype: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), L = |m|·L0, f = w2·relu(w1·x
+    + b1) per head. i (Tq, 1) and j (Tk,) positions -> (nh, Tq, Tk)."""
+    dt = pe.c.dtype
+    c, L = pe.c[layer].abs(), (pe.L_multiplier[layer] * pe.init_L).abs()
+    d = (i - j).clamp(min=0).to(dt)
+    x = torch.log(c * d + 1) / (torch.log(c * torch.maximum(L, i.to(dt)) + 1) + 1e-6)  # (Tq, Tk)
+    hidden = torch.relu(x[..., None] * pe.w1[layer] + pe.b1[layer])  # (Tq, Tk, 32)
+    return torch.einsum("qkn,hn->hqk", hidden, pe.w2[layer])
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 0.3])  # L = block_size (every query within it) and L below most
+@pytest.mark.parametrize("regime", ["default", "explicit", "cached"])
+def test_fire_equals_the_papers_formula(multiplier, regime):
+    """FIRE's fast bias (one MLP per distance where every query is within L, the hidden units once per layer) gives the
+    logits and every parameter's gradient of a model whose bias is the paper's formula at every pair, in float64 to
+    1e-10 relative: with L above and below the queries' positions, at default, explicit (offset) positions, and through
+    a KV cache in chunks."""
+    torch.manual_seed(0)
+    model = tiny("fire", block_size=32, n_layer=2).double().train()  # L0 = 32: positions 5 … 28 are within it
+    with torch.no_grad():
+        model.encoding.L_multiplier.fill_(multiplier)
+        model.encoding.w2.mul_(50)  # a bias that matters: the logits depend on it
+    ref = copy.deepcopy(model)
+    ref.encoding.layer_bias = lambda first, nh, chunk, recompute=False: fire_reference(  # every pair, no shortcut
+        ref.encoding, first // nh, chunk.pos[:, None], chunk.keys
+    )
+    idx = tokens(2, 24)
+
+    def run(m):
+        m.zero_grad()
+        if regime == "cached":  # inference: the cache is written in place, no gradient goes through it
+            cache = KVCache(m.config.n_layer, 32)
+            with torch.no_grad():
+                chunks = [m(idx[:, a:b], cache=cache)[0] for a, b in ((0, 10), (10, 11), (11, 24))]
+            return torch.cat(chunks, 1), {}
+        pos = torch.arange(5, 29) if regime == "explicit" else None
+        logits = m(idx, pos=pos)[0]
+        (logits**2).mean().backward()
+        return logits, {n: p.grad for n, p in m.named_parameters()}
+
+    shapes, mlp = [], model.encoding.mlp
+    model.encoding.mlp = lambda x, *w: shapes.append(tuple(x.shape)) or mlp(x, *w)
+    (a, grads_a), (b, grads_b) = run(model), run(ref)
+    table = (24,) in shapes  # the MLP ran on the 24 distances alone, not on the (24, 24) pairs
+    assert table == (multiplier == 1.0 and regime != "cached"), shapes  # a cache's keys are not the queries' own
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)  # logits of about 1: a near-zero one differs at 1e-15
+    for name in grads_b:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-10, atol=1e-14, msg=name)
+    if multiplier < 1:  # the fast path is not taken: the queries past L are normalised by their own position
+        assert int(torch.arange(24).gt(model.encoding.L_multiplier.abs().min() * 32).sum()) > 10
