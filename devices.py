@@ -72,16 +72,6 @@ def peak_flops(device: str | torch.device) -> float | None:
     return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
 
 
-def forward_bytes(model: torch.nn.Module, L: int, B: int = 1, logits: bool = True) -> int:
-    """The least memory a forward of B windows of L tokens takes without gradients: the hidden states and the MLP's
-    (fp32, a layer at a time), the logits and the loss's copy, and for an encoding with a bias the (nh, L, L) bias
-    and the (L, L) distances that the reference attention path materializes (once for the batch). A forward that
-    needs more than the device has cannot run at all."""
-    c = model.config
-    square = (4 * c.n_head + 9) * L * L if model.encoding.has_bias else 0
-    return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
-
-
 def device_memory(device: str) -> int | None:
     """The device's memory in bytes (the GPU's, or the machine's for cpu); None where it cannot be told."""
     if device.startswith("cuda"):

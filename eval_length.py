@@ -35,7 +35,7 @@ from tqdm import tqdm
 from checkpoint import CheckpointError, load_run, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb
+from devices import DTYPES, autocast, check_device, device_memory, gb
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -239,7 +239,7 @@ def evaluate_args(args: argparse.Namespace) -> dict:
     memory = device_memory(device)
     for r in runs:
         L = max((L for L in lengths if feasible(r, L)), default=0)
-        need = forward_bytes(r["model"], L)
+        need = r["model"].forward_bytes(L)
         if memory and L and need > memory:
             sys.exit(
                 f"error: {r['out_dir']}: one window of {L} tokens needs at least {gb(need)}, more than the "

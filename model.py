@@ -1139,6 +1139,15 @@ class GPT(nn.Module):
             fused=device_type == "cuda",
         )
 
+    def forward_bytes(self, L: int, B: int = 1, logits: bool = True) -> int:
+        """The least memory a forward of B windows of L tokens takes without gradients: the hidden states and the
+        MLP's (fp32, a layer at a time), the logits and the loss's copy, and for an encoding with a bias the (nh, L, L)
+        bias and the (L, L) distances that the reference attention path materializes (once for the batch). A forward
+        that needs more than the device has cannot run at all."""
+        c = self.config
+        square = (4 * c.n_head + 9) * L * L if self.encoding.has_bias else 0
+        return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
+
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
         """Model FLOPs utilization: achieved FLOP/s over peak_flops, counting 6N per token for the weights plus
         attention's 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, App. B)."""

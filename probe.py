@@ -27,7 +27,7 @@ import torch
 from checkpoint import CheckpointError, load_run
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import check_device, device_memory, forward_bytes, gb
+from devices import check_device, device_memory, gb
 from model import GPT
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -95,7 +95,7 @@ def check_length(model: GPT, length: int) -> None:
 def probe_bytes(model: GPT, length: int) -> int:
     """The least memory probing one window takes: a forward, and a layer's probabilities (nh, L, L) with the
     products far_share makes of them."""
-    return forward_bytes(model, length) + (8 * model.config.n_head + 12) * length * length
+    return model.forward_bytes(length) + (8 * model.config.n_head + 12) * length * length
 
 
 def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str = "cpu") -> dict:

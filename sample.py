@@ -26,7 +26,6 @@ from devices import (
     default_device,
     default_dtype,
     device_memory,
-    forward_bytes,
     gb,
 )
 from model import GPT, ROPE_SCALINGS, number
@@ -146,7 +145,7 @@ def generation_bytes(model: GPT, prompt: int, new: int, window: int, cache: bool
     c = model.config
     slots = window - 1 + min(prompt, window) if model.encoding.rolling else window
     kv = 8 * c.n_layer * c.n_embd * slots if cache else 0
-    return 8 * (prompt + new) + kv + forward_bytes(model, min(prompt, window) if cache else window, logits=False)
+    return 8 * (prompt + new) + kv + model.forward_bytes(min(prompt, window) if cache else window, logits=False)
 
 
 def main(argv: list[str]) -> None:
