@@ -14,8 +14,12 @@ with no code of ours:
 
 bias_rpe, t5, kerple and fire (and any encoding with --remote_code) export as a folder that carries its own code,
 loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and remote_code/modeling_nanope.py, a
-transformers wrapper (config, PreTrainedModel with generate) that imports it. config.json records the code's sha256,
-and the wrapper refuses to load other code.
+transformers wrapper (a config, a Cache around model.py's KVCache, and a PreTrainedModel whose generate steps as
+sample.py does) that imports it. config.json records the code's sha256, and the wrapper refuses to load other code.
+
+The tokenizer: GPT-2's for a GPT-2 BPE run; for a character-level run, its characters and <|endoftext|> after them (the
+end of text, start of text and padding), a character outside them encoding as a space. Only an export that carries
+nanoPE's code reads <|endoftext|>: the other architectures' vocabulary is the characters (docs/export.md).
 
     python export.py out-rope --out hf-rope
     python export.py out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
@@ -40,8 +44,8 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from devices import DTYPES
-from model import GPT
+from devices import DTYPES, device_memory
+from model import CONV1D_WEIGHTS, GPT, LLAMA3_HIGH, LLAMA3_LOW, YARN_ALPHA, YARN_BETA
 from outputs import cannot_write
 from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
@@ -64,6 +68,9 @@ LEGACY_FILES = (
 )
 # every file an export writes: the only ones --overwrite deletes, whatever an export's nanope.json lists
 EXPORT_FILES = frozenset(LEGACY_FILES) | {src.name for src in CODE_FILES}
+# the end of text, as GPT-2 names it; a character-level tokenizer gets it after its characters
+EOT = "<|endoftext|>"
+SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token")  # each is EOT
 HF_ROPE_TYPES = {"none": "default", "ntk": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
 
 
@@ -105,13 +112,12 @@ def to_gpt2(model: GPT, n_positions: int):
     with torch.no_grad():
         table = model.encoding.embed(torch.arange(n_positions))  # (n_positions, C) or None (no positions)
     ours = model.state_dict()
-    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     sd = {}
     for k, v in hf.state_dict().items():
         if k == "transformer.wpe.weight":
             sd[k] = torch.zeros_like(v) if table is None else table.to(v.dtype)
         elif k in ours:
-            sd[k] = ours[k].t() if k.endswith(transposed) else ours[k]
+            sd[k] = ours[k].t() if k.endswith(CONV1D_WEIGHTS) else ours[k]
         else:  # a bias or LayerNorm shift of a model trained without biases: zero is the same function
             if not k.endswith("bias"):
                 raise ExportError(f"no weight of ours maps to GPT-2's {k}")
@@ -133,10 +139,9 @@ def neox_rope(model: GPT) -> dict:
             f"rope_scaling={scaling!r} with rope_fraction={c.rope_fraction} has no exact GPT-NeoX form; export with "
             f"rope_scaling none, linear, ntk, yarn or llama3 (or dynamic_ntk with rope_fraction=1)"
         )
-    base = pe.base * s ** (d / (d - 2)) if scaling == "ntk" else pe.base
     params = {
         "rope_type": HF_ROPE_TYPES.get(scaling, "dynamic"),
-        "rope_theta": base ** (2 * R / d),
+        "rope_theta": pe.theta_base ** (2 * R / d),
         "partial_rotary_factor": 2 * R / d,
     }
     if params["rope_type"] != "default":
@@ -144,9 +149,9 @@ def neox_rope(model: GPT) -> dict:
     if scaling in ("yarn", "llama3"):
         params["original_max_position_embeddings"] = pe.original
     if scaling == "yarn":
-        params |= {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": pe.mscale}
+        params |= {"beta_fast": YARN_BETA, "beta_slow": YARN_ALPHA, "attention_factor": pe.mscale}
     if scaling == "llama3":
-        params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        params |= {"low_freq_factor": LLAMA3_LOW, "high_freq_factor": LLAMA3_HIGH}
     return params
 
 
@@ -288,11 +293,13 @@ def to_mpt(model: GPT, max_seq_len: int):
     return hf
 
 
-def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None) -> None:
+def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot_as: int | None) -> None:
     """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and remote_code/modeling_nanope.py,
     the transformers wrapper that imports it. config.json maps the Auto classes to them and records their sha256
     (which the wrapper checks at load); the weights go under the wrapper's `gpt.` prefix, lm_head left out as
-    transformers leaves a tied weight out. Nothing of the folder's code runs here."""
+    transformers leaves a tied weight out. eot: the end of text where the model has it (GPT-2's); read_eot_as: the
+    token that a character-level tokenizer's <|endoftext|>, past the model's vocabulary, reads as. Nothing of the
+    folder's code runs here."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, __version__
 
@@ -311,6 +318,7 @@ def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None) -> None:
         # transformers' and lm-eval's notion of the context (lm-eval's default window): the last position of an
         # encoding that stops at block_size, else 16x it (as far as this project evaluates; nothing stops longer)
         "max_position_embeddings": T if model.encoding.max_len is not None else 16 * T,
+        "read_eot_as": read_eot_as,
         "tie_word_embeddings": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
@@ -324,8 +332,16 @@ def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None) -> None:
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def stand_in(chars: str, preferred: str) -> int:
+    """The id of the character that stands in for one the model cannot read: preferred where the vocabulary has it,
+    else its first character."""
+    return chars.index(preferred) if preferred in chars else 0
+
+
 def hf_tokenizer(meta: dict):
-    """A PreTrainedTokenizerFast that encodes and decodes as tokenizer.py's tokenizer for this meta."""
+    """A PreTrainedTokenizerFast that encodes and decodes as tokenizer.py's tokenizer for this meta (text outside a
+    character vocabulary aside), with the special tokens transformers and lm-eval expect: an end of text, which is also
+    the start of text and the padding, at the left (decoder-only generation pads there)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -335,30 +351,33 @@ def hf_tokenizer(meta: dict):
 
         tokenizer_from_meta(meta)  # checks the ranks file's hash
         tok = TikTokenConverter(vocab_file=str(GPT2_RANKS), pattern=GPT2_PATTERN).converted()
-        eot = "<|endoftext|>"
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot, bos_token=eot, unk_token=eot)
-        assert fast.convert_tokens_to_ids(eot) == GPT2_EOT
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, padding_side="left", **dict.fromkeys(SPECIAL_TOKENS + ("unk_token",), EOT)
+        )
+        assert fast.convert_tokens_to_ids(EOT) == GPT2_EOT
         return fast
     if kind == "char":  # one token per character, joined back with nothing between
-        vocab = {ch: i for i, ch in enumerate(meta["chars"])}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        chars = meta["chars"]
+        # a character the model never saw reads as a space: any text evaluates, where ours stops at it
+        tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(chars)}, unk_token=chars[stand_in(chars, " ")]))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+        # <|endoftext|> takes the id after the characters. It cannot be a character's: transformers makes it special,
+        # and decoding skips special tokens (lm-eval's outputs would lose every newline if "\n" were the end of text).
+        # Text never encodes to it (split_special_tokens): a literal "<|endoftext|>" is characters, as in ours.
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            clean_up_tokenization_spaces=False,
+            split_special_tokens=True,
+            padding_side="left",
+            **dict.fromkeys(SPECIAL_TOKENS, EOT),
+        )
     if kind == "ids":  # token ids written as numbers separated by spaces
         vocab = {str(i): i for i in range(meta["vocab_size"])}
         tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
     raise ExportError(f"tokenizer kind {kind!r} does not export")
-
-
-def memory_bytes() -> int | None:
-    """This machine's physical memory, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def check_positions(model: GPT, target: str, n_positions: int | None) -> int | None:
@@ -389,7 +408,7 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
         if target == "gpt2"
         else (model.config.n_head, "MPT's ALiBi buffer")
     )
-    need, memory = 4 * 4 * n_positions * width, memory_bytes()
+    need, memory = 4 * 4 * n_positions * width, device_memory("cpu")
     if memory is not None and need > memory:
         raise ExportError(
             f"--n_positions={n_positions} makes {what} {n_positions} x {width} float32 values, about "
@@ -517,9 +536,11 @@ def export(
     # written whole in a new folder beside out, then renamed: never half an export, never a user's folder reused
     tmp = new_folder(out, "tmp")
     try:
-        eot = GPT2_EOT if ckpt["tokenizer"]["kind"] == "gpt2" else None  # generate stops at GPT-2's end of text
+        meta = ckpt["tokenizer"]
+        eot = GPT2_EOT if meta["kind"] == "gpt2" else None  # generate stops at GPT-2's end of text
         if target == "nanope":
-            write_remote(model, tmp, dtype, eot)
+            # a character-level <|endoftext|> (lm-eval's default prefix) reads as a newline, where texts start
+            write_remote(model, tmp, dtype, eot, stand_in(meta["chars"], "\n") if meta["kind"] == "char" else None)
         else:
             hf.config.dtype = dtype
             if eot is not None:
@@ -566,7 +587,13 @@ def main(argv: list[str] | None = None) -> Path:
     except (CheckpointError, ExportError) as e:
         sys.exit(f"error: {e}")
     remote = ", trust_remote_code=True" if (path / "modeling_nanope.py").exists() else ""
-    print(f"wrote {path}: AutoModelForCausalLM.from_pretrained({str(path)!r}{remote}) and AutoTokenizer load it")
+    load = f"AutoModelForCausalLM.from_pretrained({str(path)!r}{remote})"
+    print(f"wrote {path}: {load} and AutoTokenizer{' (the same flag)' if remote else ''} load it")
+    if not remote and ckpt["tokenizer"]["kind"] == "char":
+        print(
+            "its model cannot read the tokenizer's <|endoftext|>, which pads batches and starts lm-eval's texts: for "
+            "those, export with --remote_code (docs/export.md)"
+        )
     return path
 
 

@@ -10,21 +10,28 @@ logit comes from model.py, nothing here computes attention or positions.
 - Padding: a row's masked tokens (attention_mask 0, left or right padding) are left out, and its real tokens run
   through the model on their own, positions counting from its first real token; rows with the same mask run together.
   Each row's logits are then exactly those it has alone; a padded position's logits are 0.
-- Generation: transformers' generate() and its loop, with no KV cache: each step runs the whole sequence again
-  (the logits of a full forward, past the training length too, at a cost quadratic in the length).
+- Tokens the model has no embedding for (a character-level tokenizer's <|endoftext|>, which is also its start of text
+  and padding) read as config.read_eot_as, a newline: where texts start. A padded position is left out anyway.
+- Generation: transformers' generate() and its loop, with model.py's KVCache behind transformers' Cache interface
+  (NanoPECache), each step the one model.py's Engine.generate (sample.py's generation) takes: the model attends to at
+  most config.max_context tokens (default block_size); past that, the absolute encodings (sinusoidal, learned) start
+  again from the last max_context tokens at position 0 and the others keep a rolling cache whose keys keep their
+  positions; dynamic NTK past its training length runs the window again each step, and so does every step of
+  generate(use_cache=False), as sample.py --no_cache. A forward without a cache (scoring) reads the whole sequence.
 - The code check: config.json records the sha256 of model.py and of this file at export; a folder whose code differs
   (edited, or mixed with another export's files) is refused at load, as its weights were trained for other code.
 """
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, KVCache
 
 CODE_FILES = ("model.py", "modeling_nanope.py")  # the code config.json's code_sha256 records
 
@@ -35,13 +42,23 @@ def code_sha256(folder: Path) -> dict[str, str]:
 
 
 class NanoPEConfig(PretrainedConfig):
-    """model_args: GPTConfig's fields, as the checkpoint stores them; code_sha256: what CODE_FILES were at export."""
+    """model_args: GPTConfig's fields, as the checkpoint stores them; code_sha256: what CODE_FILES were at export;
+    max_context: the longest context generation attends to (sample.py's --max_context; None: block_size);
+    read_eot_as: the token that ids past the model's vocabulary read as (None: there are none)."""
 
     model_type = "nanope"
 
-    def __init__(self, model_args: dict | None = None, code_sha256: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        model_args: dict | None = None,
+        code_sha256: dict | None = None,
+        max_context: int | None = None,
+        read_eot_as: int | None = None,
+        **kwargs,
+    ):
         self.model_args = dict(model_args or {})
         self.code_sha256 = dict(code_sha256 or {})
+        self.max_context, self.read_eot_as = max_context, read_eot_as
         a = self.model_args
         # the names transformers and lm-eval read (export.py gives max_position_embeddings too)
         self.vocab_size, self.hidden_size = a.get("vocab_size"), a.get("n_embd")
@@ -52,6 +69,46 @@ class NanoPEConfig(PretrainedConfig):
 
 class CodeMismatchError(ValueError):
     pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache: model.py's KVCache, behind transformers' Cache interface
+
+
+@dataclass
+class Rows:
+    """Rows of a batch that share their padding, so their tokens sit at the same positions and share one KVCache."""
+
+    index: torch.Tensor  # (n,) the rows
+    tokens: torch.Tensor  # (n, t) their real tokens so far, padding left out
+    kv: KVCache | None = None  # None until the first forward that writes it
+
+
+class NanoPECache(Cache):
+    """What generate() carries from step to step: one model.py KVCache for each group of rows with the same padding
+    (positions count from a row's first real token, and a KVCache holds one set of positions), and the tokens each
+    group has read. model.py's attention writes the KVCache itself, so update() is never called; the model decides
+    what each step feeds it (NanoPEForCausalLM.next_logits). use_kv=False: the tokens alone, each step runs the
+    window again (generate(use_cache=False))."""
+
+    def __init__(self, use_kv: bool = True):
+        super().__init__(layers=[])  # transformers' per-layer caches: none, the KVCache holds every layer
+        self.use_kv = use_kv
+        self.groups: list[Rows] = []
+        self.seen = 0  # columns of input_ids read so far, padding included: what prepare_inputs_for_generation skips
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError("a nanoPE model writes its KVCache itself")
+
+    def reorder_cache(self, beam_idx: torch.Tensor):
+        raise NotImplementedError("beam search is not supported by a nanoPE model: use greedy search or sampling")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
 
 
 class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
@@ -94,6 +151,12 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.gpt.lm_head
 
+    def readable(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx with every id past the model's vocabulary (the tokenizer's <|endoftext|>) read as config.read_eot_as."""
+        if self.config.read_eot_as is None:
+            return idx
+        return idx.masked_fill(idx >= self.config.vocab_size, self.config.read_eot_as)
+
     def logits(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of tokens idx (B, T); with mask (B, T), each row's unmasked tokens run alone (positions
         from its first), rows of the same mask together; masked positions get zeros."""
@@ -107,32 +170,92 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
                 out[rows[:, None], cols] = self.gpt(idx[rows[:, None], cols])[0]  # (n, t, V)
         return out
 
+    def context_window(self) -> int:
+        """The longest context generation attends to: config.max_context, by default block_size."""
+        return self.gpt.context_window(self.config.max_context)
+
+    def next_logits(self, idx: torch.Tensor, mask: torch.Tensor | None, cache: NanoPECache) -> torch.Tensor:
+        """Logits (B, 1, V) of the token after idx (B, T), the tokens the cache has not read (the prompt first, with
+        its mask, then one token a step). Each group of rows takes the step sample.py's generation takes: a prefill
+        that starts a KVCache, one token through it, or the whole window again where no cache can be exact."""
+        if not cache.groups:  # the prompt: rows that share their padding share their positions
+            keep = torch.ones_like(idx, dtype=torch.bool) if mask is None else mask.bool()
+            patterns, group = torch.unique(keep, dim=0, return_inverse=True)  # (G, T), (B,)
+            for g, cols in enumerate(patterns):
+                rows = (group == g).nonzero()[:, 0]
+                cache.groups.append(Rows(rows, idx[rows[:, None], cols.nonzero()[:, 0]]))
+            news = [rows.tokens for rows in cache.groups]
+        else:
+            if mask is not None and not bool(mask[:, -idx.size(1) :].all()):
+                raise ValueError("with a cache, the new tokens must all be unmasked: padding goes in the prompt")
+            news = [idx[rows.index] for rows in cache.groups]
+            for rows, new in zip(cache.groups, news, strict=True):
+                rows.tokens = torch.cat([rows.tokens, new], dim=1)
+        cache.seen += idx.size(1)
+        if len(cache.groups) == 1:
+            return self.group_step(cache.groups[0], news[0], cache.use_kv)[:, None]
+        out = idx.new_zeros(idx.size(0), 1, self.config.vocab_size, dtype=self.gpt.lm_head.weight.dtype)
+        for rows, new in zip(cache.groups, news, strict=True):
+            out[rows.index, 0] = self.group_step(rows, new, cache.use_kv)
+        return out
+
+    def group_step(self, rows: Rows, new: torch.Tensor, use_kv: bool) -> torch.Tensor:
+        """Logits (n, V) of the next token of a group whose tokens end in new: model.py's Engine.generate's step, on
+        the group's KVCache (changes there belong here too; the tests compare the two)."""
+        gpt, pe, W, T = self.gpt, self.gpt.encoding, self.context_window(), rows.tokens.size(1)
+        head = lambda x, **kw: gpt.lm_head(gpt.features(x, **kw)[:, -1])  # noqa: E731
+        if not use_kv or not pe.cache_exact(min(T, W)):  # no cache, or none exact (dynamic NTK): run the window
+            absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
+            return head(rows.tokens[:, -W:], pos=torch.arange(T - W, T, device=new.device) if absolute else None)
+        window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
+        if rows.kv is None or (not pe.rolling and rows.kv.next_pos + 1 > W):
+            # a new cache: the window plus the prompt's longest chunk (rolling; the prompt in pieces of <= W), or W
+            rows.kv = KVCache(gpt.config.n_layer, W - 1 + min(T, W) if pe.rolling else W)
+            return head(new if pe.rolling else rows.tokens[:, -W:], cache=rows.kv, window=window)
+        return head(new, cache=rows.kv, window=window)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        past_key_values: NanoPECache | None = None,
+        use_cache: bool | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits of every position; with labels (B, T; -100 ignored), the next-token loss. Positions come from
-        attention_mask alone: position_ids, inputs_embeds and a cache are errors, not silently ignored."""
-        if position_ids is not None or inputs_embeds is not None or past_key_values is not None:
+        """Logits of every position; with labels (B, T; -100 ignored), the next-token loss. With use_cache or a
+        past_key_values (generate() passes both), the logits (B, 1, V) of the next token only, and the cache. Positions
+        come from attention_mask alone: position_ids and inputs_embeds are errors, not silently ignored."""
+        if position_ids is not None or inputs_embeds is not None:
             raise ValueError(
-                "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask, and it keeps "
-                "no cache); leave out position_ids, inputs_embeds and past_key_values"
+                "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask); leave out "
+                "position_ids and inputs_embeds"
             )
-        logits = self.logits(input_ids, attention_mask)
-        loss = None
-        if labels is not None:  # position t predicts token t + 1
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        idx = self.readable(input_ids)
+        if past_key_values is None and not use_cache:
+            logits = self.logits(idx, attention_mask)
+            loss = None
+            if labels is not None:  # position t predicts token t + 1
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if labels is not None:
+            raise ValueError("labels with a cache: a loss needs every position's logits; call without use_cache")
+        cache = NanoPECache() if past_key_values is None else past_key_values
+        return CausalLMOutputWithPast(logits=self.next_logits(idx, attention_mask, cache), past_key_values=cache)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate() makes no cache: each step runs the whole sequence
+        return False  # forward() makes its own cache, a NanoPECache, on the first step
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, **kw):
+        """What each of generate()'s steps feeds forward(): the tokens the cache has not read, and the cache, which
+        without use_cache holds the tokens alone (a NanoPECache is made here then, as forward() would not make one)."""
+        if past_key_values is None:
+            past_key_values = NanoPECache(use_kv=use_cache)
+        return {
+            "input_ids": input_ids[:, past_key_values.get_seq_length() :],
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+        }

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import close, run_cli
+from torch.nn import functional as F
 
 import checkpoint as checkpoint_py
 from checkpoint import ShardedCheckpoint, load_checkpoint, save_checkpoint, save_sharded
@@ -144,6 +145,45 @@ def test_tokenizers_round_trip(tmp_path):
         ids = ours.encode(text)
         assert theirs.encode(text) == ids, meta["kind"]
         assert theirs.decode(ids) == text == ours.decode(ids)
+
+
+def test_exported_tokenizers_end_of_text_padding_and_unknown_characters(tmp_path):
+    """A character-level tokenizer has <|endoftext|> after its characters, as its end of text, start of text and
+    padding (on the left), and decoding skips it and keeps every newline; a character outside the vocabulary encodes
+    as a space (the first character where there is no space), the words "<|endoftext|>" as characters. GPT-2's has
+    its own end of text for all three."""
+    toks = {}
+    for name, meta in [("chars", {"kind": "char", "chars": CHARS}), ("no space", {"kind": "char", "chars": "\nab"})]:
+        export.hf_tokenizer(meta).save_pretrained(tmp_path / name)
+        toks[name] = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+    tok, eot, space = toks["chars"], len(CHARS), CHARS.index(" ")
+    assert tok.eos_token == "<|endoftext|>" and tok.convert_tokens_to_ids("<|endoftext|>") == eot
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.padding_side) == (eot, eot, eot, "left")
+    ids = tok.encode("Ab\té\n<|endoftext|>")
+    assert ids == [CHARS.index(c) if c in CHARS else space for c in "Ab  \n<|endoftext|>"]
+    assert tok.decode([*ids[:5], eot, *ids[:5]], skip_special_tokens=True) == "Ab  \nAb  \n"
+    batch = tok(["To be", "Or not to be"], padding=True)
+    assert batch["input_ids"][0] == [eot] * 7 + tok.encode("To be") and batch["attention_mask"][0] == [0] * 7 + [1] * 5
+    assert toks["no space"].encode("a b\n") == [1, 0, 2, 0]
+    export.hf_tokenizer({"kind": "gpt2"}).save_pretrained(tmp_path / "gpt2")
+    gpt2 = transformers.AutoTokenizer.from_pretrained(tmp_path / "gpt2")
+    assert (gpt2.eos_token_id, gpt2.bos_token_id, gpt2.pad_token_id, gpt2.padding_side) == (50256,) * 3 + ("left",)
+
+
+def test_tokenizers_load_without_a_trust_prompt(remote, tmp_path, monkeypatch):
+    """AutoTokenizer loads a GPT-2, GPT-NeoX or MPT export as it is, and an export that carries its code with
+    trust_remote_code=True, and PreTrainedTokenizerFast either without it, as the documentation says, without asking
+    anything."""
+
+    def prompt(*args):
+        raise AssertionError("transformers asked whether to trust the folder")
+
+    monkeypatch.setattr("builtins.input", prompt)
+    ckpt, _ = checkpoint(pos_encoding="rope")
+    native = export.export(ckpt, tmp_path / "hf")
+    for folder, trust in [(native, False), (remote["t5"][0], True)]:
+        assert transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust).eos_token_id == V
+        assert transformers.PreTrainedTokenizerFast.from_pretrained(folder).eos_token_id == V
 
 
 def test_dtype_option_and_default(tmp_path):
@@ -382,7 +422,7 @@ def test_remote_code_export_computes_our_logits(pe, remote):
     idx = torch.randint(0, V, (2, length(pe)), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         close(hf(idx).logits, model(idx)[0], tol=1e-5)
-    assert transformers.AutoTokenizer.from_pretrained(out).decode([5, 6]) == CHARS[5:7]
+    assert transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True).decode([5, 6]) == CHARS[5:7]
 
 
 @pytest.mark.parametrize("pe", list(POS_ENCODINGS))
@@ -402,20 +442,79 @@ def test_remote_code_left_padding_gives_each_row_its_own_logits(pe, remote):
             close(logits[b, T - len(row) :], model(row[None])[0][0], tol=1e-5)
 
 
-@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
-def test_remote_code_generate_gives_our_tokens(pe, remote):
-    """transformers' generate (its own loop, greedy, no cache) gives our greedy tokens, past the training length
-    where the encoding reaches, for a left-padded batch too (each row as it would be alone)."""
-    _, model, hf = remote[pe]
-    n = 30 if POS_ENCODINGS[pe].extrapolates else 24  # to 38 tokens, past the training length (32), or to 32
+def test_remote_code_reads_the_tokenizers_padding_and_end_of_text(remote):
+    """A batch the exported tokenizer pads (on the left, with <|endoftext|>) gives each row its logits alone, and
+    <|endoftext|>, past the model's vocabulary, reads as a newline: the harness's start of text."""
+    out, model, hf = remote["t5"]
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    texts = ["ROMEO:\nHe jests at scars", "To be"]
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = hf(**batch).logits
+        for b, text in enumerate(texts):
+            ids = torch.tensor([tok.encode(text)])
+            close(logits[b, -ids.size(1) :], model(ids)[0][0])
+        close(hf(torch.tensor([[V, *ids[0]]])).logits, model(torch.tensor([[0, *ids[0]]]))[0])
+
+
+def prompts_left_padded() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Prompts of 8 and 5 tokens, and the batch (2, 8) and mask that pad them on the left."""
     prompts = [torch.randint(0, V, (k,), generator=torch.Generator().manual_seed(k)) for k in (8, 5)]
     idx, mask = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
     for b, p in enumerate(prompts):
         idx[b, 8 - len(p) :], mask[b, 8 - len(p) :] = p, 1
-    theirs = hf.generate(idx, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    for b, p in enumerate(prompts):
-        ours = model.generate(p[None], n, temperature=0, max_context=len(p) + n)
-        assert torch.equal(theirs[b, 8:], ours[0, len(p) :]), b
+    return prompts, idx, mask
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_remote_code_generate_is_sample_py_on_our_kv_cache(pe, remote):
+    """transformers' generate (greedy) gives sample.py's tokens, within its default window (block_size, 32) and past
+    it (the relative encodings' rolling cache, the absolute ones' crop and restart), with the cache and without, each
+    row of a left-padded batch as it would be alone; the cache it carries is a transformers Cache holding model.py's
+    KVCache."""
+    _, model, hf = remote[pe]
+    prompts, idx, mask = prompts_left_padded()
+    n = 32  # to 40 and 37 tokens
+    for use_cache in (True, False):
+        out = hf.generate(
+            idx, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=use_cache,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        for b, p in enumerate(prompts):
+            ours = model.generate(p[None], n, temperature=0, use_cache=use_cache)
+            assert torch.equal(out.sequences[b, 8:], ours[0, len(p) :]), (use_cache, b)
+        if use_cache:
+            cache, folder_model = out.past_key_values, sys.modules[type(hf).__module__]
+            assert isinstance(cache, transformers.Cache) and len(cache.groups) == 2  # one per padding
+            assert all(type(rows.kv) is folder_model.KVCache for rows in cache.groups)
+
+
+@pytest.mark.parametrize("pe, kw", [("alibi", {}), ("rope", {"rope_scaling": "dynamic_ntk", "rope_factor": 2.0})])
+def test_remote_code_generate_takes_max_context(pe, kw, tmp_path):
+    """max_context, given when loading, is sample.py's --max_context: a window longer than the training length (48
+    against 32), and dynamic NTK past its training length, where no cache is exact and each step runs the window."""
+    ckpt, model = checkpoint(perturb=0.3, pos_encoding=pe, **kw)
+    out = export.export(ckpt, tmp_path / "hf", remote_code=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, max_context=48)
+    idx = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(4))
+    theirs = hf.generate(idx, max_new_tokens=70, min_new_tokens=70, do_sample=False)
+    assert torch.equal(theirs, model.generate(idx, 70, temperature=0, max_context=48))
+
+
+def test_remote_code_pipeline_pads_and_samples(remote):
+    """transformers' text-generation pipeline, a batch of two prompts (padded): greedy gives our text for each, past
+    the training length, newlines kept; sampling (temperature, top_k) runs and keeps each prompt."""
+    out, model, _ = remote["alibi"]
+    pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True, device="cpu")
+    prompts = ["ROMEO:\n", "To be, or not"]
+    greedy = pipe(prompts, batch_size=2, max_new_tokens=40, do_sample=False)
+    for prompt, [result] in zip(prompts, greedy, strict=True):
+        ours = model.generate(torch.tensor([[CHARS.index(c) for c in prompt]]), 40, temperature=0)
+        assert result["generated_text"] == "".join(CHARS[i] for i in ours[0])
+    torch.manual_seed(0)
+    sampled = pipe(prompts, batch_size=2, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=10)
+    for prompt, [result] in zip(prompts, sampled, strict=True):
+        assert result["generated_text"].startswith(prompt) and len(result["generated_text"]) == len(prompt) + 20
 
 
 def test_bundled_code_is_our_model_and_recorded(remote):
@@ -496,3 +595,185 @@ def test_remote_code_loads_without_nanope(remote, tmp_path):
     assert r.stdout.strip().startswith(str(tmp_path / "modules")), r.stdout
     with torch.no_grad():
         close(torch.load(tmp_path / "logits.pt"), model(idx)[0], tol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lm-evaluation-harness: its three kinds of task on the exports, and docs/export.md's commands as written
+
+HARNESS_WINDOW, GEN_TOKENS = 32, 8  # the harness's max_length (the training length here) and max_gen_toks
+
+
+@pytest.fixture(scope="module")
+def harness_docs(tmp_path_factory) -> Path:
+    """Four documents of Shakespeare (characters outside CHARS included) as the harness's json: the text; the text
+    split at the end of a line past its middle, the context and the next line (its first 24 characters); and that
+    line's prompt, the line before it (short and of different lengths, so that the harness pads them)."""
+    pytest.importorskip("lm_eval")
+    from datafiles import read_embedded_corpus
+
+    text, rows = read_embedded_corpus()[200_000:202_000], []
+    for start in range(0, 1_600, 400):
+        cut = text.index("\n", start + 200) + 1
+        prompt = text[text.rindex("\n", start, cut - 1) + 1 : cut]
+        rows.append(
+            {
+                "text": text[start : start + 400],
+                "context": text[start:cut],
+                "prompt": prompt,
+                "line": text[cut:].split("\n")[0][:24],  # the harness scores at most max_length tokens of it
+            }
+        )
+    path = tmp_path_factory.mktemp("harness") / "docs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def harness(folder: Path, docs: Path, until: str = "\n", **model_args) -> dict[str, list[dict]]:
+    """lm-eval's loglikelihood_rolling, loglikelihood and generate_until (until a newline) on the export in folder,
+    run in this process as its command runs them (batches of 4, so padded): each task's samples."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = {"data_files": {"test": str(docs)}, "cache_dir": str(docs.parent / "datasets")}
+    tasks = [
+        {"task": "rolling", "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}"},
+        {"task": "line", "output_type": "loglikelihood", "doc_to_text": "{{context}}", "doc_to_target": "{{line}}"},
+        {
+            "task": "generate",
+            "output_type": "generate_until",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{line}}",
+            "generation_kwargs": {"until": [until], "max_gen_toks": GEN_TOKENS, "do_sample": False},
+        },
+    ]
+    tasks = [
+        t | {"dataset_path": "json", "dataset_kwargs": data, "test_split": "test", "target_delimiter": ""}
+        for t in tasks
+    ]
+    results = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(folder), "max_length": HARNESS_WINDOW, **model_args},
+        tasks=tasks,
+        task_manager=TaskManager(include_defaults=False),
+        batch_size=4,
+        device="cpu",
+        bootstrap_iters=0,
+    )
+    return results["samples"]
+
+
+def our_loglikelihood(model: GPT, context: list[int], continuation: list[int], eot_as: int | None) -> float:
+    """Our model's log-likelihood of continuation after context in the harness's window: the last max_length + 1
+    tokens, the last of them left out of the input; its <|endoftext|> (past the vocabulary) read as eot_as."""
+    tokens = (context + continuation)[-(HARNESS_WINDOW + 1) :]
+    if eot_as is not None:
+        tokens = [eot_as if t >= model.config.vocab_size else t for t in tokens]
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([tokens[:-1]]))[0][0].double(), dim=-1)
+    n = len(continuation)
+    return sum(logp[len(tokens) - 1 - n + k, t].item() for k, t in enumerate(continuation))
+
+
+def check_harness(samples: dict[str, list[dict]], model: GPT, tok, eot_as: int | None, until: str = "\n") -> None:
+    """The harness's samples against our model: the log-likelihoods of every rolling window and of each line, to
+    1e-4, and the generated text, exactly, up to `until`."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    for s in samples["rolling"]:
+        ids = tok.encode(s["doc"]["text"])
+        windows = get_rolling_token_windows(ids, tok.bos_token_id, HARNESS_WINDOW, 1)
+        ours = sum(our_loglikelihood(model, c, x, eot_as) for c, x in map(make_disjoint_window, windows))
+        assert float(s["resps"][0][0]) == pytest.approx(ours, abs=1e-4)
+    for s in samples["line"]:  # the harness moves the context's final newline to the continuation
+        context, line = s["doc"]["context"], s["doc"]["line"]
+        whole, head = tok.encode(context + line), tok.encode(context[:-1])
+        assert float(s["resps"][0][0][0]) == pytest.approx(
+            our_loglikelihood(model, head, whole[len(head) :], eot_as), abs=1e-4
+        )
+    for s in samples["generate"]:
+        context = torch.tensor([tok.encode(s["doc"]["prompt"])[-(HARNESS_WINDOW - GEN_TOKENS) :]])
+        ours = tok.decode(model.generate(context, GEN_TOKENS, temperature=0)[0, context.size(1) :])
+        assert s["filtered_resps"][0] == ours.split(until)[0], (s["filtered_resps"], ours)
+
+
+@pytest.mark.parametrize("pe", list(POS_ENCODINGS))
+def test_harness_tasks_on_every_encoding(pe, remote, harness_docs):
+    """lm-eval runs all three kinds of task on a character-level export of every encoding (one that carries its code)
+    with trust_remote_code and max_length alone, batches padded, and its numbers and generated lines are our model's,
+    <|endoftext|>, its start of text, read as a newline."""
+    out, model, _ = remote[pe]
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    check_harness(harness(out, harness_docs, trust_remote_code=True), model, tok, eot_as=CHARS.index("\n"))
+
+
+def test_harness_generations_keep_their_newlines(harness_docs, tmp_path):
+    """A model that often writes a newline, generating until a string it never writes: the harness returns all it
+    generated, newlines included (with the newline as the tokenizer's end of text, it would return none of them)."""
+    ckpt, model = checkpoint(perturb=0.3, pos_encoding="kerple")
+    with torch.no_grad():
+        model.lm_head.weight[CHARS.index("\n")] *= 6  # the tied row: the checkpoint's, which holds the same tensor
+    out = export.export(ckpt, tmp_path / "hf", remote_code=True)
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    samples = harness(out, harness_docs, until="@", trust_remote_code=True)
+    check_harness(samples, model, tok, eot_as=CHARS.index("\n"), until="@")
+    assert sum("\n" in s["filtered_resps"][0] for s in samples["generate"]) >= 2
+
+
+def test_harness_tasks_on_a_gpt2_bpe_export(harness_docs, tmp_path):
+    """A GPT-2 BPE run's export (GPT-NeoX) needs max_length alone: GPT-2's <|endoftext|> starts texts and pads."""
+    ckpt, model = checkpoint(perturb=0.3, pos_encoding="rope", vocab_size=50257)
+    ckpt["tokenizer"] = {"kind": "gpt2"}
+    out = export.export(ckpt, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    check_harness(harness(out, harness_docs), model, tok, eot_as=None)
+
+
+def doc_blocks() -> list[tuple[str, str]]:
+    """docs/export.md's fenced blocks, (language, text), in the page's order."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "docs" / "export.md").read_text(), re.S | re.M)
+
+
+def test_the_export_page_runs_as_written(tmp_path):
+    """docs/export.md's commands, Python and task files, run as written in a folder that holds two runs (tiny models
+    of the Shakespeare characters, block 64) and the prepared validation split: the exports, loading one and
+    generating, writing the documents, and lm_eval's three tasks, which score every document and write their results
+    under results/<export>/. Only the commands' python and lm_eval are this environment's."""
+    pytest.importorskip("lm_eval")
+    import numpy as np
+
+    from datafiles import read_embedded_corpus
+    from tokenizer import CharTokenizer
+
+    text = read_embedded_corpus()
+    chars = CharTokenizer.from_text(text).chars
+    data = tmp_path / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    (data / "meta.json").write_text(
+        json.dumps({"vocab_size": len(chars), "tokenizer": {"kind": "char", "chars": chars}})
+    )
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    np.array([stoi[ch] for ch in text[-60_000:]], dtype=np.uint16).tofile(data / "val.bin")
+    for pe in ("rope", "bias_rpe"):
+        ckpt, _ = checkpoint(pos_encoding=pe, vocab_size=len(chars), block_size=64)
+        save_checkpoint(ckpt | {"tokenizer": {"kind": "char", "chars": chars}}, tmp_path / f"out-{pe}" / "ckpt.pt")
+    bin_dir = Path(sys.executable).parent  # python and lm_eval
+    env = os.environ | {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_HOME": str(tmp_path / "hf-home")}
+    blocks = doc_blocks()
+    assert [lang for lang, _ in blocks] == ["", "python", "python", "yaml", "yaml", "yaml", ""]
+    for lang, block in blocks:
+        if lang == "yaml":  # a task file, named by its first line
+            (tmp_path / block.splitlines()[0].removeprefix("# ")).write_text(block)
+            continue
+        if lang == "python":
+            cmd = [sys.executable, "-c", block]
+        else:  # export.py is the repository's
+            cmd = ["bash", "-c", block.replace("python export.py", f"python {ROOT / 'export.py'}")]
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    [results] = (tmp_path / "results" / "hf-bias_rpe").glob("results_*.json")
+    scores = json.loads(results.read_text())["results"]
+    assert set(scores) == {"shakespeare_bpb", "shakespeare_line", "shakespeare_generate"}
+    assert 0 < scores["shakespeare_bpb"]["bits_per_byte,none"] < 10
+    for task in scores:
+        [samples] = (tmp_path / "results" / "hf-bias_rpe").glob(f"samples_{task}_*.jsonl")
+        assert len(samples.read_text().splitlines()) == 20  # the documents
