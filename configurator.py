@@ -17,9 +17,11 @@ class ConfigError(ValueError):
     pass
 
 
-def configure(defaults: dict, argv: list[str]) -> dict:
-    """Return defaults updated by the config files and --key=value overrides in argv."""
+def configure(defaults: dict, argv: list[str], explicit: set[str] | None = None) -> dict:
+    """Return defaults updated by the config files and --key=value overrides in argv. explicit, if given, receives
+    the keys that a config file or the command line set (to any value, the default's too)."""
     config = dict(defaults)
+    explicit = set() if explicit is None else explicit
     for arg in argv:
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
@@ -31,6 +33,7 @@ def configure(defaults: dict, argv: list[str]) -> dict:
             if isinstance(default, str) and eq and not isinstance(value, str):
                 value = text  # a string option takes the text as written: --wandb_run_name=2024 is '2024'
             _set(config, defaults, key, value, "the command line")
+            explicit.add(key)
         else:
             path = Path(arg)
             if not path.is_file():
@@ -39,6 +42,7 @@ def configure(defaults: dict, argv: list[str]) -> dict:
             for key, value in values.items():
                 if not key.startswith("_") and not isinstance(value, ModuleType):
                     _set(config, defaults, key, value, str(path))
+                    explicit.add(key)
     return config
 
 

@@ -49,7 +49,18 @@ import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from model import POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
-from sweep_report import Cell, Study, TaskScore, TextRun, recipe_report, synthetic_report, text_report
+from sweep_report import (
+    Cell,
+    Extension,
+    Study,
+    TaskScore,
+    TextRun,
+    extend_report,
+    extension_name,
+    recipe_report,
+    synthetic_report,
+    text_report,
+)
 from tokenizer import tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parent
@@ -131,9 +142,9 @@ def finished_checkpoint(d: Path) -> dict:
     return ckpt
 
 
-def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=()) -> list[str] | None:
+def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str] | None:
     """train.py's command for one run (resuming an unfinished one), or None if the run is finished: the encoding's
-    config, then configs, then the sweep's own options, extra (a recipe's) and --train's."""
+    config, then configs, then the sweep's own options, extra (a recipe's), --train's and last (an extension's)."""
     state = finished(d)
     if state:
         print(f"[sweep] {d.parent.name}/{d.name}: finished earlier, not trained again", flush=True)
@@ -149,6 +160,7 @@ def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=
         f"--wandb_run_name={enc}-seed{seed}",
         *extra,
         *args.train,
+        *last,
     ]
     return cmd + ["--init_from=resume"] if state is False else cmd
 
@@ -481,6 +493,149 @@ def text_run(enc: str, seed: int, d: Path) -> TextRun:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Extension (--extend): the text sweep's runs (and a synthetic task's) fine-tuned at --factor times their training
+# length for --steps, RoPE with each scaling, then evaluated to 4·factor times the original length against the same
+# runs (and scalings) without fine-tuning
+
+EXTEND_ENCODINGS = ("rope", "alibi", "kerple", "t5", "bias_rpe", "learned")
+EXTEND_SCALINGS = ("linear", "ntk", "yarn")  # RoPE's, each fine-tuned with and applied without; "none" is fine-tuned
+EXTEND_RATE = 3e-4  # the fine-tunes' peak rate, min_lr a tenth: a third of the sources' (PI and YaRN: ~1/15 LLaMA's)
+
+
+def finetune_options(source: Path, block: int, scaling: str, args) -> list[str]:
+    """train.py's options that make a run the extension of source (trained at block tokens): at factor times its
+    length, a fresh schedule over --steps (warmup a tenth, six evaluations for the steps-to-a-loss curve), and RoPE's
+    scaling with s = factor from L0 = block (train.py's defaults, written out)."""
+    n = args.steps
+    opts = [f"--init_from={source}", f"--block_size={args.factor * block}", f"--max_iters={n}"]
+    opts += [f"--lr_decay_iters={n}", f"--warmup_iters={max(1, n // 10)}", f"--eval_interval={max(1, n // 6)}"]
+    opts += [f"--learning_rate={EXTEND_RATE}", f"--min_lr={EXTEND_RATE / 10:g}"]
+    if scaling != "none":
+        opts += [f"--rope_scaling={scaling}", f"--rope_factor={args.factor}", f"--rope_original_max_len={block}"]
+    return opts
+
+
+def cached_json(path: Path, key, compute):
+    """compute()'s result, kept in path under key (its inputs: the checkpoints' stamps, the settings): computed again
+    only when they change. As JSON reads it back either way (a length as a key is a string)."""
+    if (old := read_json(path)) and old.get("key") == key:
+        return old["value"]
+    value = json.loads(json.dumps(compute()))
+    write_atomic(path, json.dumps({"key": key, "value": value}, indent=1))
+    return value
+
+
+def extension_task_scores(runs: list[Extension], lengths: list[int], scalings: list[str], factor: int, trials: int):
+    """{"scores": {run: {variant: {length: token accuracy or None}}}, "seconds"}: each source read as trained ("none")
+    and, for RoPE, with each scaling at s = factor, and each fine-tuned run as saved ("fine-tuned"); the same sequences
+    for every run."""
+    out: dict = {}
+    t0 = time.time()
+    for r in runs:
+        source = finished_checkpoint(Path(r.source))
+        cfg = source["config"]
+        model = model_from_checkpoint(source).eval()
+        for scaling in ["none", *(scalings if model.encoding.rope_scalable else [])] if r.scaling == "none" else []:
+            if scaling != "none":
+                model.set_rope_scaling(scaling, float(factor))
+            acc = synthetic.evaluate_checkpoint(model, cfg, lengths, trials)
+            out.setdefault(r.source, {})[scaling] = {L: a and a["token"] for L, a in acc.items()}
+        ckpt = finished_checkpoint(Path(r.dir))
+        acc = synthetic.evaluate_checkpoint(model_from_checkpoint(ckpt).eval(), ckpt["config"], lengths, trials)
+        out.setdefault(r.dir, {})["fine-tuned"] = {L: a and a["token"] for L, a in acc.items()}
+    return {"scores": out, "seconds": time.time() - t0}
+
+
+def extend_study(args, argv: list[str], out_dir: Path) -> None:
+    """Train the sources that are missing (the text sweep's and the synthetic suite's own commands, into their
+    folders), fine-tune each at factor times its length (resuming, skipping finished runs), evaluate (cached while no
+    checkpoint changes), report."""
+    t0 = time.time()
+    size, F = SIZES[args.size], args.factor
+    text_dir, task_dir = Path(args.sources or f"sweep-{args.size}"), Path(args.task_sources or "sweep-synthetic")
+    task_args = argparse.Namespace(**(vars(args) | {"train": []}))  # --train is the text runs'
+    kinds = ["text"] + ([args.extend_task] if args.extend_task != "none" else [])
+    plan = []  # (kind, enc, scaling, seed, source, fine-tuned run)
+    for kind in kinds:
+        for seed in args.seeds:
+            for enc in args.encodings:
+                src = run_dir(text_dir, enc, seed) if kind == "text" else task_dir / kind / f"{enc}-seed{seed}"
+                where = out_dir if kind == "text" else out_dir / kind
+                for scaling in ["none", *args.rope_scaling] if POS_ENCODINGS[enc].rope_scalable else ["none"]:
+                    name = enc if scaling == "none" and not POS_ENCODINGS[enc].rope_scalable else f"{enc}-{scaling}"
+                    plan.append((kind, enc, scaling, seed, src, where / f"{name}-seed{seed}"))
+
+    def source_command(kind, enc, seed, src):
+        if kind == "text":
+            return train_command(enc, seed, src, args, size["train"])
+        return train_command(enc, seed, src, task_args, [f"config/{kind}.py"])
+
+    sources = list(dict.fromkeys((kind, enc, seed, src) for kind, enc, _, seed, src, _ in plan))
+    jobs = [(src, cmd) for kind, enc, seed, src in sources if (cmd := source_command(kind, enc, seed, src))]
+    train_all(jobs, args.jobs)
+    jobs = []
+    for kind, enc, scaling, seed, src, d in plan:
+        block = finished_checkpoint(src)["config"]["block_size"]
+        configs = size["train"] if kind == "text" else [f"config/{kind}.py"]
+        last = finetune_options(src, block, scaling, args)
+        if cmd := train_command(enc, seed, d, args if kind == "text" else task_args, configs, last=last):
+            jobs.append((d, cmd))
+    train_all(jobs, args.jobs)
+    runs = []
+    for kind, enc, scaling, seed, src, d in plan:
+        ckpt, source = finished_checkpoint(d), finished_checkpoint(src)
+        seconds = (read_json(d / "sweep.json") or {}).get("seconds", 0.0)
+        runs.append(
+            Extension(kind, enc, scaling, seed, str(src), str(d), source["best_val_loss"], ckpt["history"], seconds)
+        )
+    source_seconds = sum((read_json(src / "sweep.json") or {}).get("seconds", 0.0) for *_, src in sources)
+
+    text = [r for r in runs if r.kind == "text"]
+    L0 = sorted({finished_checkpoint(Path(r.source))["config"]["block_size"] for r in text})
+    if len(L0) > 1:
+        sys.exit(f"[sweep] the sources were trained at different lengths ({L0}): one report cannot compare them")
+    lengths = args.lengths or [L0[0] * k for k in (1, F, 2 * F, 4 * F)]
+    evaluation = dict(lengths=lengths, modes=["sliding"], eval_tokens=args.eval_tokens or size["eval_tokens"])
+    evaluation |= dict(out_json="", plot="")
+    stamps = [[r.dir, *stamp(latest(r.dir)), r.source, *stamp(latest(r.source))] for r in runs]
+    key = {"evaluation": evaluation, "scalings": args.rope_scaling, "factor": F, "runs": stamps}
+    sources_once = list(dict.fromkeys(r.source for r in text))
+    report = cached_json(
+        out_dir / "eval.json",
+        key,
+        lambda: {
+            "sources": eval_length.evaluate_runs(
+                sources_once,
+                names=[Path(s).name.rsplit("-seed", 1)[0] for s in sources_once],
+                rope_scaling=list(args.rope_scaling),
+                rope_factor=float(F),
+                **evaluation,
+            ),
+            "fine-tuned": eval_length.evaluate_runs(
+                [r.dir for r in text], names=[extension_name(r) for r in text], **evaluation
+            ),
+        },
+    )
+    tasks = {}
+    if len(kinds) > 1:
+        task_runs = [r for r in runs if r.kind != "text"]
+        cfg = finished_checkpoint(Path(task_runs[0].source))["config"]
+        task_lengths = [cfg["block_size"] * k for k in (1, F, 2 * F, 4 * F)]
+        task_key = key | {"lengths": task_lengths, "trials": args.task_trials, "version": SYNTHETIC_VERSION}
+        scores = cached_json(
+            out_dir / kinds[1] / "scores.json",
+            task_key,
+            lambda: extension_task_scores(task_runs, task_lengths, list(args.rope_scaling), F, args.task_trials),
+        )
+        options = {"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)}  # the generator's: the floor reads them
+        tasks = {"task": kinds[1], "lengths": task_lengths, "trials": args.task_trials, "options": options} | scores
+    evaluated = report["sources"]["seconds"] + report["fine-tuned"]["seconds"] + tasks.get("seconds", 0.0)
+    seconds = {"sources": source_seconds, "evaluation": evaluated, "wall": time.time() - t0}
+    path = extend_report(out_dir, runs, report, tasks, F, args.steps, seconds, argv)
+    print(f"[sweep] report: {path}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The command line
 
 
@@ -506,7 +661,9 @@ def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
 
 def _main(argv: list[str]) -> None:
     args, out_dir = parse_args(argv)
-    if args.recipes:
+    if args.extend:
+        extend_study(args, argv, out_dir)
+    elif args.recipes:
         recipe_study(args, argv, out_dir)
     elif args.synthetic is not None:
         synthetic_suite(args, argv, out_dir)
@@ -518,7 +675,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     """The options, checked (a bad one is a one-line error before any work), and the output folder."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default=None, help="default: gpu where there is one, else cpu")
-    p.add_argument("--encodings", nargs="+", default=list(POS_ENCODINGS), choices=list(POS_ENCODINGS))
+    p.add_argument(
+        "--encodings",
+        nargs="+",
+        default=None,
+        choices=list(POS_ENCODINGS),
+        help="default: all; --extend: " + " ".join(EXTEND_ENCODINGS),
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1337])
     p.add_argument(
         "--lengths",
@@ -533,7 +696,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         nargs="*",
         default=None,
         choices=[s for s in ROPE_SCALINGS if s != "none"],
-        help="extra RoPE rows (eval_length; default: yarn dynamic_ntk)",
+        help="extra RoPE rows (eval_length; default: yarn dynamic_ntk); --extend: RoPE's fine-tunes besides none, "
+        "and the same scalings without fine-tuning (default: " + " ".join(EXTEND_SCALINGS) + ")",
     )
     p.add_argument("--out_dir", default=None, help="default: sweep-<size>, or sweep-synthetic")
     p.add_argument("--eval_tokens", type=int, default=None, help="validation tokens per length (default: per size)")
@@ -565,8 +729,36 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         default=None,
         help="--recipes: the seeds the grid is trained on (2001)",
     )
+    p.add_argument(
+        "--extend",
+        action="store_true",
+        help="the extension study: the text sweep's runs (--sources) and a synthetic task's (--task_sources), each "
+        "fine-tuned at --factor times its training length for --steps, evaluated to 4·factor times it against "
+        "themselves",
+    )
+    p.add_argument("--factor", type=int, default=None, help="--extend: fine-tune at this many training lengths (4)")
+    p.add_argument("--steps", type=int, default=None, help="--extend: each fine-tune's iterations (150)")
+    p.add_argument("--sources", default=None, help="--extend: the text runs' folder (default: sweep-<size>)")
+    p.add_argument("--task_sources", default=None, help="--extend: the task runs' folder (default: sweep-synthetic)")
+    p.add_argument(
+        "--extend_task",
+        default=None,
+        choices=[*synthetic.TASKS, "none"],
+        help="--extend: the synthetic task fine-tuned and scored after extension (passkey)",
+    )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
+    extend_only = {"factor": 4, "steps": 150, "sources": None, "task_sources": None, "extend_task": "passkey"}
+    for name, default in extend_only.items():
+        if not args.extend and getattr(args, name) is not None:
+            p.error(f"--{name}: only the extension study (--extend) has it; drop it or add --extend")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.extend and (args.synthetic is not None or args.recipes):
+        p.error("--extend is a study of its own: drop --synthetic and --recipes (its task is --extend_task)")
+    if args.extend and args.rope_scaling is None:
+        args.rope_scaling = list(EXTEND_SCALINGS)
+    args.encodings = args.encodings or list(EXTEND_ENCODINGS if args.extend else POS_ENCODINGS)
     if args.synthetic is not None:
         args.synthetic = args.synthetic or list(synthetic.SUITE)
     # the text sweep's options: None unless given, so that the synthetic suite, which has no use for them (its model
@@ -593,18 +785,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
     if min(args.seeds + args.selection_seeds) < 0:
         p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds + args.selection_seeds)}")
-    for name, least in (("jobs", 1), ("task_trials", 1), ("eval_tokens", 1), ("task_depths", 2)):
+    for name, least in (("jobs", 1), ("task_trials", 1), ("eval_tokens", 1), ("task_depths", 2), ("factor", 1)):
         if (x := getattr(args, name)) is not None and x < least:
             p.error(f"--{name}={x}: must be at least {least}")
+    if args.steps < 1:
+        p.error(f"--steps={args.steps}: must be at least 1")
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     check_train_options(p, args.train)
-    out_dir = Path(args.out_dir or ("sweep-synthetic" if args.synthetic is not None else f"sweep-{args.size}"))
+    default = (
+        "sweep-extend" if args.extend else "sweep-synthetic" if args.synthetic is not None else f"sweep-{args.size}"
+    )
+    out_dir = Path(args.out_dir or default)
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out_dir={out_dir} is a file, not a folder; choose a folder for the runs and the report")
+    if args.extend and out_dir.resolve() in (
+        Path(args.sources or f"sweep-{args.size}").resolve(),
+        Path(args.task_sources or "sweep-synthetic").resolve(),
+    ):
+        p.error(f"--out_dir={out_dir}: the extension runs need a folder of their own, not their sources'")
     if problem := cannot_write(out_dir, create=True):
         p.error(f"--out_dir={out_dir}: cannot write there ({problem}); choose another folder")
-    args.task_trials = args.task_trials or (400 if args.synthetic is not None else 5)
+    args.task_trials = args.task_trials or (400 if args.synthetic is not None or args.extend else 5)
     return args, out_dir
 
 

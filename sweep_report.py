@@ -608,3 +608,228 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
     }
     write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The extension study (--extend): each run fine-tuned at factor times its training length, against itself without
+
+
+@dataclass
+class Extension:
+    """A source run and its fine-tune at a longer length, as the extension study's report reads them."""
+
+    kind: str  # "text", or the synthetic task both were trained on
+    enc: str
+    scaling: str  # RoPE's scaling during the fine-tune ("none": none, and every other encoding)
+    seed: int
+    source: str  # the run extended
+    dir: str  # the fine-tuned run
+    source_val: float  # the source's best validation loss, at its training length
+    history: list[dict]  # the fine-tune's evaluations at the new length: {"iter", "train", "val"[, "acc"]}
+    seconds: float  # the fine-tune's wall clock
+
+
+def extension_name(r: Extension) -> str:
+    """A fine-tuned variant's row name, seeds together."""
+    return f"{r.enc}+{r.scaling}" if r.scaling != "none" else r.enc
+
+
+def extension_label(r: Extension, F: int) -> str:
+    """A variant's label in the tables: the encoding, and RoPE's scaling with its factor."""
+    return f"{r.enc} · {r.scaling} (s={F})" if r.scaling != "none" else f"{r.enc} · none" if r.enc == "rope" else r.enc
+
+
+def steps_to(histories: list[list[dict]], targets: list[float]) -> str:
+    """The first evaluation at which each fine-tune's validation loss is at most its target (mean ± std over seeds,
+    and how many reached it where not all did)."""
+    steps = [next((h["iter"] for h in hist if h["val"] <= t), None) for hist, t in zip(histories, targets, strict=True)]
+    reached = [s for s in steps if s is not None]
+    if not reached:
+        return f"not in {histories[0][-1]['iter']}"
+    cell = mean_spread([float(s) for s in reached], 0)
+    return cell if len(reached) == len(steps) else f"{cell} ({len(reached)} of {len(steps)})"
+
+
+def extension_rows(runs: list[Extension], report: dict, F: int) -> list[tuple]:
+    """(variant label, fine-tuned?, its runs, {L: [ppl per seed]}) for the text table and plot: each encoding as trained
+    and fine-tuned, RoPE's per scaling (without fine-tuning at s = F), in the order of the runs."""
+    source, tuned = aggregate(report["sources"]), aggregate(report["fine-tuned"])
+    rows = []
+    for name, rs in by_encoding(runs, extension_name).items():
+        enc, scaling, label = rs[0].enc, rs[0].scaling, extension_label(rs[0], F)
+        before = source[enc if scaling == "none" else f"{enc}+{scaling} (s={F:g})"]["sliding"]
+        rows.append((label, False, rs, before))
+        rows.append((label, True, rs, tuned[name]["sliding"]))
+    return rows
+
+
+def extend_report(
+    out_dir: Path,
+    runs: list[Extension],
+    report: dict,
+    tasks: dict,
+    F: int,
+    steps: int,
+    seconds: dict,
+    argv: list[str],
+) -> Path:
+    """report.md of the extension study: perplexity by length and the fine-tunes' validation loss (before, after, the
+    steps to their source's loss) per encoding and scaling, as trained and fine-tuned; the synthetic task's accuracy
+    by length the same way, against its floor; extension.png; results.json."""
+    text = [r for r in runs if r.kind == "text"]
+    lengths = [int(L) for L in report["fine-tuned"]["lengths"]]
+    L0 = lengths[0]
+    tuned = sum(r.seconds for r in runs)
+    lines = [
+        "# Extending the context: fine-tuned at a longer length, against the same models without",
+        "",
+        *provenance(argv),
+        f"Sources trained at {L0} tokens, seeds {sorted({r.seed for r in runs})}; each fine-tuned at {F * L0} tokens "
+        f"({F}×) for {steps} iterations. Cost: the sources' training {seconds['sources'] / 60:.1f} min (as their sweep "
+        f"recorded it), {len(runs)} fine-tunes {tuned / 60:.1f} min (each run's wall clock, one thread each when side "
+        f"by side), evaluation {seconds['evaluation'] / 60:.1f} min; this invocation {seconds['wall'] / 60:.1f} "
+        "minutes of wall clock.",
+        "",
+        f"Rows in pairs: the source as trained (RoPE with the scaling applied at evaluation, s = {F}, L0 = {L0}), then "
+        f"fine-tuned with it. *val loss* is train.py's estimate at {F * L0} tokens before the fine-tune's first step "
+        f"and after its last; *steps* the first evaluation at which it reached the source's own validation loss at "
+        f"{L0} tokens. Perplexity with sliding windows (stride L/4), mean ± std over seeds.",
+        "",
+        "| encoding · scaling | fine-tuned | val loss at "
+        + f"{F * L0}: start → end | steps to the source's val loss | "
+        + " | ".join(f"{L} ({L // L0}×)" for L in lengths)
+        + " |",
+        "|---|---|---:|---:|" + "---:|" * len(lengths),
+    ]
+    for label, fine_tuned, rs, by_len in extension_rows(text, report, F):
+        ppl = [mean_spread(v) if (v := by_len.get(L)) else "n/a" for L in lengths]
+        if fine_tuned:
+            start, end = [h[0]["val"] for h in (r.history for r in rs)], [r.history[-1]["val"] for r in rs]
+            val = f"{mean_spread(start, 3)} → {mean_spread(end, 3)}"
+            cells = [f"{steps} steps", val, steps_to([r.history for r in rs], [r.source_val for r in rs])]
+        else:
+            cells = ["no", "", ""]
+        lines.append(f"| {label} | " + " | ".join(cells + ppl) + " |")
+    if tasks:
+        lines += extension_task_lines(runs, tasks, F)
+    lines += ["", "![perplexity by length and the fine-tuning curves](extension.png)", ""]
+    plot_extension(text, report, tasks, runs, F, out_dir / "extension.png")
+    path = out_dir / "report.md"
+    write_atomic(path, "\n".join(lines))
+    results = {"runs": [asdict(r) for r in runs], "eval": report, "tasks": tasks, "seconds": seconds}
+    write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    return path
+
+
+def task_accuracy(runs: list[Extension], tasks: dict, variant: str | None) -> dict[int, list[float] | None]:
+    """{length: the seeds' token accuracy} of a group of runs: their sources read with variant (a scaling, "none"),
+    or (variant None) the fine-tuned runs; None at a length the model has no positions for."""
+    out = {}
+    for L in tasks["lengths"]:
+        xs = [tasks["scores"][r.source if variant else r.dir][variant or "fine-tuned"][str(L)] for r in runs]
+        out[L] = None if None in xs else xs
+    return out
+
+
+def task_floor(tasks: dict) -> dict[int, float]:
+    """{length: the task's floor}, on the sequences its runs were scored on."""
+    opts = dict(tasks["options"])
+    vocab = opts.pop("vocab")
+    return {L: synthetic.floor(tasks["task"], vocab, L, tasks["trials"], **opts)["token"] for L in tasks["lengths"]}
+
+
+def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str]:
+    """The synthetic task's table: accuracy by length per encoding and scaling, as trained and fine-tuned, under
+    the task's floor; when each fine-tune learned the task at the new length."""
+    task, lengths = tasks["task"], tasks["lengths"]
+    rs_all = [r for r in runs if r.kind == task]
+    L0 = lengths[0]
+    floors = task_floor(tasks)
+    lines = [
+        "",
+        f"## Retrieval after extension: {task}",
+        "",
+        f"The synthetic suite's {task} runs (trained at {L0} tokens), fine-tuned at {F * L0} the same way; exact match "
+        f"per answer token over {tasks['trials']} sequences per length, the same for every run, mean ± std over seeds. "
+        f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} tokens of at least "
+        f"{synthetic.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing scores.",
+        "",
+        "| encoding · scaling | fine-tuned | learned at | " + " | ".join(f"{L} ({L // L0}×)" for L in lengths) + " |",
+        "|---|---|---:|" + "---:|" * len(lengths),
+        "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
+    ]
+    for rs in by_encoding(rs_all, extension_name).values():
+        label, scaling = extension_label(rs[0], F), rs[0].scaling
+        before, after = task_accuracy(rs, tasks, scaling), task_accuracy(rs, tasks, None)
+        at = [synthetic.learned_at(r.history) for r in rs]
+        learned = [a for a in at if a is not None]
+        when = f"{mean_spread([float(a) for a in learned], 0)} ({len(learned)} of {len(at)})" if learned else "-"
+        lines.append(f"| {label} | no | | " + " | ".join(pct(before[L]) for L in lengths) + " |")
+        lines.append(f"| {label} | yes | {when} | " + " | ".join(pct(after[L]) for L in lengths) + " |")
+    return lines
+
+
+def plot_extension(text: list[Extension], report: dict, tasks: dict, runs: list[Extension], F: int, path: Path) -> None:
+    """extension.png: perplexity by length for RoPE's scalings and for the other encodings (dashed: as trained,
+    solid: fine-tuned; mean ± std over seeds), the fine-tunes' validation loss by step (RoPE's scalings, and the
+    sources' loss at their length, dotted), and the synthetic task's accuracy by length."""
+    plt = matplotlib_pyplot()
+    panels = 4 if tasks else 3
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
+    colors = plt.get_cmap("tab10").colors
+    rows = extension_rows(text, report, F)
+    L0 = int(report["fine-tuned"]["lengths"][0])
+    names = list(dict.fromkeys(label for label, *_ in rows))
+    for label, fine_tuned, rs, by_len in rows:
+        ax = axes[0] if rs[0].enc == "rope" else axes[1]
+        pts = [(int(L), v) for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])) if v]
+        ax.errorbar(
+            [L for L, _ in pts],
+            [statistics.mean(v) for _, v in pts],
+            yerr=[statistics.stdev(v) if len(v) > 1 else 0 for _, v in pts],
+            marker="o",
+            capsize=3,
+            ls="-" if fine_tuned else "--",
+            color=colors[names.index(label) % 10],
+            label=f"{label}{', fine-tuned' if fine_tuned else ''}",
+        )
+    for ax, title in zip(axes[:2], ("RoPE", "the other encodings"), strict=True):
+        for x in (L0, F * L0):
+            ax.axvline(x, color="gray", ls=":", lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (sliding)")
+        ax.set_title(f"{title}: dashed as trained, solid fine-tuned at {F * L0}", fontsize=9)
+    for name, rs in by_encoding(text, extension_name).items():
+        if rs[0].enc != "rope":
+            continue
+        iters = [h["iter"] for h in rs[0].history]
+        vals = [statistics.mean(r.history[k]["val"] for r in rs) for k in range(len(iters))]
+        axes[2].plot(iters, vals, marker="o", color=colors[names.index(extension_label(rs[0], F)) % 10], label=name)
+    source_val = statistics.mean(r.source_val for r in text if r.enc == "rope")
+    axes[2].axhline(source_val, color="black", ls=":", lw=1, label=f"the sources' val loss at {L0}")
+    axes[2].set(xlabel="fine-tuning step", ylabel=f"val loss at {F * L0} tokens (mean over seeds)")
+    axes[2].set_title("RoPE: fine-tuning curves", fontsize=9)
+    if tasks:
+        ax, task = axes[3], tasks["task"]
+        task_runs = [r for r in runs if r.kind == task]
+        for k, (name, rs) in enumerate(by_encoding(task_runs, extension_name).items()):
+            for variant, ls in ((rs[0].scaling, "--"), (None, "-")):
+                acc = task_accuracy(rs, tasks, variant)
+                pts = [(L, xs) for L, xs in acc.items() if xs]
+                ax.plot(
+                    [L for L, _ in pts],
+                    [100 * statistics.mean(xs) for _, xs in pts],
+                    marker="o",
+                    ls=ls,
+                    color=colors[k % 10],
+                    label=name if variant is None else None,
+                )
+        floors = [100 * f for f in task_floor(tasks).values()]
+        ax.plot(tasks["lengths"], floors, color="black", ls=":", lw=1.2, label="floor")
+        ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="accuracy (%)", ylim=(-3, 103))
+        ax.set_title(f"{task}: dashed as trained, solid fine-tuned", fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -4,6 +4,8 @@ Train a GPT with any positional encoding, with nanoGPT's config keys.
     python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
     python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (synthetic.py), on a CPU
     python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
+    python train.py config/rope.py --init_from=out-rope --out_dir=out-rope-yarn --block_size=1024 --rope_scaling=yarn
+                                                          # extend a run: fine-tune its weights at 4x its length
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py                  # DDP: a copy per GPU
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py --parallel=fsdp  # FSDP: the model sharded
 Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to quit at once.
@@ -14,19 +16,28 @@ import os
 import runpy
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import synthetic
-from checkpoint import Checkpoint, Checkpointer, CheckpointError, check_same_data, new_optimizer
+from checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    CheckpointError,
+    check_same_data,
+    data_name,
+    load_checkpoint,
+    model_from_checkpoint,
+    new_optimizer,
+)
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from devices import autocast, default_device, peak_flops
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, with_kernel_fallbacks
-from options import check_fits, odd_values, resolve
+from options import EXTENSION_OPTIONS, check_fits, odd_values, resolve, source_checkpoint
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
@@ -42,8 +53,9 @@ defaults = dict(
     eval_iters=200,  # batches per split for each validation estimate (the same batches every time)
     eval_only=False,  # evaluate once and exit
     always_save_checkpoint=True,  # save ckpt.pt at every eval; False: only when val loss improves, and at the end
-    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a
-    # local Hugging Face GPT-2 folder
+    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | a run's folder (extend it: a new run from its
+    # weights and model, at a block_size at least its own, dropout and RoPE scaling free) | gpt2 | gpt2-medium |
+    # gpt2-large | gpt2-xl | a local Hugging Face GPT-2 folder
     overwrite=False,  # True: start afresh in an out_dir that holds a run, replacing its checkpoints
     # wandb
     wandb_log=False,
@@ -162,9 +174,10 @@ def load_data(cfg: dict, procs: Processes) -> Data:
 
 def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: int = 1) -> GPT:
     """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
-    shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), or GPT-2's weights. The
-    checkpoint or GPT-2 decides the architecture: cfg follows it, with a note where it disagreed. What the data is
-    cannot follow it: a resume on other data (check_same_data) is an error."""
+    shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), the run it extends (its
+    weights, extend_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows it, with
+    a note where it disagreed. What the data is cannot follow it: a resume on other data (check_same_data), or an
+    extension on tokens that mean other things, is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
     if cfg["init_from"] == "scratch":
@@ -179,6 +192,8 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
     elif resumed is not None:
         check_same_data(resumed, cfg, data.meta["tokenizer"])
         model = GPT(resumed.model_config)
+    elif source := source_checkpoint(cfg["init_from"]):
+        model = extend_model(load_checkpoint(source), cfg, data, log)
     else:
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
@@ -199,6 +214,33 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
+    return model
+
+
+def extend_model(source: dict, cfg: dict, data: Data, log) -> GPT:
+    """The model of the run that cfg extends (source, its checkpoint), at cfg's block_size (a learned table
+    interpolated: extend_block_size) and with cfg's dropout and RoPE scaling, which options.extend_from resolved;
+    built as any reader of the new run's checkpoints rebuilds it. Its data must be in the tokens it was trained on."""
+    if source.get("tokenizer") not in (None, data.meta["tokenizer"]):  # nanoGPT's checkpoints keep none
+        raise TrainError(
+            f"{cfg['init_from']} was trained on {data_name(source.get('config') or {})}, whose token ids mean other "
+            f"things than those of {data_name(cfg)}: extend it on data of its own tokenizer"
+        )
+    base = model_from_checkpoint(source)
+    T0 = base.config.block_size
+    base.extend_block_size(cfg["block_size"])
+    model = GPT(replace(base.config, **{k: cfg[k] for k in EXTENSION_OPTIONS}))
+    model.load_state_dict(base.state_dict())
+    c = model.config
+    log(
+        f"extending {cfg['init_from']} (trained at {T0} tokens) to block_size={c.block_size}"
+        + (
+            f", rope_scaling={c.rope_scaling} (factor {c.rope_factor:g}, L0 {c.rope_original_max_len})"
+            if c.rope_scaling != "none"
+            else ""
+        )
+        + (", its position table interpolated" if model.encoding.position_params() and c.block_size > T0 else "")
+    )
     return model
 
 
@@ -493,7 +535,8 @@ def main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
         print(usage())
         return
-    cfg = resolve(configure(defaults, argv), defaults)
+    explicit: set[str] = set()
+    cfg = resolve(configure(defaults, argv, explicit), defaults, explicit)
     master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
     checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
     try:
