@@ -22,7 +22,7 @@ import shutil
 import sys
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -153,6 +153,33 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     `_orig_mod.` prefix its compiled runs leave)."""
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(model_state(ckpt["model"]))
+    return model
+
+
+def extended_model(folder: str | Path, changes: dict, tokenizer: dict | None, log=print) -> GPT:
+    """The model a run extended from another starts from: the model of the run in folder (its latest checkpoint)
+    at changes' block_size (a learned table interpolated: extend_block_size) and with changes' other options
+    (options.EXTENSION_OPTIONS, which options.extend_from resolved), built as any reader of the new run's checkpoints
+    rebuilds it. Its data must be in the token ids it was trained on (tokenizer, the new data's)."""
+    source = load_checkpoint(latest(folder))
+    if source.get("tokenizer") not in (None, tokenizer):  # nanoGPT's checkpoints keep none
+        raise CheckpointError(
+            f"{folder} was trained on {data_name(source.get('config') or {})}, whose token ids mean other things than "
+            "those of this run's data: extend it on data of its own tokenizer"
+        )
+    base = model_from_checkpoint(source)
+    T0 = base.config.block_size
+    base.extend_block_size(changes["block_size"])
+    model = GPT(replace(base.config, **changes))
+    model.load_state_dict(base.state_dict())
+    c = model.config
+    scaled = f", rope_scaling={c.rope_scaling} (factor {c.rope_factor:g}, L0 {c.rope_original_max_len})"
+    interpolated = model.encoding.position_params() and c.block_size > T0
+    log(
+        f"extending {folder} (trained at {T0} tokens) to block_size={c.block_size}"
+        + (scaled if c.rope_scaling != "none" else "")
+        + (", its position table interpolated" if interpolated else "")
+    )
     return model
 
 

@@ -16,23 +16,14 @@ import os
 import runpy
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import synthetic
-from checkpoint import (
-    Checkpoint,
-    Checkpointer,
-    CheckpointError,
-    check_same_data,
-    data_name,
-    load_checkpoint,
-    model_from_checkpoint,
-    new_optimizer,
-)
+from checkpoint import Checkpoint, Checkpointer, CheckpointError, check_same_data, extended_model, new_optimizer
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from devices import autocast, default_device, peak_flops
@@ -175,8 +166,8 @@ def load_data(cfg: dict, procs: Processes) -> Data:
 def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: int = 1) -> GPT:
     """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
     shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), the run it extends (its
-    weights, extend_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows it, with
-    a note where it disagreed. What the data is cannot follow it: a resume on other data (check_same_data), or an
+    weights: extended_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows it,
+    with a note where it disagreed. What the data is cannot follow it: a resume on other data (check_same_data), or an
     extension on tokens that mean other things, is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
@@ -192,8 +183,9 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
     elif resumed is not None:
         check_same_data(resumed, cfg, data.meta["tokenizer"])
         model = GPT(resumed.model_config)
-    elif source := source_checkpoint(cfg["init_from"]):
-        model = extend_model(load_checkpoint(source), cfg, data, log)
+    elif source_checkpoint(cfg["init_from"]):
+        changes = {k: cfg[k] for k in EXTENSION_OPTIONS}
+        model = extended_model(cfg["init_from"], changes, data.meta["tokenizer"], log)
     else:
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
@@ -214,33 +206,6 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
-    return model
-
-
-def extend_model(source: dict, cfg: dict, data: Data, log) -> GPT:
-    """The model of the run that cfg extends (source, its checkpoint), at cfg's block_size (a learned table
-    interpolated: extend_block_size) and with cfg's dropout and RoPE scaling, which options.extend_from resolved;
-    built as any reader of the new run's checkpoints rebuilds it. Its data must be in the tokens it was trained on."""
-    if source.get("tokenizer") not in (None, data.meta["tokenizer"]):  # nanoGPT's checkpoints keep none
-        raise TrainError(
-            f"{cfg['init_from']} was trained on {data_name(source.get('config') or {})}, whose token ids mean other "
-            f"things than those of {data_name(cfg)}: extend it on data of its own tokenizer"
-        )
-    base = model_from_checkpoint(source)
-    T0 = base.config.block_size
-    base.extend_block_size(cfg["block_size"])
-    model = GPT(replace(base.config, **{k: cfg[k] for k in EXTENSION_OPTIONS}))
-    model.load_state_dict(base.state_dict())
-    c = model.config
-    log(
-        f"extending {cfg['init_from']} (trained at {T0} tokens) to block_size={c.block_size}"
-        + (
-            f", rope_scaling={c.rope_scaling} (factor {c.rope_factor:g}, L0 {c.rope_original_max_len})"
-            if c.rope_scaling != "none"
-            else ""
-        )
-        + (", its position table interpolated" if model.encoding.position_params() and c.block_size > T0 else "")
-    )
     return model
 
 

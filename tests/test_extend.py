@@ -5,7 +5,6 @@ taking the scaling from the checkpoint unasked."""
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,9 +16,10 @@ from test_train import tiny_data  # noqa: F401 (a fixture)
 import eval_length
 import sample
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import extended_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import configure
 from model import GPT, GPTConfig
+from options import EXTENSION_OPTIONS
 
 SMALL = [  # a source at 16 tokens, extended to 64 (4x) by the tests
     "--device=cpu",
@@ -114,11 +114,10 @@ def test_extension_keeps_the_model_and_scales_rope(sources, yarn_run):
     assert ckpt["iter_num"] == 6 and ckpt["history"][0]["iter"] == 0
     assert all(int(s["step"]) == 6 for s in ckpt["optimizer"]["state"].values())  # fresh: 6 steps, not 4 + 6
     source = load_checkpoint(sources["rope"] / "ckpt.pt")
-    cfg = {k: ckpt["config"][k] for k in ("init_from", "block_size", "dropout")} | {
+    changes = {k: ckpt["config"][k] for k in ("block_size", "dropout")} | {
         k: args[k] for k in ("rope_scaling", "rope_factor", "rope_original_max_len")
     }
-    data = SimpleNamespace(meta={"tokenizer": source["tokenizer"]})
-    extended = train.extend_model(source, cfg, data, print).eval()
+    extended = extended_model(sources["rope"], changes, source["tokenizer"]).eval()
     reference = model_from_checkpoint(source).eval()
     reference.set_rope_scaling("yarn", 4.0, 16)
     idx = torch.randint(0, 60, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -134,7 +133,8 @@ def test_learned_positions_extend_by_interpolation(sources, tmp_path):
     ckpt = extend(sources, "learned", tmp_path / "ft", "--block_size=64", "--max_iters=3", "--lr_decay_iters=3")
     source = load_checkpoint(sources["learned"] / "ckpt.pt")
     assert ckpt["model"]["transformer.wpe.weight"].shape == (64, 32) and ckpt["model_args"]["block_size"] == 64
-    before = train.extend_model(source, ckpt["config"], SimpleNamespace(meta={"tokenizer": source["tokenizer"]}), print)
+    changes = {k: ckpt["config"][k] for k in EXTENSION_OPTIONS}
+    before = extended_model(sources["learned"], changes, source["tokenizer"])
     assert torch.equal(before.encoding.weight[::4], source["model"]["transformer.wpe.weight"])
 
 
