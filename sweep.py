@@ -557,7 +557,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
     kinds = ["text"] + ([args.extend_task] if args.extend_task != "none" else [])
     plan = []  # (kind, enc, scaling, seed, source, fine-tuned run)
     for kind in kinds:
-        for seed in args.seeds:
+        for seed in args.seeds if kind == "text" else args.task_seeds:
             for enc in args.encodings:
                 src = run_dir(text_dir, enc, seed) if kind == "text" else task_dir / kind / f"{enc}-seed{seed}"
                 where = out_dir if kind == "text" else out_dir / kind
@@ -746,9 +746,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         choices=[*synthetic.TASKS, "none"],
         help="--extend: the synthetic task fine-tuned and scored after extension (passkey)",
     )
+    p.add_argument(
+        "--task_seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--extend: the seeds of --extend_task's runs (default: --seeds; fewer make the study cheaper)",
+    )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
     args = p.parse_args(argv)
     extend_only = {"factor": 4, "steps": 150, "sources": None, "task_sources": None, "extend_task": "passkey"}
+    extend_only |= {"task_seeds": args.seeds}
     for name, default in extend_only.items():
         if not args.extend and getattr(args, name) is not None:
             p.error(f"--{name}: only the extension study (--extend) has it; drop it or add --extend")
@@ -779,12 +787,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         if args.recipes:  # a recipe chosen on a seed cannot be reported on it: the choice would flatter it
             p.error(f"--seeds and --selection_seeds share {shared}: the reported seeds must be fresh; choose others")
     # a name twice would train one run twice (side by side, into one folder) and count it twice in the report
-    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling", "selection_seeds"):
+    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling", "selection_seeds", "task_seeds"):
         xs = getattr(args, name) or []
         if len(set(xs)) != len(xs):
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")
-    if min(args.seeds + args.selection_seeds) < 0:
-        p.error(f"--seeds: seeds must be >= 0, not {min(args.seeds + args.selection_seeds)}")
+    if min(every := args.seeds + args.selection_seeds + args.task_seeds) < 0:
+        p.error(f"--seeds: seeds must be >= 0, not {min(every)}")
     for name, least in (("jobs", 1), ("task_trials", 1), ("eval_tokens", 1), ("task_depths", 2), ("factor", 1)):
         if (x := getattr(args, name)) is not None and x < least:
             p.error(f"--{name}={x}: must be at least {least}")

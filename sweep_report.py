@@ -684,7 +684,8 @@ def extend_report(
         "# Extending the context: fine-tuned at a longer length, against the same models without",
         "",
         *provenance(argv),
-        f"Sources trained at {L0} tokens, seeds {sorted({r.seed for r in runs})}; each fine-tuned at {F * L0} tokens "
+        f"Sources trained at {L0} tokens, seeds {sorted({r.seed for r in runs if r.kind == 'text'})}; each fine-tuned "
+        f"at {F * L0} tokens "
         f"({F}×) for {steps} iterations. Cost: the sources' training {seconds['sources'] / 60:.1f} min (as their sweep "
         f"recorded it), {len(runs)} fine-tunes {tuned / 60:.1f} min (each run's wall clock, one thread each when side "
         f"by side), evaluation {seconds['evaluation'] / 60:.1f} min; this invocation {seconds['wall'] / 60:.1f} "
@@ -750,7 +751,8 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
         f"## Retrieval after extension: {task}",
         "",
         f"The synthetic suite's {task} runs (trained at {L0} tokens), fine-tuned at {F * L0} the same way; exact match "
-        f"per answer token over {tasks['trials']} sequences per length, the same for every run, mean ± std over seeds. "
+        f"per answer token over {tasks['trials']} sequences per length, the same for every run; seeds "
+        f"{sorted({r.seed for r in rs_all})} (mean ± std where there are several). "
         f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} tokens of at least "
         f"{synthetic.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing scores.",
         "",

@@ -353,6 +353,12 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
     again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 10
     assert "eval_length" not in again.stderr  # the evaluations were kept
+    seed = cmd.index("--seeds") + 1  # a second text seed, the task's runs on the first alone (--task_seeds)
+    more = run_cli(sweep.main, cmd[:seed] + ["5", "6", "--task_seeds", "5"] + cmd[seed + 1 :])
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert (out / "rope-yarn-seed6" / "ckpt.pt").is_file() and not (out / "passkey" / "rope-yarn-seed6").exists()
+    report = (out / "report.md").read_text()
+    assert "seeds [5, 6]; each fine-tuned" in report and "seeds [5] (mean ± std where there are several)" in report
 
 
 @pytest.mark.parametrize(
@@ -361,6 +367,8 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
         (["--steps", "5"], "--steps: only the extension study (--extend) has it"),
         (["--extend", "--synthetic"], "--extend is a study of its own"),
         (["--extend", "--steps", "0"], "--steps=0: must be at least 1"),
+        (["--task_seeds", "1"], "--task_seeds: only the extension study (--extend) has it"),
+        (["--extend", "--task_seeds", "1", "1"], "--task_seeds 1 1: each may appear once"),
         (["--extend", "--out_dir", "S", "--sources", "S"], "the extension runs need a folder of their own"),
     ],
 )
