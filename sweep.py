@@ -502,16 +502,18 @@ EXTEND_SCALINGS = ("linear", "ntk", "yarn")  # RoPE's, each fine-tuned with and 
 EXTEND_RATE = 3e-4  # the fine-tunes' peak rate, min_lr a tenth: a third of the sources' (PI and YaRN: ~1/15 LLaMA's)
 
 
-def finetune_options(source: Path, block: int, scaling: str, args) -> list[str]:
-    """train.py's options that make a run the extension of source (trained at block tokens): at factor times its
-    length, a fresh schedule over --steps (warmup a tenth, six evaluations for the steps-to-a-loss curve), and RoPE's
-    scaling with s = factor from L0 = block (train.py's defaults, written out)."""
-    n = args.steps
-    opts = [f"--init_from={source}", f"--block_size={args.factor * block}", f"--max_iters={n}"]
-    opts += [f"--lr_decay_iters={n}", f"--warmup_iters={max(1, n // 10)}", f"--eval_interval={max(1, n // 6)}"]
+def finetune_options(source: Path, trained: dict, scaling: str, args) -> list[str]:
+    """train.py's options that make a run the extension of source (trained: its config) at factor times its length: a
+    fresh schedule over --steps (warmup a tenth, six evaluations for the steps-to-a-loss curve, each on as many tokens
+    as the source's, so factor times fewer batches), and RoPE's scaling with s = factor from L0 = its block_size
+    (train.py's defaults, written out)."""
+    n, F, block = args.steps, args.factor, trained["block_size"]
+    opts = [f"--init_from={source}", f"--block_size={F * block}", f"--max_iters={n}", f"--lr_decay_iters={n}"]
+    opts += [f"--warmup_iters={max(1, n // 10)}", f"--eval_interval={max(1, n // 6)}"]
+    opts += [f"--eval_iters={max(1, trained['eval_iters'] // F)}"]
     opts += [f"--learning_rate={EXTEND_RATE}", f"--min_lr={EXTEND_RATE / 10:g}"]
     if scaling != "none":
-        opts += [f"--rope_scaling={scaling}", f"--rope_factor={args.factor}", f"--rope_original_max_len={block}"]
+        opts += [f"--rope_scaling={scaling}", f"--rope_factor={F}", f"--rope_original_max_len={block}"]
     return opts
 
 
@@ -575,9 +577,8 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
     train_all(jobs, args.jobs)
     jobs = []
     for kind, enc, scaling, seed, src, d in plan:
-        block = finished_checkpoint(src)["config"]["block_size"]
         configs = size["train"] if kind == "text" else [f"config/{kind}.py"]
-        last = finetune_options(src, block, scaling, args)
+        last = finetune_options(src, finished_checkpoint(src)["config"], scaling, args)
         if cmd := train_command(enc, seed, d, args if kind == "text" else task_args, configs, last=last):
             jobs.append((d, cmd))
     train_all(jobs, args.jobs)
