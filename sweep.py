@@ -510,7 +510,8 @@ def finetune_options(source: Path, trained: dict, scaling: str, args) -> list[st
     n, F, block = args.steps, args.factor, trained["block_size"]
     opts = [f"--init_from={source}", f"--block_size={F * block}", f"--max_iters={n}", f"--lr_decay_iters={n}"]
     opts += [f"--warmup_iters={max(1, n // 10)}", f"--eval_interval={max(1, n // 6)}"]
-    opts += [f"--eval_iters={max(1, trained['eval_iters'] // F)}"]
+    if "eval_iters" in trained:  # a checkpoint of this project's records it
+        opts += [f"--eval_iters={max(1, trained['eval_iters'] // F)}"]
     opts += [f"--learning_rate={EXTEND_RATE}", f"--min_lr={EXTEND_RATE / 10:g}"]
     if scaling != "none":
         opts += [f"--rope_scaling={scaling}", f"--rope_factor={F}", f"--rope_original_max_len={block}"]

@@ -339,6 +339,8 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
         ckpt = load_checkpoint(out / run / "ckpt.pt")
         assert ckpt["iter_num"] == 2 and ckpt["config"]["block_size"] == 4 * (64 if "passkey" in run else 32)
         assert ckpt["model_args"]["rope_scaling"] == ("yarn" if "yarn" in run else "none")
+        if "passkey" not in run:  # its evaluations read the tokens its source's did: 2 batches at 32, 1 at 128
+            assert ckpt["config"]["eval_iters"] == 1
     assert load_checkpoint(tmp_path / "text" / "rope-seed5" / "ckpt.pt")["iter_num"] == 4  # trained as a source
     report = (out / "report.md").read_text()
     for row in ("| rope · none | no |", "| rope · yarn (s=4) | 2 steps |", "| alibi | no |", "| alibi | 2 steps |"):
