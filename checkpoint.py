@@ -156,17 +156,23 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     return model
 
 
+def check_same_tokenizer(folder: str | Path, source: dict, tokenizer: dict | None, data: str, error=None) -> None:
+    """An extension's data must be in the token ids its source (the checkpoint dict of the run in folder) was trained
+    on: tokenizer is the new data's (data names it), error the exception to raise (CheckpointError)."""
+    if source.get("tokenizer") not in (None, tokenizer):  # nanoGPT's checkpoints keep none
+        raise (error or CheckpointError)(
+            f"{folder} was trained on {data_name(source.get('config') or {})}, whose token ids mean other things than "
+            f"those of {data} (another tokenizer): extend it on data of its own tokenizer"
+        )
+
+
 def extended_model(folder: str | Path, changes: dict, tokenizer: dict | None, log=print) -> GPT:
     """The model a run extended from another starts from: the model of the run in folder (its latest checkpoint)
     at changes' block_size (a learned table interpolated: extend_block_size) and with changes' other options
     (options.EXTENSION_OPTIONS, which options.extend_from resolved), built as any reader of the new run's checkpoints
     rebuilds it. Its data must be in the token ids it was trained on (tokenizer, the new data's)."""
     source = load_checkpoint(latest(folder))
-    if source.get("tokenizer") not in (None, tokenizer):  # nanoGPT's checkpoints keep none
-        raise CheckpointError(
-            f"{folder} was trained on {data_name(source.get('config') or {})}, whose token ids mean other things than "
-            "those of this run's data: extend it on data of its own tokenizer"
-        )
+    check_same_tokenizer(folder, source, tokenizer, "this run's data")
     base = model_from_checkpoint(source)
     T0 = base.config.block_size
     base.extend_block_size(changes["block_size"])

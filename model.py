@@ -508,7 +508,8 @@ class FIRE(PositionalEncoding):
     the learning rate move L by a fraction of itself, not by tokens; ε = 1e-6 keeps L = 0 finite at position 0. f has
     no output bias: a constant per head is lost in the softmax. f's output layer starts small, so training starts
     near NoPE. c, L and f's first layer are the layer's, shared by its heads: x and the hidden units are computed once
-    a layer, and only the output layer per head."""
+    a layer, and only the output layer per head. A query within L (i <= L) has x of i - j alone, so in training and
+    prefill its row is a gather from f run on the T distances (layer_bias); only the queries past L take f per pair."""
 
     summary = "a learned MLP of the distance over the query's position, per layer (FIRE)"
 
@@ -517,6 +518,7 @@ class FIRE(PositionalEncoding):
     per_layer = True
     hidden = 32
     eps = 1e-6
+    few = 1 << 14  # MLP inputs up to which its hidden units are kept (16,384 x 32 floats: 2 MiB), see mlp
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -543,45 +545,55 @@ class FIRE(PositionalEncoding):
         return psi((i - j).clamp(min=0).to(dtype)) / (psi(torch.maximum(threshold, i.to(dtype))) + self.eps)
 
     @staticmethod
-    def mlp(x, w1, b1, w2):
-        """f(x): x (...), w1 and b1 (..., 32), w2 (..., 32), broadcast together -> (...)."""
-        # with a gradient, eager: ScalarMLP keeps x alone for the backward. Compiled: one broadcast expression, which
-        # inductor fuses into its reductions without storing the (..., 32) hidden units, instead of ScalarMLP's 32
-        # units unrolled into the graph (the same peak memory, a much smaller graph to compile). Without a gradient
-        # (and in FlexAttention's score_mod, which works on scalars): the plain units.
+    def mlp(x, w1, b1, w2, few: bool = False):
+        """f(x): x (...), w1 and b1 (..., 32), w2 (..., 32), broadcast together -> (...). few: x holds at most FIRE.few
+        values (the T distances of a block, a decode step's row)."""
+        # Few inputs, or compiled with a gradient: one broadcast expression. Few: its (..., 32) hidden units cost less
+        # than one bias, in a handful of operations where a loop over the units takes hundreds. Compiled: inductor
+        # fuses it into its reductions without storing the hidden units (the same peak memory as ScalarMLP, a much
+        # smaller graph to compile than 32 units unrolled). Else, with a gradient, eager: ScalarMLP keeps x alone for
+        # the backward; without one (and in FlexAttention's score_mod, which works on scalars): the plain units.
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
-        if grad and torch.compiler.is_compiling():
+        if few or (grad and torch.compiler.is_compiling()):
             return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
         return (ScalarMLP.apply if grad else scalar_mlp)(x, w1, b1, w2)
 
     def layer_bias(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
         """One layer's (nh, Tq, Tk) bias, its x and hidden units computed once for the layer's heads. Where the chunk's
-        queries are its own keys at consecutive positions (training, a prefill), i - j takes T values, and where every
-        query is within the threshold (i <= L: in training, while L >= block_size) x depends on i - j alone: the MLP
-        runs on the T distances and the bias is a gather, as bias-RPE's is, the same values; else on every pair."""
+        queries are its own keys at consecutive positions (training, a prefill), i - j takes T values, and for a query
+        within the threshold (i <= L) x depends on i - j alone: those rows are a gather from the MLP run on the T
+        distances, as bias-RPE's are, the same values. Only the queries past L (a suffix: positions ascend) need the
+        MLP on each of their pairs, normalised by their own position."""
         layer, pos = first // n_head, chunk.pos
         c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
         operands = (c, threshold, w1, b1, w2)
 
-        def every_pair(c, threshold, w1, b1, w2):
-            return self.mlp(self.input(c, threshold, pos[:, None], chunk.keys), w1, b1, w2)
+        def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
+            few = len(queries) * len(chunk.keys) <= self.few  # little to keep for the backward: nothing to recompute
+
+            def f(c, threshold, w1, b1, w2):
+                return self.mlp(self.input(c, threshold, queries[:, None], chunk.keys), w1, b1, w2, few=few)
+
+            return recomputed(f, recompute and not few)
 
         if chunk.cached or not chunk.consecutive or len(pos) < 2:
-            return recomputed(every_pair, recompute)(*operands)
+            return pairs(pos)(*operands)
         T = len(pos)
         rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
 
-        def by_distance(c, threshold, w1, b1, w2):  # every query within the threshold: f of the distance alone
+        def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
             d = torch.arange(T, device=pos.device)
-            table = self.mlp(self.input(c, threshold, d, 0), w1, b1, w2[:, 0])  # (nh, T): max(L, d) is L here
-            return table[:, rel]  # (nh, T, T)
+            table = self.mlp(self.input(c, threshold, d, 0), w1, b1, w2[:, 0], few=T <= self.few)  # (nh, T): L >= d
+            return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
 
-        branches = [recomputed(f, recompute) for f in (by_distance, every_pair)]
-        within = pos[-1].float() <= threshold  # the positions ascend: the last query is the farthest
+        past = pos > threshold  # (T,): True on a suffix
         if torch.compiler.is_compiling():  # one graph: the branch is taken at run time, the other not computed
-            return torch.cond(within, *branches, operands)
-        return branches[0 if within else 1](*operands)
+            return torch.cond(past.any(), pairs(pos), by_distance, operands)
+        n = int(past.sum())
+        if n == 0 or n == T:
+            return (by_distance if n == 0 else pairs(pos))(*operands)
+        return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
 
 
 POS_ENCODINGS = {

@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import synthetic
-from checkpoint import data_name, latest, load_checkpoint
+from checkpoint import check_same_tokenizer, data_name, latest, load_checkpoint
 from configurator import ConfigError, require
 from datafiles import dataset_dir
 from devices import DTYPES, check_device, default_dtype, device_memory, gb
@@ -146,16 +146,12 @@ def extend_from(cfg: dict, explicit: set[str] | frozenset[str], source: Path) ->
         )
     dataset = cfg["dataset"] or "shakespeare_char"
     meta = dataset_dir(dataset) / "meta.json"  # a text's, where it is prepared already (else load_data checks it)
-    if not cfg["task"] and ckpt.get("tokenizer") and meta.is_file():
+    if not cfg["task"] and meta.is_file():  # checked here before any work, and again on the data train.py loads
         try:
             tokenizer = json.loads(meta.read_text()).get("tokenizer")
         except ValueError:  # load_data names what is wrong with it
-            tokenizer = ckpt["tokenizer"]
-        if tokenizer != ckpt["tokenizer"]:
-            raise ConfigError(
-                f"{folder} was trained on {data_name(old)}, whose token ids mean other things than those of "
-                f"{data_name({'dataset': dataset})} (another tokenizer): extend it on data of its own tokenizer"
-            )
+            tokenizer = ckpt.get("tokenizer")
+        check_same_tokenizer(folder, ckpt, tokenizer, data_name({"dataset": dataset}), ConfigError)
     if cfg["block_size"] < src.block_size:
         raise ConfigError(
             f"block_size={cfg['block_size']} is shorter than {folder}'s {src.block_size}: an extension trains at least "

@@ -16,7 +16,7 @@ from test_train import tiny_data  # noqa: F401 (a fixture)
 import eval_length
 import sample
 import train
-from checkpoint import extended_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, extended_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import configure
 from model import GPT, GPTConfig
 from options import EXTENSION_OPTIONS
@@ -218,6 +218,9 @@ def test_another_tokenizer_is_refused(sources, tmp_path):
     r = run_cli(train.cli, argv + ["--block_size=64"])
     assert r.returncode == 1 and "whose token ids mean other things" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    tokenizer = json.loads((bpe / "meta.json").read_text())["tokenizer"]  # and where the data is loaded, later
+    with pytest.raises(CheckpointError, match="whose token ids mean other things"):
+        extended_model(sources["rope"], {"block_size": 64}, tokenizer)
 
 
 @pytest.mark.parametrize("run", ["yarn", "learned"])

@@ -1177,13 +1177,13 @@ def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     return torch.einsum("qkn,hn->hqk", hidden, pe.w2[layer])
 
 
-@pytest.mark.parametrize("multiplier", [1.0, 0.3])  # L = block_size (every query within it) and L below most
+@pytest.mark.parametrize("multiplier", [1.0, 0.3, 0.1])  # L = block_size (every query within it), below most, below all
 @pytest.mark.parametrize("regime", ["default", "explicit", "cached"])
 def test_fire_equals_the_papers_formula(multiplier, regime):
-    """FIRE's fast bias (one MLP per distance where every query is within L, the hidden units once per layer) gives the
-    logits and every parameter's gradient of a model whose bias is the paper's formula at every pair, in float64 to
-    1e-10 relative: with L above and below the queries' positions, at default, explicit (offset) positions, and through
-    a KV cache in chunks."""
+    """FIRE's fast bias (one MLP per distance for the queries within L, pair by pair past it, the hidden units once per
+    layer) gives the logits and every parameter's gradient of a model whose bias is the paper's formula at every pair,
+    in float64 to 1e-10 relative: with L above every query's position, below most, below all, at default, explicit
+    (offset) positions, and through a KV cache in chunks."""
     torch.manual_seed(0)
     model = tiny("fire", block_size=32, n_layer=2).double().train()  # L0 = 32: positions 5 … 28 are within it
     with torch.no_grad():
@@ -1208,12 +1208,16 @@ def test_fire_equals_the_papers_formula(multiplier, regime):
         return logits, {n: p.grad for n, p in m.named_parameters()}
 
     shapes, mlp = [], model.encoding.mlp
-    model.encoding.mlp = lambda x, *w: shapes.append(tuple(x.shape)) or mlp(x, *w)
+    model.encoding.mlp = lambda x, *w, **few: shapes.append(tuple(x.shape)) or mlp(x, *w, **few)
     (a, grads_a), (b, grads_b) = run(model), run(ref)
-    table = (24,) in shapes  # the MLP ran on the 24 distances alone, not on the (24, 24) pairs
-    assert table == (multiplier == 1.0 and regime != "cached"), shapes  # a cache's keys are not the queries' own
+    # the MLP ran on the 24 distances, and pair by pair only on the queries past L (all 24 only when all are); in a
+    # cache, whose keys are not the queries' own, on every pair of each chunk
+    past = int(((torch.arange(5, 29) if regime == "explicit" else torch.arange(24)) > multiplier * 32).sum())
+    expected = ({(24,)} if past < 24 else set()) | ({(past, 24)} if past else set())
+    if regime == "cached":
+        expected = {(10, 32), (1, 32), (13, 32)}
+    assert set(shapes) == expected, shapes
+    assert past == {1.0: 0, 0.3: {"explicit": 19}.get(regime, 14), 0.1: {"explicit": 24}.get(regime, 20)}[multiplier]
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)  # logits of about 1: a near-zero one differs at 1e-15
     for name in grads_b:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-10, atol=1e-14, msg=name)
-    if multiplier < 1:  # the fast path is not taken: the queries past L are normalised by their own position
-        assert int(torch.arange(24).gt(model.encoding.L_multiplier.abs().min() * 32).sum()) > 10
