@@ -588,8 +588,18 @@ class FIRE(PositionalEncoding):
             return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
 
         past = pos > threshold  # (T,): True on a suffix
-        if torch.compiler.is_compiling():  # one graph: the branch is taken at run time, the other not computed
-            return torch.cond(past.any(), pairs(pos), by_distance, operands)
+        if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
+            R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
+
+            def few_past(*operands):
+                table = by_distance(*operands)  # (nh, T, T)
+                tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
+                return torch.cat([table[:, : T - R], tail], dim=1)
+
+            def some_past(*operands):
+                return torch.cond(past.sum() <= R, few_past, pairs(pos), operands)
+
+            return torch.cond(past.any(), some_past, by_distance, operands)
         n = int(past.sum())
         if n == 0 or n == T:
             return (by_distance if n == 0 else pairs(pos))(*operands)
