@@ -1405,34 +1405,40 @@ class Engine:
         as nanoGPT does (FIRE's at its own positions). compile=True compiles the one-token decode step (on a GPU as a
         CUDA graph over the preallocated cache).
         """
-        model = self.model
         W = self.context_window(max_context)
-        rolling = model.encoding.rolling
-        window = W if rolling else None
-        # the cache must hold the window plus the longest chunk written at once (the prompt, in pieces of <= W)
-        size = W - 1 + min(idx.size(1), W) if rolling else W
         step = self.compiled(idx.device.type) if compile and use_cache else self.step
         cache, new = None, idx  # new: the tokens the model has not seen yet
         for _ in range(max_new_tokens):
-            # dynamic NTK past L0: no cache is exact, recompute the window
-            if not use_cache or not model.encoding.cache_exact(min(idx.size(1), W)):
-                T = idx.size(1)  # a rolling encoding that reads absolute positions re-runs the window at its own
-                absolute = rolling and not model.encoding.relative and T > W
-                pos = torch.arange(T - W, T, device=idx.device) if absolute else None
-                logits = model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1])
-            elif cache is None or (not rolling and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
-                cache = KVCache(model.config.n_layer, size)
-                logits = model.lm_head(
-                    model.features(new if rolling else idx[:, -W:], cache=cache, window=window)[:, -1]
-                )
-                if compile:  # the cache's tensors keep their addresses, so CUDA graphs need not copy them
-                    for t in [cache.pos, *cache.k, *cache.v]:
-                        torch._dynamo.mark_static_address(t)
-            else:  # one token: _chunk claims its slot (host-side), then the step, compiled or not, on tensors
-                logits = step(new, model._chunk(1, None, cache, window, idx.device), cache)
-            new = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            logits, started = self.next_logits(idx, new, cache if use_cache else None, W, use_cache, step)
+            if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
+                for t in [started.pos, *started.k, *started.v]:
+                    torch._dynamo.mark_static_address(t)
+            cache, new = started, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx
+
+    def next_logits(
+        self, idx: torch.Tensor, new: torch.Tensor, cache: KVCache | None, W: int, use_cache: bool = True, step=None
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        """Logits (B, vocab_size) of the token after idx (B, T), whose last tokens `new` the cache has not read (at
+        first the whole prompt), attending to at most W tokens; and the cache to pass next time. One of: the whole
+        window again where no cache can be exact (none asked for; dynamic NTK past L0); a prefill that starts a cache
+        (the first step; for a cropping encoding, whenever the window is full); one token through `step`."""
+        model, pe = self.model, self.model.encoding
+        T = idx.size(1)
+        if not use_cache or not pe.cache_exact(min(T, W)):
+            absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
+            pos = torch.arange(T - W, T, device=idx.device) if absolute else None
+            return model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1]), cache
+        window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
+        if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: prefill, eagerly
+            # a rolling cache holds the window plus the longest chunk written at once (the prompt, in pieces of <= W)
+            cache = KVCache(model.config.n_layer, W - 1 + min(new.size(1), W) if pe.rolling else W)
+            return model.lm_head(
+                model.features(new if pe.rolling else idx[:, -W:], cache=cache, window=window)[:, -1]
+            ), cache
+        # one token: _chunk claims its slot (host-side), then the step, compiled or not, on tensors
+        return (step or self.step)(new, model._chunk(1, None, cache, window, idx.device), cache), cache
 
     def step(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
         """Logits (B, vocab_size) of one new token idx (B, 1) at chunk.pos (1,), written to the chunk's cache slots

@@ -200,19 +200,10 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     def group_step(self, rows: Rows, new: torch.Tensor, use_kv: bool) -> torch.Tensor:
-        """Logits (n, V) of the next token of a group whose tokens end in new: model.py's Engine.generate's step, on
-        the group's KVCache (changes there belong here too; the tests compare the two)."""
-        gpt, pe, W, T = self.gpt, self.gpt.encoding, self.context_window(), rows.tokens.size(1)
-        head = lambda x, **kw: gpt.lm_head(gpt.features(x, **kw)[:, -1])  # noqa: E731
-        if not use_kv or not pe.cache_exact(min(T, W)):  # no cache, or none exact (dynamic NTK): run the window
-            absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
-            return head(rows.tokens[:, -W:], pos=torch.arange(T - W, T, device=new.device) if absolute else None)
-        window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
-        if rows.kv is None or (not pe.rolling and rows.kv.next_pos + 1 > W):
-            # a new cache: the window plus the prompt's longest chunk (rolling; the prompt in pieces of <= W), or W
-            rows.kv = KVCache(gpt.config.n_layer, W - 1 + min(T, W) if pe.rolling else W)
-            return head(new if pe.rolling else rows.tokens[:, -W:], cache=rows.kv, window=window)
-        return head(new, cache=rows.kv, window=window)
+        """Logits (n, V) of the next token of a group whose tokens end in new: the step sample.py's generation takes
+        (model.py's Engine.next_logits), on the group's own KVCache."""
+        logits, rows.kv = self.gpt.engine.next_logits(rows.tokens, new, rows.kv, self.context_window(), use_kv)
+        return logits
 
     def forward(
         self,
