@@ -1082,6 +1082,32 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
     assert all(p.grad is not None for p in pe.parameters())
 
 
+@pytest.mark.parametrize("multiplier", [1.0, 0.5])  # every query within L, half of them past it
+def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
+    """A layer's whole bias, as training computes it (the rows within L a gather from the distances, the rest per pair
+    and recomputed in the backward): what autograd keeps for the backward adds up to less than half an (nh, T, T)
+    bias (today: a third with every query within L, the gather's index; a fifth with half of them past it)."""
+    from model import Chunk
+
+    T = 256
+    pe = tiny("fire", block_size=T, n_layer=2).train().encoding
+    with torch.no_grad():
+        pe.L_multiplier.fill_(multiplier)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    pos = torch.arange(T)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bias = pe.layer_bias(4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True)
+    bias.sum().backward()
+    assert bias.shape == (4, T, T)
+    assert sum(saved) < 4 * T * T / 2, sum(saved) / (4 * T * T)
+    assert all(p.grad[1].abs().sum() > 0 for p in pe.parameters())  # layer 1's parameters (heads 4 … 7)
+
+
 def test_reference_attention_adds_a_float32_bias_to_half_precision():
     """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does: ALiBi's bias at
     distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to bf16) weighs the keys exactly, so the
