@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import cached_logits, close, run_cli, train_in_process
-from test_train import tiny_data  # noqa: F401 (a fixture)
+from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 import eval_length
 import sample
@@ -21,22 +21,8 @@ from configurator import configure
 from model import GPT, GPTConfig
 from options import EXTENSION_OPTIONS
 
-SMALL = [  # a source at 16 tokens, extended to 64 (4x) by the tests
-    "--device=cpu",
-    "--compile=False",
-    "--dtype=float32",
-    "--n_layer=2",
-    "--n_head=2",
-    "--n_embd=32",
-    "--block_size=16",
-    "--batch_size=4",
-    "--eval_iters=2",
-    "--eval_interval=3",
-    "--log_interval=1",
-    "--warmup_iters=2",
-    "--learning_rate=3e-3",
-    "--dropout=0.0",
-]
+# test_train's tiny run at 16 tokens (a source the tests extend to 64, 4x), without dropout
+SMALL = [*TINY, "--block_size=16", "--eval_interval=3", "--warmup_iters=2", "--dropout=0.0"]
 
 
 def trained(out: Path, *args: str) -> dict:
@@ -326,7 +312,6 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
     """sweep.py --extend: the text sources trained where missing (the text sweep's command), every source fine-tuned
     at 4x (RoPE per scaling), evaluated as trained and fine-tuned at 1x to 16x and reported in pairs with the
     fine-tunes' losses, the passkey runs too; a second run trains and evaluates nothing."""
-    from test_train import TINY
 
     import sweep
 
