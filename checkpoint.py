@@ -156,11 +156,13 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     return model
 
 
-def check_same_tokenizer(folder: str | Path, source: dict, tokenizer: dict | None, data: str, error=None) -> None:
+def check_same_tokenizer(
+    folder: str | Path, source: dict, tokenizer: dict | None, data: str, error: type[Exception] = CheckpointError
+) -> None:
     """An extension's data must be in the token ids its source (the checkpoint dict of the run in folder) was trained
-    on: tokenizer is the new data's (data names it), error the exception to raise (CheckpointError)."""
+    on: tokenizer is the new data's (data names it), error the exception to raise."""
     if source.get("tokenizer") not in (None, tokenizer):  # nanoGPT's checkpoints keep none
-        raise (error or CheckpointError)(
+        raise error(
             f"{folder} was trained on {data_name(source.get('config') or {})}, whose token ids mean other things than "
             f"those of {data} (another tokenizer): extend it on data of its own tokenizer"
         )

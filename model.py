@@ -1409,7 +1409,7 @@ class Engine:
         step = self.compiled(idx.device.type) if compile and use_cache else self.step
         cache, new = None, idx  # new: the tokens the model has not seen yet
         for _ in range(max_new_tokens):
-            logits, started = self.next_logits(idx, new, cache if use_cache else None, W, use_cache, step)
+            logits, started = self.next_logits(idx, new, cache, W, use_cache, step)  # cache None without one
             if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
                 for t in [started.pos, *started.k, *started.v]:
                     torch._dynamo.mark_static_address(t)
