@@ -807,7 +807,7 @@ def attention_path(
     | none       | ·          | ·                | no    | ·               | ·       | no     | sdpa_causal    |
     | a band one | yes, fits  | yes, consecutive | no    | ·               | no      | ·      | flex_band      |
     | any        | yes, fits  | none             | ·     | ·               | no      | ·      | flex           |
-    | any        | not False  | yes              | ·     | CPU, eager      | no      | ·      | bias_attention |
+    | any        | not False  | yes              | ·     | CPU, eager (1)  | no      | ·      | bias_attention |
     | every other case                                                                      | sdpa_mask      |
 
     - sdpa_causal: SDPA with is_causal (its flash kernel): no bias, and the keys are the queries' own.
@@ -818,7 +818,9 @@ def attention_path(
       a distance), without a cache. Other trainable biases (KERPLE, FIRE) take a materialized path.
     - flex: FlexAttention, the encoding's bias as its score_mod, under a block mask.
     - bias_attention: BiasAttention over the materialized bias: SDPA's CPU flash kernel, which gives a bias no
-      gradient, with a backward that does. Compiled, inductor fuses the math path itself.
+      gradient, with a backward that does. (1) Compiled too where the keys are the queries' own (consecutive, no
+      cache): then its backward's blocks have sizes known before the data, so Dynamo traces it (~5-9% faster than the
+      math path inductor fuses, BENCHMARKS.md); elsewhere compiled takes sdpa_mask.
     - sdpa_mask: SDPA under a materialized bool mask (Tq, Tk), or float bias with -inf (nh, Tq, Tk): the reference.
 
     The facts (bools, but device: "cpu", "cuda", ...): bias, the encoding adds a score bias (has_bias); band, that bias
@@ -836,7 +838,15 @@ def attention_path(
         return "flex_band"
     if flex and not trainable:
         return "flex"
-    if bias and trainable and device == "cpu" and not compiling and not dropout and options.fused is not False:
+    own_keys = consecutive and not cached
+    if (
+        bias
+        and trainable
+        and device == "cpu"
+        and (own_keys or not compiling)
+        and not dropout
+        and options.fused is not False
+    ):
         return "bias_attention"
     return "sdpa_mask"
 
@@ -904,7 +914,9 @@ def flex(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict |
 
 def bias_attention(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
     scores = materialized(chunk, bias)  # (nh, Tq, Tk)
-    return lambda q, k, v: BiasAttention.apply(q, k, v, scores.to(q.dtype))
+    own_keys = chunk.consecutive and not chunk.cached  # key j is query j: query i sees keys 0 … i at most
+    function = OwnKeysBiasAttention if own_keys else BiasAttention
+    return lambda q, k, v: function.apply(q, k, v, scores.to(q.dtype))
 
 
 def sdpa_mask(chunk: Chunk, bias: LayerBias, dropout_p: float, kernel_options: dict | None) -> Callable:
@@ -1530,13 +1542,15 @@ class ScalarMLP(torch.autograd.Function):
         return gx.sum_to_size(x.shape), gw1, gb1, gw2
 
 
+BIAS_ATTENTION_BLOCK = 64  # queries per block of BiasAttention's backward
+
+
 class BiasAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked), on CPUs. SDPA's CPU
     flash kernel takes a bias but returns no gradient for it, so a trainable bias (bias-RPE) would need SDPA's
     unfused math path. Here the forward is the flash kernel, and the backward recomputes the probabilities from its
-    log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal)."""
-
-    block = 64  # queries per backward block
+    log-sum-exp one block of queries at a time, skipping the keys no query of the block sees (half of them, causal):
+    which those are, it reads from the mask."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias):
@@ -1546,26 +1560,42 @@ class BiasAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
-        dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
-        scale, Tq, Tk = q.size(-1) ** -0.5, q.size(2), k.size(2)
-        # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys.
-        # Every head has the same mask: read it from head 0.
+        return bias_attention_backward(ctx, dy, own_keys=False)
+
+
+class OwnKeysBiasAttention(BiasAttention):
+    """BiasAttention where the keys are the queries' own, in order (training, a prefill): a block of queries
+    i0 … i1 - 1 sees keys before i1 at most, sizes known without reading the mask, so Dynamo traces the backward."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        return bias_attention_backward(ctx, dy, own_keys=True)
+
+
+def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
+    q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
+    dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
+    scale, Tq, Tk, block = q.size(-1) ** -0.5, q.size(2), k.size(2), BIAS_ATTENTION_BLOCK
+    # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys. Every
+    # head has the same mask: read it from head 0, or where the keys are the queries' own, last[i] <= i + 1.
+    if own_keys:
+        last = range(1, Tq + 1)
+    else:
         last = (bias[0].isfinite() * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
-        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
-        dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
-        for i0 in range(0, Tq, BiasAttention.block):
-            i1 = min(i0 + BiasAttention.block, Tq)
-            j1 = max(last[i0:i1])
-            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
-            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
-            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
-            dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
-            ds.mul_(scale)
-            dq[:, :, i0:i1] = ds @ kb
-            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
+    D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
+    dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
+    for i0 in range(0, Tq, block):
+        i1 = min(i0 + block, Tq)
+        j1 = max(last[i0:i1])
+        qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
+        p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
+        dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
+        ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
+        dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
+        ds.mul_(scale)
+        dq[:, :, i0:i1] = ds @ kb
+        dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
 def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):

@@ -281,12 +281,16 @@ CUDA_COMPILED = dict(device="cuda", compiling=True)
         (None, dict(trainable=False), "sdpa_mask"),  # eager on a CPU: not fused by default
         (True, dict(trainable=False, dropout=True), "sdpa_mask"),
         (True, dict(trainable=False, fits=False), "sdpa_mask"),
-        # bias_attention: a trainable bias on a CPU, eager, no dropout, unless fused is False
+        # bias_attention: a trainable bias on a CPU, eager, or compiled with the keys the queries' own; no dropout,
+        # unless fused is False
         (None, dict(), "bias_attention"),
         (True, dict(band=False), "bias_attention"),
         (None, dict(cached=True, window=True, consecutive=False), "bias_attention"),
+        (None, dict(compiling=True), "bias_attention"),
+        (None, dict(compiling=True, window=True), "bias_attention"),
         (False, dict(), "sdpa_mask"),
-        (None, dict(compiling=True), "sdpa_mask"),
+        (None, dict(compiling=True, cached=True), "sdpa_mask"),
+        (None, dict(compiling=True, consecutive=False), "sdpa_mask"),
         (None, dict(dropout=True), "sdpa_mask"),
         (None, dict(bias=False, band=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
     ],
@@ -788,9 +792,9 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, m
     import model as model_module
 
     calls = []
-    apply = model_module.BiasAttention.apply
-    monkeypatch.setattr(model_module.BiasAttention, "apply", lambda *a: calls.append(1) or apply(*a))
-    monkeypatch.setattr(model_module.BiasAttention, "block", block)
+    backward = model_module.bias_attention_backward
+    monkeypatch.setattr(model_module, "bias_attention_backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    monkeypatch.setattr(model_module, "BIAS_ATTENTION_BLOCK", block)
     model = tiny("bias_rpe", block_size=T).train()
     idx = tokens(3, T)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -812,6 +816,30 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, m
         for n in exact:
             assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
     assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("pe, window", [("bias_rpe", None), ("fire", None), ("kerple", 9)])
+def test_compiled_cpu_bias_attention_is_one_graph_and_equals_reference(pe, window, monkeypatch):
+    """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through BiasAttention as
+    eager does: its backward's blocks have sizes known before the data, so the whole forward and backward is one graph
+    (fullgraph), and its logits and gradients equal SDPA's math path (the reference) to 1e-5 in float32."""
+    import model as model_module
+
+    paths, table = [], model_module.attention_path
+    monkeypatch.setattr(model_module, "attention_path", lambda *a, **k: paths.append(table(*a, **k)) or paths[-1])
+    monkeypatch.setattr(model_module, "BIAS_ATTENTION_BLOCK", 16)  # ragged: 40 queries in blocks of 16
+    torch.manual_seed(0)
+    model = tiny(pe, block_size=40).train()
+    idx = tokens(3, 40)
+    counter = CompileCounterWithBackend("aot_eager")
+    logits, got = grads(torch.compile(model, backend=counter, fullgraph=True), idx, window=window)
+    assert counter.frame_count >= 1 and set(paths) == {"bias_attention"}, paths
+    model.attention_options = replace(model.attention_options, fused=False)
+    ref_logits, ref = grads(model, idx, window=window)
+    close(logits, ref_logits, tol=1e-5)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        close(got[n], ref[n], tol=1e-5)
 
 
 def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
