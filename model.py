@@ -819,8 +819,9 @@ def attention_path(
     - flex: FlexAttention, the encoding's bias as its score_mod, under a block mask.
     - bias_attention: BiasAttention over the materialized bias: SDPA's CPU flash kernel, which gives a bias no
       gradient, with a backward that does. (1) Compiled too where the keys are the queries' own (consecutive, no
-      cache): then its backward's blocks have sizes known before the data, so Dynamo traces it (~5-9% faster than the
-      math path inductor fuses, BENCHMARKS.md); elsewhere compiled takes sdpa_mask.
+      cache): then its backward's blocks have sizes known before the data, so Dynamo traces it (faster than the math
+      path inductor fuses for bias-RPE and FIRE, as fast for KERPLE: BENCHMARKS.md); elsewhere compiled takes
+      sdpa_mask.
     - sdpa_mask: SDPA under a materialized bool mask (Tq, Tk), or float bias with -inf (nh, Tq, Tk): the reference.
 
     The facts (bools, but device: "cpu", "cuda", ...): bias, the encoding adds a score bias (has_bias); band, that bias
@@ -834,11 +835,11 @@ def attention_path(
     if not bias and not window and not cached:
         return "sdpa_causal"
     flex = bias and fused and not dropout and fits
-    if flex and trainable and band and not cached and consecutive:
+    own_keys = consecutive and not cached  # the keys are the queries' own: key j is query j
+    if flex and trainable and band and own_keys:
         return "flex_band"
     if flex and not trainable:
         return "flex"
-    own_keys = consecutive and not cached
     if (
         bias
         and trainable

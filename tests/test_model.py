@@ -777,40 +777,43 @@ def test_fused_attention_equals_reference(pe, window):
 
 
 @pytest.mark.parametrize(
-    "T, window, block, dtype",
+    "T, window, block, dtype, step",
     [
-        (150, None, 64, torch.float32),
-        (40, None, 16, torch.float32),
-        (40, 9, 16, torch.float32),
-        (150, None, 64, torch.bfloat16),
+        (150, None, 64, torch.float32, 1),
+        (40, None, 16, torch.float32, 1),
+        (40, 9, 16, torch.float32, 1),
+        (40, 9, 16, torch.float32, 2),  # positions 0, 2, 4, …: the blocks' keys read from the mask
+        (150, None, 64, torch.bfloat16, 1),
     ],
 )
-def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, monkeypatch):
+def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, step, monkeypatch):
     """On a CPU, a trainable bias (bias-RPE) trains through BiasAttention: the flash forward, and a backward by blocks
-    of queries that skips the keys none of them sees. Logits and every gradient, the bias table's included, equal the
-    reference path's (SDPA's math path), with ragged last blocks, a sliding window, and bf16 autocast."""
+    of queries that skips the keys none of them sees (known from the positions where they step by one, else read from
+    the mask). Logits and every gradient, the bias table's included, equal the reference path's (SDPA's math path),
+    with ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
     import model as model_module
 
     calls = []
     backward = model_module.bias_attention_backward
-    monkeypatch.setattr(model_module, "bias_attention_backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    monkeypatch.setattr(model_module, "bias_attention_backward", lambda *a, **k: calls.append(k) or backward(*a, **k))
     monkeypatch.setattr(model_module, "BIAS_ATTENTION_BLOCK", block)
     model = tiny("bias_rpe", block_size=T).train()
-    idx = tokens(3, T)
+    idx, kw = tokens(3, T), dict(window=window, pos=step * torch.arange(T) if step > 1 else None)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with autocast:
         model.attention_options = replace(model.attention_options, fused=False)
-        ref_logits, ref_grads = grads(model, idx, window=window)
+        ref_logits, ref_grads = grads(model, idx, **kw)
         assert not calls
         model.attention_options = replace(model.attention_options, fused=None)  # the default
-        logits, fused_grads = grads(model, idx, window=window)
+        logits, fused_grads = grads(model, idx, **kw)
     assert calls, "the default path did not take BiasAttention"
+    assert all(c == {"own_keys": step == 1} for c in calls), calls  # the blocks' keys from the positions or the mask
     assert ref_grads.keys() == fused_grads.keys()
     if dtype == torch.float32:
         for got, want in [(logits, ref_logits)] + [(fused_grads[n], ref_grads[n]) for n in ref_grads]:
             close(got, want, tol=1e-5)
     else:  # the two kernels round differently in bf16: BiasAttention must be as close to float32 as the reference
-        exact_logits, exact = grads(model, idx, window=window)
+        exact_logits, exact = grads(model, idx, **kw)
         error = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
         assert error(logits, exact_logits) <= 2 * error(ref_logits, exact_logits) + 1e-3
         for n in exact:
