@@ -867,7 +867,9 @@ def flex_fits(head_dim: int, device_type: str) -> bool:
 # Built once per forward (per layer for a per-layer bias), so what it materializes is shared by the layers.
 
 
-@dataclass(frozen=True)
+# eq=False: hashed by identity. Dynamo (torch 2.11) hashes an object it calls, and a field-wise hash of one built
+# while tracing fails: its fields are not on the object yet
+@dataclass(frozen=True, eq=False)
 class LayerBias:
     """The encoding's score bias as one layer's attention adds it: bias(h, i, j) for the layer's heads h = 0 … nh - 1
     (a per-layer encoding's bias counts every layer's heads: this layer's start at `first`)."""
