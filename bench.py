@@ -28,11 +28,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from devices import allow_tf32, autocast, peak_flops
-from model import GPT, POS_ENCODINGS, AttentionOptions, GPTConfig, with_kernel_fallbacks
+from fast_paths import AttentionOptions, with_kernel_fallbacks
+from model import GPT, POS_ENCODINGS, GPTConfig
 from parallel import STRATEGIES
 
 ENCODINGS = list(POS_ENCODINGS)
-BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]  # the attention table's encodings
+BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_score_bias]  # the attention table's encodings
 # train.py options per shape for --only=shapes: the comparison config as it is, GPT-2 124M at 1024 and 4096 tokens,
 # and the head dims at the ends of FlexAttention's range (Triton's minimum is 16)
 GPT2_124M = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--dropout=0.0"]

@@ -82,5 +82,15 @@ def device_memory(device: str) -> int | None:
         return None
 
 
+def forward_bytes(model, L: int, B: int = 1, logits: bool = True) -> int:
+    """The least memory a forward of a GPT (model.py) over B windows of L tokens takes without gradients: the hidden
+    states and the MLP's (fp32, a layer at a time), the logits and the loss's copy, and for an encoding with a score
+    bias the (nh, L, L) bias and the (L, L) distances that the reference attention materializes (once for the batch).
+    A forward that needs more than the device has cannot run at all."""
+    c = model.config
+    square = (4 * c.n_head + 9) * L * L if model.encoding.has_score_bias else 0
+    return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
+
+
 def gb(n: float) -> str:
     return f"{n / 2**30:,.1f} GB"

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from checkpoint import CheckpointError, load_run, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import DTYPES, autocast, check_device, device_memory, gb
+from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -230,16 +230,15 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         r["data"] = np.asarray(r["data"][: max(args.eval_tokens, max(lengths)) + 1])
 
     def feasible(r, L):
-        max_len = r["model"].encoding.max_len
-        return max_len is None or L <= max_len
+        return r["model"].encoding.reaches(L)
 
     if not any(feasible(r, L) for r in runs for L in lengths):
-        longest = max(r["model"].encoding.max_len for r in runs)
+        longest = max(r["model"].config.block_size for r in runs)
         sys.exit(f"error: every length is past what the checkpoints' positions reach ({longest}); add lengths up to it")
     memory = device_memory(device)
     for r in runs:
         L = max((L for L in lengths if feasible(r, L)), default=0)
-        need = r["model"].forward_bytes(L)
+        need = forward_bytes(r["model"], L)
         if memory and L and need > memory:
             sys.exit(
                 f"error: {r['out_dir']}: one window of {L} tokens needs at least {gb(need)}, more than the "

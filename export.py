@@ -51,9 +51,11 @@ from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# the code a remote-code export carries: nanoPE's model.py as it is, and the transformers wrapper that imports it
+# the code a remote-code export carries: nanoPE's model.py and fast_paths.py as they are, and the transformers wrapper
+# that imports them; config.json records each one's sha256, which the wrapper checks at load
 CODE_FILES = (
     Path(__file__).resolve().parent / "model.py",
+    Path(__file__).resolve().parent / "fast_paths.py",
     Path(__file__).resolve().parent / "remote_code" / "modeling_nanope.py",
 )
 REMOTE_MODULE = "modeling_nanope"
@@ -241,7 +243,7 @@ def to_mpt(model: GPT, max_seq_len: int):
 
     c = model.config
     theirs = -build_mpt_alibi_tensor(c.n_head, 2)[:, 0, 0]  # (nh,): the bias at distance 1
-    ours = model.encoding.bias(torch.arange(c.n_head), torch.tensor(1), torch.tensor(0))
+    ours = model.encoding.score_bias(torch.arange(c.n_head), torch.tensor(1), torch.tensor(0))
     if not torch.allclose(-theirs, ours, rtol=1e-6, atol=0):
         raise ExportError(
             f"MPT's ALiBi slopes differ from this model's for {c.n_head} heads, by up to "
@@ -317,7 +319,7 @@ def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot
         "code_sha256": {src.name: hashlib.sha256((folder / src.name).read_bytes()).hexdigest() for src in CODE_FILES},
         # transformers' and lm-eval's notion of the context (lm-eval's default window): the last position of an
         # encoding that stops at block_size, else 16x it (as far as this project evaluates; nothing stops longer)
-        "max_position_embeddings": T if model.encoding.max_len is not None else 16 * T,
+        "max_position_embeddings": 16 * T if model.encoding.extrapolates else T,
         "read_eot_as": read_eot_as,
         "tie_word_embeddings": True,
         "bos_token_id": eot,
@@ -393,14 +395,14 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
             )
         return None
     if n_positions is None:
-        n_positions = T if pe.max_len is not None else 16 * T
+        n_positions = 16 * T if pe.extrapolates else T
     if n_positions < T:
         raise ExportError(
             f"--n_positions={n_positions} is below the training length block_size={T}, which the model would then "
             f"fail to read: use --n_positions >= {T}"
         )
-    if pe.max_len is not None and n_positions > pe.max_len:
-        raise ExportError(f"--n_positions={n_positions}: a learned table has {pe.max_len} rows; leave it out")
+    if not pe.reaches(n_positions):
+        raise ExportError(f"--n_positions={n_positions}: a learned table has {T} rows; leave it out")
     # float32 values: GPT-2's (n_positions, n_embd) table, built a few times over (init, ours, the copy saved); MPT's
     # (1, nh, 1, n_positions) bias, built again at every forward
     width, what = (

@@ -33,7 +33,7 @@ def resolve(cfg: dict, defaults: dict, explicit: set[str] | frozenset[str] = fro
     if source is not None:
         extend_from(cfg, explicit, source)
     check_task(cfg, defaults)
-    check_encoding_options(cfg, extension=source is not None)
+    check_encoding_options(cfg, defaults, extension=source is not None)
     cfg["dataset"] = cfg["dataset"] or ("" if cfg["task"] else "shakespeare_char")
     cfg["out_dir"] = cfg["out_dir"] or "-".join(filter(None, ["out", cfg["pos_encoding"], cfg["task"]]))
     if source is not None:
@@ -95,13 +95,13 @@ def resolve(cfg: dict, defaults: dict, explicit: set[str] | frozenset[str] = fro
     return cfg
 
 
-def check_encoding_options(cfg: dict, extension: bool = False) -> None:
+def check_encoding_options(cfg: dict, defaults: dict, extension: bool = False) -> None:
     """An option of another encoding than the chosen one (--rpe_max_distance with rope) does nothing: an error. On a
     resume or GPT-2's weights the checkpoint decides the encoding; on an extension its source did (extend_from)."""
     if cfg["init_from"] != "scratch" and not extension:
         return
-    for name, (owner, opt) in ENCODING_OPTIONS.items():
-        if owner != cfg["pos_encoding"] and cfg[name] != opt.default:
+    for name, (owner, _) in ENCODING_OPTIONS.items():
+        if owner != cfg["pos_encoding"] and cfg[name] != defaults[name]:
             fix = f"its source {cfg['init_from']} is" if extension else f"or train with --pos_encoding={owner}"
             raise ConfigError(
                 f"{name}={cfg[name]!r} is an option of pos_encoding={owner!r}, not of {cfg['pos_encoding']!r}: drop "

@@ -27,7 +27,7 @@ import torch
 from checkpoint import CheckpointError, load_run
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import check_device, device_memory, gb
+from devices import check_device, device_memory, forward_bytes, gb
 from model import GPT
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 
@@ -37,11 +37,9 @@ def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
     """Each layer's attention probabilities (B, nh, T, T) for idx (B, T), from the model's own attention: run with
     V = the identity, attention's output is its probability matrix P (P @ I = P), whatever the encoding and kernel.
     reduce(P), if given, is kept instead of P (a 124M model at 4096 tokens has 10 GB of them)."""
-    probs, choose = [], model._attention_fn
+    probs = []
 
-    def recording(*args, **kwargs):
-        attention = choose(*args, **kwargs)
-
+    def recording(attention):
         def both(q, k, v):
             eye = torch.eye(k.size(2), dtype=q.dtype, device=q.device).expand(*k.shape[:2], -1, -1)
             p = attention(q, k, eye)
@@ -50,11 +48,7 @@ def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
 
         return both
 
-    model._attention_fn = recording  # this instance only: the class's method is untouched
-    try:
-        model(idx)
-    finally:
-        del model._attention_fn
+    model.features(idx, wrap_attention=recording)
     return probs
 
 
@@ -72,12 +66,12 @@ def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
     """(heads, length): the bias each head adds at distances 0 … length - 1, for the query at position length - 1;
     None for an encoding without a bias. Per-layer encodings (FIRE) give n_layer · n_head rows, layer by layer."""
     pe = model.encoding
-    if not pe.has_bias:
+    if not pe.has_score_bias:
         return None
     n = model.config.n_head * (model.config.n_layer if pe.per_layer else 1)
     heads = torch.arange(n)[:, None]
     d = torch.arange(length, device=model.lm_head.weight.device)
-    bias = pe.bias(heads.to(d.device), torch.full_like(d, length - 1)[None], (length - 1 - d)[None])
+    bias = pe.score_bias(heads.to(d.device), torch.full_like(d, length - 1)[None], (length - 1 - d)[None])
     return bias.float().cpu().numpy()
 
 
@@ -95,7 +89,7 @@ def check_length(model: GPT, length: int) -> None:
 def probe_bytes(model: GPT, length: int) -> int:
     """The least memory probing one window takes: a forward, and a layer's probabilities (nh, L, L) with the
     products far_share makes of them."""
-    return model.forward_bytes(length) + (8 * model.config.n_head + 12) * length * length
+    return forward_bytes(model, length) + (8 * model.config.n_head + 12) * length * length
 
 
 def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str = "cpu") -> dict:

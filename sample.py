@@ -26,9 +26,10 @@ from devices import (
     default_device,
     default_dtype,
     device_memory,
+    forward_bytes,
     gb,
 )
-from model import GPT, ROPE_SCALINGS, number
+from model import GPT, ROPE_SCALINGS, Engine, number
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -143,9 +144,8 @@ def generation_bytes(model: GPT, prompt: int, new: int, window: int, cache: bool
     """The least memory generate takes: the tokens, the KV cache (keys and values of every layer, fp32, for the window
     and a prompt's chunk) and the largest forward (the prompt's prefill, or without the cache the whole window)."""
     c = model.config
-    slots = window - 1 + min(prompt, window) if model.encoding.rolling else window
-    kv = 8 * c.n_layer * c.n_embd * slots if cache else 0
-    return 8 * (prompt + new) + kv + model.forward_bytes(min(prompt, window) if cache else window, logits=False)
+    kv = 8 * c.n_layer * c.n_embd * Engine.cache_size(model.encoding, window, prompt) if cache else 0
+    return 8 * (prompt + new) + kv + forward_bytes(model, min(prompt, window) if cache else window, logits=False)
 
 
 def main(argv: list[str]) -> None:
@@ -191,13 +191,13 @@ def main(argv: list[str]) -> None:
             )
     try:
         ids = tok.encode(start)
-        max_context = model.context_window(cfg["max_context"])
+        max_context = model.engine.context_window(cfg["max_context"])
     except ValueError as e:
         sys.exit(f"error: {e}")
     if not ids:
         example = "0 17 5" if isinstance(tok, IdsTokenizer) else "Once upon a time"
         sys.exit(f"error: the prompt is empty after tokenization; pass --start with some, e.g. --start='{example}'")
-    if model.encoding.max_len is not None and len(ids) > max_context:
+    if not model.encoding.extrapolates and len(ids) > max_context:
         sys.exit(
             f"error: the prompt is {len(ids)} tokens, but this {model.config.pos_encoding}-position model takes at "
             f"most {max_context}; shorten the prompt"

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from devices import device_memory, gb
+from devices import device_memory, forward_bytes, gb
 
 MARK, QUERY, SEP = 0, 1, 2
 N_SPECIAL = 3
@@ -413,7 +413,7 @@ def evaluate_checkpoint(
     out = {}
     for L in lengths:
         check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
-        B = max(1, min(50, EVAL_MEMORY // model.forward_bytes(L, logits=False)))  # long sequences, a few at a time
+        B = max(1, min(50, EVAL_MEMORY // forward_bytes(model, L, logits=False)))  # long sequences, a few at a time
         out[L] = (
             scores(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
             if model.encoding.reaches(L)
@@ -431,7 +431,7 @@ def check_memory(model, lengths: list[int], device: str) -> None:
     """Refuse, before any work, a length whose single sequence would not fit in the device's memory."""
     memory = device_memory(device)
     for L in lengths:
-        if memory and (need := model.forward_bytes(L, logits=False)) > memory:
+        if memory and (need := forward_bytes(model, L, logits=False)) > memory:
             raise SyntheticError(
                 f"length {L:,} needs at least {gb(need)} for one sequence, more than the {gb(memory)} of {device}; "
                 "evaluate shorter lengths"

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError, load_run
     from configurator import ConfigError
     from datafiles import DataError
-    from devices import check_device, device_memory, gb
+    from devices import check_device, device_memory, forward_bytes, gb
     from tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"error: {run.path} stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
         tok = tokenizer_from_meta(run.ckpt["tokenizer"])
         L = max((L for L in lengths if run.model.encoding.reaches(L)), default=0)  # the longest evaluated
-        need = run.model.forward_bytes(L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L
+        need = forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L
         if memory and need > memory:
             sys.exit(
                 f"error: {out_dir}: evaluating {L} tokens needs at least {gb(need)}, more than the "

@@ -27,7 +27,8 @@ from checkpoint import Checkpoint, Checkpointer, CheckpointError, check_same_dat
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
 from devices import autocast, default_device, peak_flops
-from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, with_kernel_fallbacks
+from fast_paths import fused_attention_note, with_kernel_fallbacks
+from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from options import EXTENSION_OPTIONS, check_fits, odd_values, resolve, source_checkpoint
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
@@ -104,7 +105,7 @@ defaults = dict(
     compile=None,  # torch.compile the model; default on for CUDA
     seed=1337,
 )
-defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # rpe_max_distance, rope_base, ...
+defaults |= {f.name: f.default for f in fields(GPTConfig) if f.name in ENCODING_OPTIONS}  # rpe_max_distance, ...
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
@@ -120,7 +121,7 @@ def usage() -> str:
     encoding's options from the registry."""
     encodings = "\n".join(f"  {name}: {cls.summary}" for name, cls in POS_ENCODINGS.items())
     options = "\n".join(
-        f"{name}={opt.default!r}  # {owner}: {opt.help}" for name, (owner, opt) in ENCODING_OPTIONS.items()
+        f"{name}={defaults[name]!r}  # {owner}: {opt.help}" for name, (owner, opt) in ENCODING_OPTIONS.items()
     )
     return (
         f"{script_usage(__file__, __doc__)}\n\npos_encoding, one of:\n{encodings}\n\n"
@@ -483,7 +484,8 @@ def log_start(run: Run) -> None:
             f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
             "answers only"
         )
-    if (note := model.fused_attention_note(procs.device_type)) and model.encoding.has_bias:
+    head_dim = model.config.n_embd // model.config.n_head
+    if (note := fused_attention_note(head_dim, procs.device_type)) and model.encoding.has_score_bias:
         log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
     if procs.device_type == "cpu" and 6 * model.get_num_params() * run.tokens_per_iter > CPU_SIZED_FLOPS:
         log(

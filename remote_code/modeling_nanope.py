@@ -1,6 +1,6 @@
 """
 nanoPE's GPT as a Hugging Face transformers model, for an export folder that carries its own code (export.py copies
-this file into the folder beside model.py, nanoPE's model.py byte for byte). Loaded with
+this file into the folder beside nanoPE's model.py and fast_paths.py, byte for byte). Loaded with
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
@@ -18,8 +18,9 @@ logit comes from model.py, nothing here computes attention or positions.
   again from the last max_context tokens at position 0 and the others keep a rolling cache whose keys keep their
   positions; dynamic NTK past its training length runs the window again each step, and so does every step of
   generate(use_cache=False), as sample.py --no_cache. A forward without a cache (scoring) reads the whole sequence.
-- The code check: config.json records the sha256 of model.py and of this file at export; a folder whose code differs
-  (edited, or mixed with another export's files) is refused at load, as its weights were trained for other code.
+- The code check: config.json records the sha256 of model.py, fast_paths.py and this file at export; a folder whose
+  code differs (edited, or mixed with another export's files) is refused at load, as its weights were trained for
+  other code.
 """
 
 import hashlib
@@ -33,16 +34,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .model import GPT, GPTConfig, KVCache
 
-CODE_FILES = ("model.py", "modeling_nanope.py")  # the code config.json's code_sha256 records
 
-
-def code_sha256(folder: Path) -> dict[str, str]:
-    """The sha256 of each code file in folder."""
-    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in CODE_FILES}
+def code_sha256(folder: Path, names) -> dict[str, str | None]:
+    """The sha256 of each named code file in folder (None where it is missing)."""
+    files = {name: folder / name for name in names}
+    return {name: hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None for name, f in files.items()}
 
 
 class NanoPEConfig(PretrainedConfig):
-    """model_args: GPTConfig's fields, as the checkpoint stores them; code_sha256: what CODE_FILES were at export;
+    """model_args: GPTConfig's fields, as the checkpoint stores them; code_sha256: each code file's at export;
     max_context: the longest context generation attends to (sample.py's --max_context; None: block_size);
     read_eot_as: the token that ids past the model's vocabulary read as (None: there are none)."""
 
@@ -118,14 +118,16 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
     _no_split_modules = ["Block"]
 
     def __init__(self, config: NanoPEConfig):
-        found = code_sha256(Path(__file__).parent)  # the files that run: transformers' copy of the folder's
+        # the files that run (transformers' copy of the folder's): every one config.json records, and this one
+        names = sorted(set(config.code_sha256) | {Path(__file__).name})
+        found = code_sha256(Path(__file__).parent, names)
         if config.code_sha256 != found:
-            bad = [n for n in CODE_FILES if config.code_sha256.get(n) != found[n]]
+            bad = [n for n in names if config.code_sha256.get(n) != found[n]]
             raise CodeMismatchError(
                 f"this folder's code ({', '.join(bad)}) is not the code it was exported with: config.json records "
                 f"sha256 {', '.join(str(config.code_sha256.get(n))[:12] for n in bad)}, the folder has "
-                f"{', '.join(found[n][:12] for n in bad)} (edited, or files mixed from another export); export the "
-                "run again with nanoPE's export.py"
+                f"{', '.join(str(found[n])[:12] for n in bad)} (edited, or files mixed from another export); export "
+                "the run again with nanoPE's export.py"
             )
         super().__init__(config)
         # not on from_pretrained's meta device: encodings compute from their sizes at init (T5's last bucket) and
@@ -172,7 +174,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def context_window(self) -> int:
         """The longest context generation attends to: config.max_context, by default block_size."""
-        return self.gpt.context_window(self.config.max_context)
+        return self.gpt.engine.context_window(self.config.max_context)
 
     def next_logits(self, idx: torch.Tensor, mask: torch.Tensor | None, cache: NanoPECache) -> torch.Tensor:
         """Logits (B, 1, V) of the token after idx (B, T), the tokens the cache has not read (the prompt first, with

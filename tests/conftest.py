@@ -31,7 +31,7 @@ ABSOLUTE = [e for e in ENCODINGS if not POS_ENCODINGS[e].relative]
 ROLLING = [e for e in ENCODINGS if POS_ENCODINGS[e].rolling]  # generation past the window keeps positions counting
 CROPPING = [e for e in ENCODINGS if not POS_ENCODINGS[e].rolling]  # ... crops and restarts them at 0 (nanoGPT)
 EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].extrapolates]
-BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_bias]
+BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_score_bias]
 VOCAB = 64
 
 

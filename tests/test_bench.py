@@ -11,7 +11,7 @@ from conftest import run_cli
 import bench
 from model import POS_ENCODINGS
 
-BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_bias]
+BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_score_bias]
 
 
 def table_rows(out: str, first_cell: str) -> list[list[str]]:

@@ -518,16 +518,18 @@ def test_remote_code_pipeline_pads_and_samples(remote):
 
 
 def test_bundled_code_is_our_model_and_recorded(remote):
-    """The folder's model.py is nanoPE's model.py byte for byte, its modeling_nanope.py the repository's wrapper;
-    config.json maps the Auto classes to them and records their sha256."""
+    """The folder's model.py and fast_paths.py are nanoPE's byte for byte, its modeling_nanope.py the repository's
+    wrapper; config.json maps the Auto classes to them and records their sha256."""
     import hashlib
 
     out, _, hf = remote["bias_rpe"]
     assert (out / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
+    assert (out / "fast_paths.py").read_bytes() == (ROOT / "fast_paths.py").read_bytes()
     assert (out / "modeling_nanope.py").read_bytes() == (ROOT / "remote_code" / "modeling_nanope.py").read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["code_sha256"] == {
-        name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in ("model.py", "modeling_nanope.py")
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+        for name in ("model.py", "fast_paths.py", "modeling_nanope.py")
     }
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nanope.NanoPEForCausalLM"
     assert config["model_args"]["pos_encoding"] == "bias_rpe" and (out / "model.safetensors").exists()
@@ -546,7 +548,8 @@ def test_other_code_in_the_folder_is_refused_at_load(remote, tmp_path):
     config = json.loads((mixed / "config.json").read_text())
     config["code_sha256"]["modeling_nanope.py"] = "0" * 64
     (mixed / "config.json").write_text(json.dumps(config))
-    for folder, name in [(edited, "model.py"), (mixed, "modeling_nanope.py")]:
+    (edited / "fast_paths.py").write_text((edited / "fast_paths.py").read_text() + "\n# changed\n")
+    for folder, name in [(edited, "fast_paths.py, model.py"), (mixed, "modeling_nanope.py")]:
         with pytest.raises(
             ValueError, match=rf"this folder's code \({name}\) is not the code it was exported with"
         ) as e:

@@ -25,22 +25,19 @@ from conftest import (
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 
+import fast_paths
+from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
 from model import (
-    ATTENTION_BUILDERS,
-    ATTENTION_PATHS,
     ENCODING_OPTIONS,
     GPT,
     POS_ENCODINGS,
-    AttentionOptions,
     Chunk,
     GPTConfig,
     KVCache,
     ModelShape,
     alibi_slopes,
     apply_rotary,
-    attention_path,
     sample_next,
-    with_kernel_fallbacks,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -239,8 +236,8 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # Attention paths and the encodings against their formulas
 
-# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly: each row of attention_path's table
-# below changes what it needs
+# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly: each row of the table below changes what
+# it needs
 FACTS = dict(
     bias=True,
     band=True,
@@ -254,6 +251,14 @@ FACTS = dict(
     fits=True,
 )
 CUDA_COMPILED = dict(device="cuda", compiling=True)
+
+
+def attention_path(options: AttentionOptions, bias, window, cached, consecutive, **facts) -> str:
+    """The path a forward takes: model.py's reference (SDPA, causal where it can) where the encoding has no score
+    bias or fast_paths.kernel has no row for it, else that kernel."""
+    if not bias:
+        return "sdpa_causal" if not window and not cached else "sdpa_mask"
+    return kernel(options, own_keys=consecutive and not cached, **facts) or "sdpa_mask"
 
 
 @pytest.mark.parametrize(
@@ -296,25 +301,43 @@ CUDA_COMPILED = dict(device="cuda", compiling=True)
     ],
 )
 def test_attention_path_follows_its_table(fused, facts, path):
-    """attention_path gives the path its docstring's table names for each row, and the next path down where a row's
-    condition fails."""
-    assert path in ATTENTION_PATHS and path in attention_path.__doc__
+    """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row down (at last
+    model.py's reference) where a row's condition fails."""
+    assert path in ("sdpa_causal", "sdpa_mask") or path in kernel.__doc__
     options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})  # kernel options pick no path
     assert attention_path(options, **{**FACTS, **facts}) == path
 
 
-def test_every_path_of_the_table_has_its_builder():
-    """Over every combination of facts, attention_path answers only paths that have a builder (the builders' names
-    are the one list of paths), and each builder is the answer for some facts: no path is unreachable."""
-    names = [n for n in FACTS if n != "device"]
+def test_every_kernel_of_the_table_has_its_builder():
+    """Over every combination of facts, fast_paths.kernel answers only kernels that have a builder (the builders' names
+    are the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
+    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits"]
     answers = {
-        attention_path(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
+        kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
         for device in ("cpu", "cuda")
         for bits in itertools.product((False, True), repeat=len(names))
     }
-    assert answers == set(ATTENTION_PATHS) == set(ATTENTION_BUILDERS)
-    assert all(ATTENTION_BUILDERS[path].__name__ == path for path in ATTENTION_PATHS)
+    assert answers == set(KERNELS) | {None}
+    assert all(KERNELS[name].__name__ == name for name in KERNELS)
+
+
+def taken_paths(monkeypatch) -> list[str]:
+    """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for the reference."""
+    import model as model_module
+
+    got = []
+    for name, build in list(KERNELS.items()):
+        monkeypatch.setitem(KERNELS, name, lambda *a, _build=build, _name=name: got.append(_name) or _build(*a))
+    reference = model_module.reference_attention
+
+    def recording(chunk, score_bias, dropout_p):
+        causal = score_bias is None and chunk.window is None and not chunk.cached
+        got.append("sdpa_causal" if causal else "sdpa_mask")
+        return reference(chunk, score_bias, dropout_p)
+
+    monkeypatch.setattr(model_module, "reference_attention", recording)
+    return got
 
 
 @pytest.mark.parametrize(
@@ -332,13 +355,10 @@ def test_every_path_of_the_table_has_its_builder():
     ],
 )
 def test_model_asks_the_table_with_its_own_facts(pe, fused, train, kw, paths, monkeypatch):
-    """A forward asks attention_path once per layer with bias (the encoding's), band, gradient, cache, device and
-    positions as they are, and gets the path the table names for them."""
-    import model as model_module
-
-    got, table = [], model_module.attention_path
-    monkeypatch.setattr(model_module, "attention_path", lambda *a, **k: got.append(table(*a, **k)) or got[-1])
-    monkeypatch.setattr(model_module, "flex_attention_lse", math_flex_attention_lse)  # FlexAttention's backward: CUDA
+    """A forward builds its attention once per layer (once in all for a bias shared by the layers), from the table's
+    answer for the encoding's score bias, its gradient, the cache, the device and the positions as they are."""
+    got = taken_paths(monkeypatch)
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", math_flex_attention_lse)  # FlexAttention's backward: CUDA
     model = tiny(pe, block_size=64).train(train)
     model.attention_options = replace(model.attention_options, fused=fused)
     idx = tokens(2, 16)
@@ -404,7 +424,7 @@ def test_attention_matches_handwritten_reference(pe):
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
     chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=True)
-    got = cfg_attn(x, model.encoding.rotary(pos), model._attention_fn(chunk), None)
+    got = cfg_attn(x, model.encoding.rotary(pos), model.attention(chunk), None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -467,8 +487,8 @@ def test_bias_rpe_clamps_relative_distance():
     rel = torch.arange(-8, 9)[None, :]
     expected = (rel.clamp(-4, 4) + 4).float() + 9 * torch.arange(4.0)[:, None, None]
     heads = torch.arange(4)[:, None, None]
-    close(pe.bias(heads, rel, 0), expected)
-    assert pe.bias(torch.tensor(0), torch.tensor([4, 5, 100]), 0).tolist() == [8.0, 8.0, 8.0]
+    close(pe.score_bias(heads, rel, 0), expected)
+    assert pe.score_bias(torch.tensor(0), torch.tensor([4, 5, 100]), 0).tolist() == [8.0, 8.0, 8.0]
 
 
 def test_bias_rpe_starts_at_zero():
@@ -548,19 +568,15 @@ def test_config_errors_name_the_field():
 
 
 def test_gpt_config_fields_are_the_shape_and_every_encoding_option():
-    """GPTConfig's fields, in order and with their defaults, are ModelShape's then every ENCODING_OPTIONS entry: an
-    option an encoding declares without its GPTConfig field fails here, with the line to add."""
-    got = [(f.name, f.default) for f in fields(GPTConfig)]
-    options = [(name, opt.default) for name, (_, opt) in ENCODING_OPTIONS.items()]
+    """GPTConfig's fields, in order, are ModelShape's then every ENCODING_OPTIONS entry (each option's default is
+    its field's): an option an encoding declares without its GPTConfig field fails here, with the line to add."""
+    got = [f.name for f in fields(GPTConfig)]
     missing = [
-        f"    {name}: {type(opt.default).__name__ if opt.default is not None else '<type> | None'} = {opt.default!r}"
-        f"  # {enc}: {opt.help}"
-        for name, (enc, opt) in ENCODING_OPTIONS.items()
-        if (name, opt.default) not in got
+        f"    {name}: <type> = <default>  # {enc}" for name, (enc, _) in ENCODING_OPTIONS.items() if name not in got
     ]
-    assert not missing, "add to GPTConfig in model.py (or give it the registry's default):\n" + "\n".join(missing)
-    expected = [(f.name, f.default) for f in fields(ModelShape)] + options
-    extra = [name for name, _ in got if name not in dict(expected)]
+    assert not missing, "add to GPTConfig in model.py:\n" + "\n".join(missing)
+    expected = [f.name for f in fields(ModelShape)] + list(ENCODING_OPTIONS)
+    extra = [name for name in got if name not in expected]
     assert not extra, f"GPTConfig's {extra} are neither ModelShape's nor an encoding's option: remove them"
     assert got == expected, "GPTConfig lists ModelShape's fields, then the options in ENCODING_OPTIONS' order"
 
@@ -634,7 +650,7 @@ INDUCTOR_CHECKED = ("rope",)
 def test_torch_compile_forward_backward(pe):
     """torch.compile(model) (one graph; inductor for INDUCTOR_CHECKED, else aot_eager) runs forward and backward for
     every encoding from its own initialisation, matches eager, and gives every parameter of the encoding a non-zero
-    gradient (a table, MLP or slope it never trains is a bug). One layer: a second would compile the same kernels."""
+    gradient (a table, MLP or slope it never trains is a bug). One layer: a second would compile the same fast_paths."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe))
     idx = tokens(2, 17)
@@ -791,12 +807,11 @@ def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, s
     of queries that skips the keys none of them sees (known from the positions where they step by one, else read from
     the mask). Logits and every gradient, the bias table's included, equal the reference path's (SDPA's math path),
     with ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
-    import model as model_module
 
     calls = []
-    backward = model_module.bias_attention_backward
-    monkeypatch.setattr(model_module, "bias_attention_backward", lambda *a, **k: calls.append(k) or backward(*a, **k))
-    monkeypatch.setattr(model_module, "BIAS_ATTENTION_BLOCK", block)
+    backward = fast_paths.bias_attention_backward
+    monkeypatch.setattr(fast_paths, "bias_attention_backward", lambda *a, **k: calls.append(k) or backward(*a, **k))
+    monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", block)
     model = tiny("bias_rpe", block_size=T).train()
     idx, kw = tokens(3, T), dict(window=window, pos=step * torch.arange(T) if step > 1 else None)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -826,11 +841,8 @@ def test_compiled_cpu_bias_attention_is_one_graph_and_equals_reference(pe, windo
     """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through BiasAttention as
     eager does: its backward's blocks have sizes known before the data, so the whole forward and backward is one graph
     (fullgraph), and its logits and gradients equal SDPA's math path (the reference) to 1e-5 in float32."""
-    import model as model_module
-
-    paths, table = [], model_module.attention_path
-    monkeypatch.setattr(model_module, "attention_path", lambda *a, **k: paths.append(table(*a, **k)) or paths[-1])
-    monkeypatch.setattr(model_module, "BIAS_ATTENTION_BLOCK", 16)  # ragged: 40 queries in blocks of 16
+    paths = taken_paths(monkeypatch)
+    monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", 16)  # ragged: 40 queries in blocks of 16
     torch.manual_seed(0)
     model = tiny(pe, block_size=40).train()
     idx = tokens(3, 40)
@@ -872,12 +884,11 @@ def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None)
 )
 def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkeypatch):
     """The fused path's table gradient (the kernel reads the bias as a constant; BandBiasGrad computes the gradient
-    from the band i - j < bias_span and the rows' zero sum) equals the materialized path's, the shared far entry
+    from the band i - j < far_distance and the rows' zero sum) equals the materialized path's, the shared far entry
     included, for bias-RPE and T5, with ragged blocks, T < span, windows shorter than it, one shared bias, compiled."""
-    import model as model_module
 
     calls = []
-    monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
     model = tiny(pe, block_size=T, **kw).train()
     idx = tokens(3, T)
     model.attention_options = replace(model.attention_options, fused=False)
@@ -893,7 +904,7 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
-    span = model.encoding.bias_span
+    span = model.encoding.far_distance
     if 0 < span < (window or T):  # some key is past the span: the shared far entry has a gradient to match
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
@@ -906,10 +917,9 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
     """With explicit positions the fused path's table gradient equals the materialized path's: positions that skip
     (2·arange, 3·arange: distances are not index differences) leave the band gradient for the materialized bias, and
     a shifted range (7 + arange: the same distances) keeps it."""
-    import model as model_module
 
     calls = []
-    monkeypatch.setattr(model_module, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
     T = 20
     model = tiny(pe, block_size=3 * T, **kw).train()
     idx, pos = tokens(2, T), offset + stride * torch.arange(T)
@@ -925,7 +935,7 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
 
 def spanless_trainable(pe: str) -> bool:
     wpe = tiny(pe).encoding
-    return wpe.bias_span is None and bool(list(wpe.parameters()))
+    return wpe.far_distance is None and bool(list(wpe.parameters()))
 
 
 @pytest.mark.parametrize("pe", [e for e in BIASED if spanless_trainable(e)])
@@ -933,10 +943,9 @@ def test_trainable_bias_without_a_span_trains_on_the_materialized_path(pe, monke
     """A trainable bias with no constant far span (KERPLE, FIRE) never takes FlexAttention's captured-parameter
     gradient (atomics on the table's few entries: slow, or out of a GPU's shared memory): with fused=True it trains on
     the materialized path, with the reference's gradients, and still evaluates through FlexAttention."""
-    import model as model_module
 
     calls = []
-    monkeypatch.setattr(model_module, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
+    monkeypatch.setattr(fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
     model = tiny(pe).train()
     idx = tokens(2, 16)
     model.attention_options = replace(model.attention_options, fused=False)
@@ -954,7 +963,7 @@ def test_trainable_bias_without_a_span_trains_on_the_materialized_path(pe, monke
 
 def test_band_bias_gradient_of_each_entry():
     """band_bias_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v, causal."""
-    from model import band_bias_grad
+    from fast_paths import band_bias_grad
 
     torch.manual_seed(0)
     B, nh, T, hs, R = 2, 3, 19, 8, 4
@@ -981,15 +990,13 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     on must agree too; up to head dim 64 the default options compile. Runs on the GPU machine."""
     import copy
 
-    import model as model_module
-
     calls = []
 
     def counting_flex(*args, **kw):
         calls.append(1)
         return flex_attention(*args, **kw)
 
-    monkeypatch.setattr(model_module, "flex_attention", counting_flex)
+    monkeypatch.setattr(fast_paths, "flex_attention", counting_flex)
     model = tiny(pe, block_size=256, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64).cuda().train()
     idx = tokens(2, 256).cuda()
     exact_logits, exact_grads = grads(copy.deepcopy(model).double(), idx)
@@ -1005,10 +1012,10 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     print(pe, head_dim, notes or "no fallback")
     assert head_dim > 64 or not notes, notes
     wpe = model.encoding
-    band_or_fixed = wpe.bias_span is not None or not list(wpe.parameters())  # else FlexAttention's atomics: avoided
+    band_or_fixed = wpe.far_distance is not None or not list(wpe.parameters())  # else FlexAttention's atomics: avoided
     fused = head_dim >= 16 and band_or_fixed and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
-    assert (model.fused_attention_note("cuda") is None) == (head_dim >= 16)
+    assert (fast_paths.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
 
     def as_exact_as_eager(got, ref, exact):
         eager_error = (ref.double() - exact).abs().max().item()
@@ -1029,7 +1036,7 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
     nothing to fall back from. with_kernel_fallbacks retries the step after each, logging one line."""
     from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
 
-    from model import fall_back
+    from fast_paths import fall_back
 
     failure = RuntimeError("the compiled step failed")
     failure.__cause__ = NoTritonConfigsError("out of resource: Required: 245760 Hardware limit: 232448")
@@ -1093,30 +1100,33 @@ def test_training_keeps_about_one_bias_per_layer(pe):
 def test_scalar_mlp_gradients_equal_autograd():
     """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's gradients for x and every
     weight, with the weights broadcast per head against x (heads, queries, keys), in float64."""
-    from model import ScalarMLP
+    from fast_paths import ScalarMLP
 
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
     w1, b1, w2 = (torch.randn(3, 1, 1, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
-    torch.autograd.gradcheck(ScalarMLP.apply, (x, w1, b1, w2))
+    mlp = POS_ENCODINGS["fire"].mlp
+    torch.autograd.gradcheck(lambda *t: ScalarMLP.apply(mlp, *t), (x, w1, b1, w2))
     plain = sum(torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u] for u in range(4))
-    torch.testing.assert_close(ScalarMLP.apply(x, w1, b1, w2), plain)
+    torch.testing.assert_close(ScalarMLP.apply(mlp, x, w1, b1, w2), plain)
 
 
 def test_fire_bias_keeps_few_tensors_for_its_gradient():
-    """FIRE's bias with a gradient keeps a few bias-sized tensors for the backward, not one per hidden unit (32): the
-    checkpointed bias is recomputed in the backward, and this is what that recomputation holds."""
-    T = 64
-    pe = tiny("fire", block_size=T, n_layer=2).train().encoding
+    """FIRE's bias at every pair with a gradient (positions that skip, too many pairs to keep the hidden units) keeps
+    a few bias-sized tensors for the backward, not one per hidden unit (32): what a checkpointed bias's recomputation
+    in the backward holds."""
+    T = 160  # 25,600 pairs: past fast_paths.FIRE_FEW
+    pe = tiny("fire", block_size=2 * T, n_layer=2).train().encoding
     saved = []
 
     def pack(t):
         saved.append(t.numel() if t.shape[-2:] == (T, T) else 0)
         return t
 
-    heads = torch.arange(4)[:, None, None]
+    pos = 2 * torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bias = pe.bias(heads, torch.arange(T)[:, None], torch.arange(T))
+        chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=False)
+        bias = pe.score_bias_matrix(4, 4, chunk)
     bias.sum().backward()
     assert sum(saved) <= 6 * 4 * T * T, sum(saved) / (4 * T * T)
     assert all(p.grad is not None for p in pe.parameters())
@@ -1141,7 +1151,9 @@ def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
 
     pos = torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bias = pe.layer_bias(4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True)
+        bias = pe.score_bias_matrix(
+            4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True
+        )
     bias.sum().backward()
     assert bias.shape == (4, T, T)
     assert sum(saved) < 4 * T * T / 2, sum(saved) / (4 * T * T)
@@ -1185,13 +1197,12 @@ def test_bf16_model_generates(pe):
 def test_fused_attention_note_names_the_head_dim_limit():
     """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): flex_fits says no, and the model's
     note says why and what attention does instead; on CPUs, and from 16 on, it fits and there is no note."""
-    from model import flex_fits
+    from fast_paths import flex_fits, fused_attention_note
 
     assert not flex_fits(8, "cuda") and flex_fits(8, "cpu") and flex_fits(16, "cuda")
-    note = tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cuda")
+    note = fused_attention_note(8, "cuda")
     assert "at least 16" in note and "(this model has 8)" in note and "materialized bias" in note
-    assert tiny("alibi", n_head=4, n_embd=32).fused_attention_note("cpu") is None
-    assert tiny("alibi", n_head=2, n_embd=32).fused_attention_note("cuda") is None
+    assert fused_attention_note(8, "cpu") is None and fused_attention_note(16, "cuda") is None
 
 
 @pytest.mark.parametrize("pe", BIASED)
@@ -1213,7 +1224,7 @@ def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window,
 
 def test_t5_buckets_equal_the_reference_implementation():
     """T5's causal buckets equal Hugging Face's port of Mesh TensorFlow's `_relative_position_bucket`
-    (bidirectional=False) for distances 0 … 2000, at the default 32 buckets / 128 and a smaller 8 / 20; bias_span is
+    (bidirectional=False) for distances 0 … 2000, at the default 32 buckets / 128 and a smaller 8 / 20; far_distance is
     the first distance of the last bucket."""
     pytest.importorskip("transformers")  # CI has it; a bare GPU machine may not
     from transformers.models.t5.modeling_t5 import T5Attention
@@ -1225,10 +1236,10 @@ def test_t5_buckets_equal_the_reference_implementation():
             -n, bidirectional=False, num_buckets=buckets, max_distance=max_distance
         )
         assert torch.equal(pe.bucket(n), expected)
-        assert pe.bias_span == int((expected < buckets - 1).sum())
+        assert pe.far_distance == int((expected < buckets - 1).sum())
         with torch.no_grad():
             pe.weight.copy_(torch.randn_like(pe.weight))
-        close(pe.bias(torch.arange(4)[:, None], n + 7, 7), pe.weight[:, expected])
+        close(pe.score_bias(torch.arange(4)[:, None], n + 7, 7), pe.weight[:, expected])
     with pytest.raises(ValueError, match="t5_max_distance"):
         GPTConfig(pos_encoding="t5", t5_num_buckets=32, t5_max_distance=16)
 
@@ -1240,8 +1251,10 @@ def test_kerple_log_bias_matches_the_formula():
     assert (r1 > 0).all() and (r2 > 0).all()
     n = torch.arange(0, 3000, 7).float()
     expected = -r1[:, None] * torch.log(1 + r2[:, None] * n)
-    close(pe.bias(torch.arange(4)[:, None], n.long() + 100, 100), expected)
-    close(pe.bias(torch.arange(4)[:, None], n.long() + 5, 5), pe.bias(torch.arange(4)[:, None], n.long(), 0))
+    close(pe.score_bias(torch.arange(4)[:, None], n.long() + 100, 100), expected)
+    close(
+        pe.score_bias(torch.arange(4)[:, None], n.long() + 5, 5), pe.score_bias(torch.arange(4)[:, None], n.long(), 0)
+    )
 
 
 def test_kerple_per_layer_gives_each_layer_its_own_pair():
@@ -1251,7 +1264,7 @@ def test_kerple_per_layer_gives_each_layer_its_own_pair():
     assert shared.encoding.log_r1.shape == (4,) and not shared.encoding.per_layer
     assert per_layer.encoding.log_r1.shape == (12,) and per_layer.encoding.per_layer
     pe, n = per_layer.encoding, torch.arange(50)
-    layer_bias = [pe.bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)]
+    layer_bias = [pe.score_bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)]
     assert not torch.allclose(layer_bias[0], layer_bias[1])  # the layers' own pairs, read at h = layer·n_head + head
     idx = tokens(2, 16)
     cache = KVCache(per_layer.config.n_layer, 16)  # fed a token at a time, against the full forward
@@ -1274,7 +1287,7 @@ def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("multiplier", [1.0, 0.3, 0.1])  # L = block_size (every query within it), below most, below all
 @pytest.mark.parametrize("regime", ["default", "explicit", "cached"])
-def test_fire_equals_the_papers_formula(multiplier, regime):
+def test_fire_equals_the_papers_formula(multiplier, regime, monkeypatch):
     """FIRE's fast bias (one MLP per distance for the queries within L, pair by pair past it, the hidden units once per
     layer) gives the logits and every parameter's gradient of a model whose bias is the paper's formula at every pair,
     in float64 to 1e-10 relative: with L above every query's position, below most, below all, at default, explicit
@@ -1285,7 +1298,7 @@ def test_fire_equals_the_papers_formula(multiplier, regime):
         model.encoding.L_multiplier.fill_(multiplier)
         model.encoding.w2.mul_(50)  # a bias that matters: the logits depend on it
     ref = copy.deepcopy(model)
-    ref.encoding.layer_bias = lambda first, nh, chunk, recompute=False: fire_reference(  # every pair, no shortcut
+    ref.encoding.score_bias_matrix = lambda first, nh, chunk, recompute=False: fire_reference(  # every pair
         ref.encoding, first // nh, chunk.pos[:, None], chunk.keys
     )
     idx = tokens(2, 24)
@@ -1302,8 +1315,10 @@ def test_fire_equals_the_papers_formula(multiplier, regime):
         (logits**2).mean().backward()
         return logits, {n: p.grad for n, p in m.named_parameters()}
 
-    shapes, mlp = [], model.encoding.mlp
-    model.encoding.mlp = lambda x, *w, **few: shapes.append(tuple(x.shape)) or mlp(x, *w, **few)
+    shapes, fire_mlp = [], fast_paths.fire_mlp
+    monkeypatch.setattr(
+        fast_paths, "fire_mlp", lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or fire_mlp(f, x, *w, **few)
+    )
     (a, grads_a), (b, grads_b) = run(model), run(ref)
     # the MLP ran on the 24 distances, and pair by pair only on the queries past L (all 24 only when all are); in a
     # cache, whose keys are not the queries' own, on every pair of each chunk
