@@ -583,21 +583,38 @@ with torch.no_grad():
 """
 
 
-def test_remote_code_loads_without_nanope(remote, tmp_path):
-    """A process that cannot import nanoPE (cwd and sys.path outside the repository) loads the folder with
-    trust_remote_code and computes our logits: the folder carries all the code it needs."""
-    out, model, _ = remote["bias_rpe"]
-    idx = torch.randint(0, V, (2, 80), generator=torch.Generator().manual_seed(1))
+def logits_alone(folder: Path, idx: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    """The logits of idx that the export in folder computes in a process that cannot import nanoPE (cwd and sys.path
+    outside the repository), loaded with trust_remote_code from transformers' own copy of its code."""
     torch.save(idx, tmp_path / "idx.pt")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
         "HF_MODULES_CACHE": str(tmp_path / "modules")
     }
-    cmd = [sys.executable, "-I", "-c", LOAD_ALONE, str(out), str(tmp_path / "idx.pt"), str(tmp_path / "logits.pt")]
+    cmd = [sys.executable, "-I", "-c", LOAD_ALONE, str(folder), str(tmp_path / "idx.pt"), str(tmp_path / "logits.pt")]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(str(tmp_path / "modules")), r.stdout
+    return torch.load(tmp_path / "logits.pt")
+
+
+def test_remote_code_loads_without_nanope(remote, tmp_path):
+    """A process that cannot import nanoPE loads the folder with trust_remote_code and computes our logits: the
+    folder carries all the code it needs."""
+    out, model, _ = remote["bias_rpe"]
+    idx = torch.randint(0, V, (2, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        close(torch.load(tmp_path / "logits.pt"), model(idx)[0], tol=1e-5)
+        close(logits_alone(out, idx, tmp_path), model(idx)[0], tol=1e-5)
+
+
+def test_an_export_from_before_the_fast_paths_moved_loads(tmp_path):
+    """An export written before model.py's fast paths moved to fast_paths.py (tests/fixtures/before_redesign/
+    export_fire: its model.py holds them all) still loads alone, and computes today's logits for its weights."""
+    folder = Path(__file__).parent / "fixtures" / "before_redesign" / "export_fire"
+    assert not (folder / "fast_paths.py").exists()
+    _, model = checkpoint(pos_encoding="fire")  # the weights the fixture was exported from
+    idx = torch.randint(0, V, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        close(logits_alone(folder, idx, tmp_path), model(idx)[0], tol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
