@@ -22,7 +22,7 @@ import shutil
 import sys
 import uuid
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from model import GPT, GPTConfig
 from outputs import cannot_write
+from parallel import Processes
 
 
 class CheckpointError(Exception):
@@ -153,41 +154,6 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     `_orig_mod.` prefix its compiled runs leave)."""
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(model_state(ckpt["model"]))
-    return model
-
-
-def check_same_tokenizer(
-    folder: str | Path, source: dict, tokenizer: dict | None, data: str, error: type[Exception] = CheckpointError
-) -> None:
-    """An extension's data must be in the token ids its source (the checkpoint dict of the run in folder) was trained
-    on: tokenizer is the new data's (data names it), error the exception to raise."""
-    if source.get("tokenizer") not in (None, tokenizer):  # nanoGPT's checkpoints keep none
-        raise error(
-            f"{folder} was trained on {data_name(source.get('config') or {})}, whose token ids mean other things than "
-            f"those of {data} (another tokenizer): extend it on data of its own tokenizer"
-        )
-
-
-def extended_model(folder: str | Path, changes: dict, tokenizer: dict | None, log=print) -> GPT:
-    """The model a run extended from another starts from: the model of the run in folder (its latest checkpoint)
-    at changes' block_size (a learned table interpolated: extend_block_size) and with changes' other options
-    (options.EXTENSION_OPTIONS, which options.extend_from resolved), built as any reader of the new run's checkpoints
-    rebuilds it. Its data must be in the token ids it was trained on (tokenizer, the new data's)."""
-    source = load_checkpoint(latest(folder))
-    check_same_tokenizer(folder, source, tokenizer, "this run's data")
-    base = model_from_checkpoint(source)
-    T0 = base.config.block_size
-    base.extend_block_size(changes["block_size"])
-    model = GPT(replace(base.config, **changes))
-    model.load_state_dict(base.state_dict())
-    c = model.config
-    scaled = f", rope_scaling={c.rope_scaling} (factor {c.rope_factor:g}, L0 {c.rope_original_max_len})"
-    interpolated = model.encoding.position_params() and c.block_size > T0
-    log(
-        f"extending {folder} (trained at {T0} tokens) to block_size={c.block_size}"
-        + (scaled if c.rope_scaling != "none" else "")
-        + (", its position table interpolated" if interpolated else "")
-    )
     return model
 
 
@@ -509,22 +475,30 @@ def checkpoints(out_dir: str | Path) -> list[Path]:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# What a checkpoint holds. A training run's state is a few objects (train.py's Run holds them): the model, AdamW and
-# the grad scaler (torch's state_dict() / load_state_dict()), the training batches' sampler, every process's RNGs,
-# and the loop's counters and record. The Checkpointer's save() writes them as a checkpoint's keys, beside what
-# describes the run (its model's arguments, options, tokenizer and validation setup), and its restore() reads them
-# back: nothing else builds or unpacks a checkpoint. Before the restore, a resume builds the model the checkpoint
-# describes (Checkpoint.model_config) on the data it trained on (check_same_data).
+# What a checkpoint holds: a TrainingState (train.py's Run is one), which the Checkpointer's save() writes as a
+# checkpoint's keys and its restore() reads back, with every process's RNGs: nothing else builds or unpacks one.
+
+
+@dataclass(kw_only=True)
+class TrainingState:
+    """A training run as its checkpoint holds it: what describes it (its options and its data's tokenizer) and what a
+    resume goes on from (the model, AdamW and the grad scaler through their state_dict(), the batches' sampler, the
+    loop's counters and its record of evaluations)."""
+
+    cfg: dict  # train.py's options
+    tokenizer: dict  # the data's (tokenizer.py), which sample.py rebuilds
+    model: torch.nn.Module  # the module itself, whose state_dict is saved
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    data_rng: torch.Generator  # the training batches' sampler
+    iter_num: int = 0
+    best_val_loss: float = float("inf")
+    wandb_run_id: str | None = None
+    history: list = field(default_factory=list)  # every evaluation: {"iter", "train", "val"[, "acc"]}
+
 
 # what decides which batches a validation estimate averages over: val losses compare only when these agree
 EVAL_SETUP_KEYS = ("dataset", "task", "block_size", "batch_size", "eval_iters", "seed", "world_size")
-
-
-def new_optimizer(model: GPT, cfg: dict, device_type: str = "cpu") -> torch.optim.Optimizer:
-    """AdamW as train.py's options set it up for this model: the optimizer whose state a checkpoint holds (a run
-    builds it, and the consolidation builds it to read a sharded checkpoint's state into)."""
-    betas = (cfg["beta1"], cfg["beta2"])
-    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
 
 
 def eval_setup(cfg: dict, world_size: int) -> dict:
@@ -548,36 +522,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def check_same_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> None:
-    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same (the
-    tokenizer, which the checkpoint keeps for sample.py). Another text dataset of the same tokenizer is fine-tuning,
-    and goes ahead (restore() notes that its validation differs)."""
-    old = checkpoint.config
-    same_ids = checkpoint.meta.get("tokenizer") in (None, tokenizer)  # nanoGPT's checkpoints keep none
-    if (old.get("task") or "") == cfg["task"] and same_ids:
-        return
-    if old.get("task") and old["task"] != cfg["task"]:
-        fix = f"resume with its task's config, config/{old['task']}.py"
-    elif old.get("task"):
-        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
-    elif cfg["task"]:
-        fix = "drop the task's config (--task)"
-    else:
-        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
-    raise CheckpointError(
-        f"{cfg['out_dir']} was trained on {data_name(old)}, and this run would train it on {data_name(cfg)}"
-        + ("" if same_ids else ", whose token ids mean other things (another tokenizer)")
-        + f": {fix}, or train on this in another --out_dir"
-    )
-
-
-def data_name(cfg: dict) -> str:
-    """What a run trains on, as its options say."""
-    if cfg.get("task"):
-        return f"the synthetic task {cfg['task']!r} (task_vocab={cfg.get('task_vocab')})"
-    return f"the text of dataset {cfg.get('dataset')!r}"
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -693,52 +637,53 @@ class Checkpointer:
         """The checkpoint a resume starts from, in the run's format: its meta now, its states in restore()."""
         return self.format.load(self.out_dir)
 
-    def save(self, run, best: bool) -> None:
-        """Every process calls this: ckpt (and ckpt_best if best) of run (train.py's Run), in the run's format. Every
-        process's RNG states are gathered (a resume at the same process count replays dropout exactly)."""
+    def save(self, state: TrainingState, procs: Processes, best: bool) -> None:
+        """Every process calls this: ckpt (and ckpt_best if best) of state, in the run's format. Every process's RNG
+        states are gathered (a resume at the same process count replays dropout exactly)."""
         meta = {
-            "model_args": asdict(run.model.config),
-            "iter_num": run.iter_num,
-            "best_val_loss": run.best_val_loss,
-            "config": run.cfg,
-            "tokenizer": run.data.meta["tokenizer"],
-            "eval_setup": eval_setup(run.cfg, run.procs.world_size),
-            "rng": run.procs.gather(rng_state(run.procs.device)),
-            "data_rng": run.data_rng.get_state(),
-            "scaler": run.scaler.state_dict(),
-            "wandb_run_id": run.wandb_run_id,
-            "history": run.history,
+            "model_args": asdict(state.model.config),
+            "iter_num": state.iter_num,
+            "best_val_loss": state.best_val_loss,
+            "config": state.cfg,
+            "tokenizer": state.tokenizer,
+            "eval_setup": eval_setup(state.cfg, procs.world_size),
+            "rng": procs.gather(rng_state(procs.device)),
+            "data_rng": state.data_rng.get_state(),
+            "scaler": state.scaler.state_dict(),
+            "wandb_run_id": state.wandb_run_id,
+            "history": state.history,
         }
         names = ["ckpt", "ckpt_best"] if best else ["ckpt"]
-        self.format.save(self.out_dir, names, meta, run.model, run.optimizer, self.master)
+        self.format.save(self.out_dir, names, meta, state.model, state.optimizer, self.master)
 
-    def restore(self, run, checkpoint: Checkpoint) -> None:
-        """Continue checkpoint's run exactly in run (train.py's Run, set up for it): weights, iteration, best loss (if
-        it still compares), optimizer, grad scaler, data sampler, RNG states and wandb run."""
-        meta, procs = checkpoint.meta, run.procs
-        run.iter_num, run.best_val_loss = meta["iter_num"], meta["best_val_loss"]
-        run.wandb_run_id = meta.get("wandb_run_id")
+    def restore(self, state: TrainingState, checkpoint: Checkpoint, procs: Processes) -> None:
+        """Continue checkpoint's run exactly in state (set up for it: its model built as the checkpoint describes):
+        weights, iteration, best loss (if it still compares), optimizer, grad scaler, data sampler, RNG states and
+        wandb run."""
+        meta = checkpoint.meta
+        state.iter_num, state.best_val_loss = meta["iter_num"], meta["best_val_loss"]
+        state.wandb_run_id = meta.get("wandb_run_id")
         # this iteration is evaluated again
-        run.history = [h for h in meta.get("history", []) if h["iter"] < run.iter_num]
-        procs.log(f"resuming from {self.path} at iteration {run.iter_num}")
-        changed = changed_eval_setup(meta, eval_setup(run.cfg, procs.world_size))
-        if changed and run.best_val_loss < float("inf"):
+        state.history = [h for h in meta.get("history", []) if h["iter"] < state.iter_num]
+        procs.log(f"resuming from {self.path} at iteration {state.iter_num}")
+        changed = changed_eval_setup(meta, eval_setup(state.cfg, procs.world_size))
+        if changed and state.best_val_loss < float("inf"):
             procs.log(
                 f"note: validation differs from the checkpoint's ({', '.join(changed)}), so its best val loss "
-                f"{run.best_val_loss:.4f} does not compare; ckpt_best goes to this run's best evaluation"
+                f"{state.best_val_loss:.4f} does not compare; ckpt_best goes to this run's best evaluation"
             )
-            run.best_val_loss = float("inf")
+            state.best_val_loss = float("inf")
         try:
-            checkpoint.load_into(run.model, run.optimizer)
+            checkpoint.load_into(state.model, state.optimizer)
         except (ValueError, KeyError) as e:  # another number of parameter groups: pe_lr_scale moved to or from 1
             raise CheckpointError(
                 f"the checkpoint's optimizer does not fit this run ({e}); resume with the run's own "
                 f"pe_lr_scale={checkpoint.config.get('pe_lr_scale', 1.0)}"
             ) from e
-        if meta.get("scaler") and run.scaler.is_enabled():  # empty from a float32/bf16 run: fp16 starts a fresh scaler
-            run.scaler.load_state_dict(meta["scaler"])
+        if meta.get("scaler") and state.scaler.is_enabled():  # empty from float32/bf16 runs: fp16 starts a fresh one
+            state.scaler.load_state_dict(meta["scaler"])
         if "data_rng" in meta:
-            run.data_rng.set_state(meta["data_rng"])
+            state.data_rng.set_state(meta["data_rng"])
         if len(meta.get("rng", [])) == procs.world_size:
             set_rng_state(meta["rng"][procs.rank])
         else:
@@ -764,39 +709,7 @@ def open_lock_file(path: Path):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The evaluation scripts' reader, and the consolidation
-
-
-@dataclass
-class TrainedRun:
-    """What the evaluation scripts read from a run's folder: its checkpoint and its model (eval mode, on the
-    device)."""
-
-    ckpt: dict
-    model: GPT
-    path: Path | None = None  # the checkpoint read: ckpt.pt, or the sharded ckpt.dcp
-
-
-def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> TrainedRun:
-    """Load out_dir's checkpoint and build its model. text: the caller reads text, which a run trained on a synthetic
-    task does not. Raises CheckpointError naming the fix."""
-    out_dir = Path(out_dir)
-    if out_dir.is_file():
-        raise CheckpointError(f"{out_dir} is a file; give the run's folder (train.py's out_dir), e.g. {out_dir.parent}")
-    path = latest(out_dir)
-    if path is None:
-        what = (
-            f"{out_dir} holds no checkpoint (ckpt.pt)" if out_dir.is_dir() else f"the folder {out_dir} does not exist"
-        )
-        raise CheckpointError(f"{what}; give a run's folder (train.py's out_dir, where it wrote ckpt.pt)")
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.get("config") or {}
-    if text and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
-        raise CheckpointError(
-            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
-            f"python synthetic.py {out_dir}"
-        )
-    return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval(), path)
+# The consolidation
 
 
 def consolidate(out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -818,7 +731,9 @@ def consolidate(out_dir: str | Path, overwrite: bool = False) -> Path:
     if os.path.lexists(path) and not overwrite:  # before reading the shards
         check_replaceable(path, ckpt["iter_num"])
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = new_optimizer(model, ckpt["config"])
+    # AdamW's groups as the run split its parameters (pe_lr_scale puts the encoding's apart); the groups' settings
+    # (rate, betas, decay) are read from the checkpoint with the state
+    optimizer = model.configure_optimizers(0.0, 0.0, (0.0, 0.0), "cpu", ckpt["config"].get("pe_lr_scale", 1.0))
     sharded.load_into(model, optimizer)
     save_checkpoint(ckpt | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     return path

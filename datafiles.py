@@ -212,6 +212,34 @@ def tokenizer_difference(data_tok: dict, model_tok: dict) -> str | None:
     return text
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# what a run trains on: a run goes on from a checkpoint (a resume, an extension) only on data in the same token ids
+
+
+def task_meta(vocab_size: int) -> dict:
+    """A synthetic task's meta.json, had it one: its token ids are a tokenizer of their own."""
+    return {"vocab_size": vocab_size, "tokenizer": {"kind": "ids", "vocab_size": vocab_size}}
+
+
+def data_name(cfg: dict) -> str:
+    """What a run trains on, as its options say."""
+    if cfg.get("task"):
+        return f"the synthetic task {cfg['task']!r} (task_vocab={cfg.get('task_vocab')})"
+    return f"the text of dataset {cfg.get('dataset')!r}"
+
+
+def other_data(old: dict, old_tokenizer: dict | None, new: dict, tokenizer: dict | None, same_task: bool) -> str | None:
+    """Why a run trained on old's data (old, new: train.py's options) cannot go on with new's: their token ids mean
+    other things (another tokenizer: a synthetic task's ids are one of their own), or, with same_task (a resume), it is
+    another task, or text. None where it can: another text in the same tokenizer is fine-tuning. A nanoGPT checkpoint
+    records no tokenizer: its ids count as the same."""
+    same_ids = old_tokenizer in (None, tokenizer)
+    if same_ids and (not same_task or (old.get("task") or "") == (new.get("task") or "")):
+        return None
+    other = "" if same_ids else ", whose token ids mean other things (another tokenizer)"
+    return f"was trained on {data_name(old)}, and this run would train it on {data_name(new)}{other}"
+
+
 def validation_tokens(ckpt: dict, vocab_size: int, out_dir: str | Path, data_dir: str | Path | None = None):
     """The validation split (N,) uint16 of the dataset a checkpoint trained on (data_dir, a prepared folder, overrides
     it), and its name; the dataset must be written with the checkpoint's tokenizer (a nanoGPT checkpoint, which

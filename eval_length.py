@@ -32,12 +32,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import CheckpointError, load_run, model_from_checkpoint
+from checkpoint import CheckpointError, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
 from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
+from runs import load_run
 
 MODES = ("nonoverlapping", "sliding")
 

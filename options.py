@@ -4,32 +4,31 @@ defaults that depend on other options, and the values that are legal but probabl
 one-line ConfigError naming the value and the fix, before any work.
 """
 
-import json
 import os
-from dataclasses import fields, replace
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
+import runs
 import synthetic
-from checkpoint import check_same_tokenizer, data_name, latest, load_checkpoint
 from configurator import ConfigError, require
-from datafiles import dataset_dir
 from devices import DTYPES, check_device, default_dtype, device_memory, gb
-from model import ENCODING_OPTIONS, POS_ENCODINGS, GPTConfig
+from model import ENCODING_OPTIONS, GPTConfig
 from parallel import STRATEGIES
+from runs import Source, extend_from
 
 TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
 MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")
-# the model's options that an extension (init_from=<a run's folder>) may change; the rest are its source's
-EXTENSION_OPTIONS = ("block_size", "dropout", "rope_scaling", "rope_factor", "rope_original_max_len")
 
 
-def resolve(cfg: dict, defaults: dict, explicit: set[str] | frozenset[str] = frozenset()) -> dict:
+def resolve(
+    cfg: dict, defaults: dict, explicit: set[str] | frozenset[str] = frozenset(), source: Source | None = None
+) -> dict:
     """Fill in the defaults that depend on other keys, and check the values no type check catches, so that a bad
     value is a one-line error before any work. explicit: the keys a config file or the command line set (an
-    extension's source decides the others of its model)."""
+    extension's source decides the others of its model); source: the run init_from names, read (else read here)."""
     cfg = dict(cfg)
-    source = source_checkpoint(cfg["init_from"])
+    source = source or runs.source(cfg["init_from"])
     if source is not None:
         extend_from(cfg, explicit, source)
     check_task(cfg, defaults)
@@ -107,70 +106,6 @@ def check_encoding_options(cfg: dict, defaults: dict, extension: bool = False) -
                 f"{name}={cfg[name]!r} is an option of pos_encoding={owner!r}, not of {cfg['pos_encoding']!r}: drop "
                 + (f"it ({fix} {cfg['pos_encoding']})" if extension else f"it, {fix}")
             )
-
-
-def source_checkpoint(init_from: str) -> Path | None:
-    """The checkpoint an extension starts from: init_from names a run's folder (ckpt.pt or ckpt.dcp in it); None for
-    scratch, resume, GPT-2's names and a folder of Hugging Face GPT-2 weights."""
-    if init_from in ("scratch", "resume") or not Path(init_from).is_dir():
-        return None
-    return latest(init_from)
-
-
-def extend_from(cfg: dict, explicit: set[str] | frozenset[str], source: Path) -> None:
-    """An extension: a new run from the weights of the run in init_from, which may train longer (block_size at least
-    its source's), with another dropout and RoPE scaling. Its other model options are the source's: set to them in
-    cfg, and where a config file or the command line set one to something else, an error. A RoPE scaling's original
-    length L0 (rope_original_max_len) defaults to the length the source was trained at (its own L0 if it was scaled
-    already), and its factor to block_size / L0 (1 for dynamic_ntk, which scales with the length by itself)."""
-    folder, ckpt = cfg["init_from"], load_checkpoint(source)
-    src = GPTConfig(**ckpt["model_args"])  # derived defaults (rpe_max_distance...) as it built them
-    for f in fields(GPTConfig):
-        k = f.name
-        if k in EXTENSION_OPTIONS or k not in cfg:  # vocab_size comes with the data
-            continue
-        if k in explicit and cfg[k] != getattr(src, k):
-            raise ConfigError(
-                f"{k}={cfg[k]!r} contradicts {folder}, the run this one extends ({k}={getattr(src, k)!r}): an "
-                f"extension keeps its source's model, but for {', '.join(EXTENSION_OPTIONS)}; drop it"
-            )
-        cfg[k] = getattr(src, k)
-    old = ckpt.get("config") or {}  # nanoGPT's checkpoints keep none
-    if old and (
-        bool(old.get("task")) != bool(cfg["task"]) or cfg["task"] and old.get("task_vocab") != cfg["task_vocab"]
-    ):
-        raise ConfigError(  # a synthetic task's ids are not a text's, nor another vocabulary's (a text's: build_model)
-            f"{folder} was trained on {data_name(old)}, and this run would train it on {data_name(cfg)}, whose token "
-            "ids mean other things: extend it on data of its own kind"
-            + (f" (e.g. config/{old['task']}.py)" if old.get("task") else " (drop --task)")
-        )
-    dataset = cfg["dataset"] or "shakespeare_char"
-    meta = dataset_dir(dataset) / "meta.json"  # a text's, where it is prepared already (else load_data checks it)
-    if not cfg["task"] and meta.is_file():  # checked here before any work, and again on the data train.py loads
-        try:
-            tokenizer = json.loads(meta.read_text()).get("tokenizer")
-        except ValueError:  # load_data names what is wrong with it
-            tokenizer = ckpt.get("tokenizer")
-        check_same_tokenizer(folder, ckpt, tokenizer, data_name({"dataset": dataset}), ConfigError)
-    if cfg["block_size"] < src.block_size:
-        raise ConfigError(
-            f"block_size={cfg['block_size']} is shorter than {folder}'s {src.block_size}: an extension trains at least "
-            f"as long as the run it extends; set --block_size={src.block_size} or more"
-        )
-    if POS_ENCODINGS[src.pos_encoding].rope_scalable:
-        if "rope_scaling" not in explicit:
-            cfg["rope_scaling"] = src.rope_scaling  # a scaled source stays scaled
-        scaled = cfg["rope_scaling"] != "none"
-        if "rope_original_max_len" not in explicit:  # the length the source was trained at: its L0 if it was scaled
-            trained = (src.rope_original_max_len or src.block_size) if src.rope_scaling != "none" else src.block_size
-            cfg["rope_original_max_len"] = trained if scaled else src.rope_original_max_len
-        if "rope_factor" not in explicit:
-            L0, rope = cfg["rope_original_max_len"] or cfg["block_size"], POS_ENCODINGS[src.pos_encoding]
-            cfg["rope_factor"] = rope.default_factor(cfg["rope_scaling"], cfg["block_size"], L0) if scaled else 1.0
-    try:  # the extended model's own checks (a factor below 1, ...)
-        replace(src, **{k: cfg[k] for k in EXTENSION_OPTIONS})
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
 
 
 def check_task(cfg: dict, defaults: dict) -> None:

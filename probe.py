@@ -24,12 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, load_run
+from checkpoint import CheckpointError
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
 from devices import check_device, device_memory, forward_bytes, gb
 from model import GPT
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
+from runs import load_run
 
 
 @torch.no_grad()

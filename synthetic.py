@@ -439,10 +439,11 @@ def check_memory(model, lengths: list[int], device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError, load_run
+    from checkpoint import CheckpointError
     from configurator import ConfigError
     from devices import check_device
     from outputs import OutputError, check_output, write_atomic
+    from runs import load_run
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")

@@ -313,10 +313,11 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError, load_run
+    from checkpoint import CheckpointError
     from configurator import ConfigError
     from datafiles import DataError
     from devices import check_device, device_memory, forward_bytes, gb
+    from runs import load_run
     from tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -16,20 +16,21 @@ import os
 import runpy
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import runs
 import synthetic
-from checkpoint import Checkpoint, Checkpointer, CheckpointError, check_same_data, extended_model, new_optimizer
+from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from configurator import ConfigError, configure, script_usage
-from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta
+from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta, other_data, task_meta
 from devices import autocast, default_device, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
-from options import EXTENSION_OPTIONS, check_fits, odd_values, resolve, source_checkpoint
+from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
 from tokenizer import tokenizer_from_meta
@@ -146,7 +147,7 @@ def load_data(cfg: dict, procs: Processes) -> Data:
     training; the tasks checked against its vocabulary and the block size. A synthetic task has no files."""
     if cfg["task"]:
         V = cfg["task_vocab"]
-        return Data(None, {"vocab_size": V, "tokenizer": {"kind": "ids", "vocab_size": V}}, V, None)
+        return Data(None, task_meta(V), V, None)
     data_dir = dataset_dir(cfg["dataset"])
     if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
         if procs.master:
@@ -164,12 +165,14 @@ def load_data(cfg: dict, procs: Processes) -> Data:
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 
-def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: int = 1) -> GPT:
+def build_model(
+    cfg: dict, data: Data, resumed: Checkpoint | None, source: runs.Source | None, log, shards: int = 1
+) -> GPT:
     """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
     shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), the run it extends (its
-    weights: extended_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows it,
-    with a note where it disagreed. What the data is cannot follow it: a resume on other data (check_same_data), or an
-    extension on tokens that mean other things, is an error."""
+    weights: runs.extended_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows
+    it, with a note where it disagreed. What the data is cannot follow it: a resume on other data (check_resumed_data),
+    or an extension on tokens that mean other things, is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
     if cfg["init_from"] == "scratch":
@@ -182,11 +185,10 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
         check_fits(config, cfg, shards, defaults)
         model = GPT(config)
     elif resumed is not None:
-        check_same_data(resumed, cfg, data.meta["tokenizer"])
+        check_resumed_data(resumed, cfg, data.meta["tokenizer"])
         model = GPT(resumed.model_config)
-    elif source_checkpoint(cfg["init_from"]):
-        changes = {k: cfg[k] for k in EXTENSION_OPTIONS}
-        model = extended_model(cfg["init_from"], changes, data.meta["tokenizer"], log)
+    elif source is not None:
+        model = runs.extended_model(source, cfg, data.meta["tokenizer"], log)
     else:
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
@@ -210,25 +212,38 @@ def build_model(cfg: dict, data: Data, resumed: Checkpoint | None, log, shards: 
     return model
 
 
-@dataclass
-class Run:
-    """A training run: what the loop reads and updates, and what a checkpoint saves (the Checkpointer reads and sets
-    its state)."""
+def check_resumed_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> None:
+    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same.
+    Another text dataset of the same tokenizer is fine-tuning, and goes ahead (restore notes its other validation)."""
+    old = checkpoint.config
+    if not (problem := other_data(old, checkpoint.meta.get("tokenizer"), cfg, tokenizer, same_task=True)):
+        return
+    if old.get("task") and old["task"] != cfg["task"]:
+        fix = f"resume with its task's config, config/{old['task']}.py"
+    elif old.get("task"):
+        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
+    elif cfg["task"]:
+        fix = "drop the task's config (--task)"
+    else:
+        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
+    raise CheckpointError(f"{cfg['out_dir']} {problem}: {fix}, or train on this in another --out_dir")
 
-    cfg: dict
+
+def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
+    """AdamW as the options set it up (GPT.configure_optimizers: no decay on biases, norms or a score bias)."""
+    betas = (cfg["beta1"], cfg["beta2"])
+    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
+
+
+@dataclass(kw_only=True)
+class Run(TrainingState):
+    """A training run: its state (TrainingState, what a checkpoint saves), and what the loop works with."""
+
     procs: Processes
     strategy: Strategy  # how the processes share the work (parallel.py): the loop asks it, never its name
     checkpointer: Checkpointer  # out_dir's checkpoints, in the strategy's format
     data: Data
-    model: GPT  # the module itself, whose state_dict is saved
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    data_rng: torch.Generator  # the training batches' sampler; its state is saved
-    net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped in DDP
-    iter_num: int = 0
-    best_val_loss: float = float("inf")
-    wandb_run_id: str | None = None
-    history: list = field(default_factory=list)  # every evaluation: {"iter", "train", "val"[, "acc"]}
+    net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped by the strategy
 
     @property
     def tokens_per_iter(self) -> int:
@@ -369,7 +384,7 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
         metrics = {"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
         wandb.log(metrics | ({"val/accuracy": losses["acc"]} if "acc" in losses else {}))
     if not cfg["eval_only"] and (cfg["always_save_checkpoint"] or improved or run.iter_num >= cfg["max_iters"]):
-        run.checkpointer.save(run, best=improved)
+        run.checkpointer.save(run, run.procs, best=improved)
     return seconds
 
 
@@ -503,7 +518,9 @@ def main(argv: list[str]) -> None:
         print(usage())
         return
     explicit: set[str] = set()
-    cfg = resolve(configure(defaults, argv, explicit), defaults, explicit)
+    options = configure(defaults, argv, explicit)
+    source = runs.source(options["init_from"])  # the run an extension starts from, read once: its options, its weights
+    cfg = resolve(options, defaults, explicit, source)
     master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
     checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
     try:
@@ -515,33 +532,35 @@ def main(argv: list[str]) -> None:
                     print(line)
             for note in odd_values(cfg):
                 print(f"note: {note}")
-        train(cfg, checkpointer)
+        train(cfg, checkpointer, source)
     finally:
         checkpointer.release()  # a second main() in this process, or another run, may use the folder now
 
 
-def train(cfg: dict, checkpointer: Checkpointer) -> None:
+def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = None) -> None:
     procs = start_processes(cfg["device"], cfg["backend"], cfg["seed"])
     parallel = strategy(cfg["parallel"], procs)
     log = procs.log
     data = load_data(cfg, procs)
     resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
-    model = build_model(cfg, data, resumed, log, shards=procs.world_size if parallel.sharded else 1)
+    model = build_model(cfg, data, resumed, source, log, shards=procs.world_size if parallel.sharded else 1)
+    del source  # its checkpoint, in memory until now
     model.to(procs.device)
     parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
     run = Run(
-        cfg,
-        procs,
-        parallel,
-        checkpointer,
-        data,
-        model,
+        cfg=cfg,
+        tokenizer=data.meta["tokenizer"],
+        model=model,
         optimizer=new_optimizer(model, cfg, procs.device_type),
         scaler=torch.amp.GradScaler(procs.device_type, enabled=cfg["dtype"] == "float16"),
         data_rng=torch.Generator().manual_seed(cfg["seed"]),
+        procs=procs,
+        strategy=parallel,
+        checkpointer=checkpointer,
+        data=data,
     )
     if resumed is not None:
-        checkpointer.restore(run, resumed)
+        checkpointer.restore(run, resumed, procs)
         del resumed  # a ckpt.pt's states, in memory until now
     if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
         log(
@@ -560,7 +579,7 @@ def train(cfg: dict, checkpointer: Checkpointer) -> None:
         log("compiling the model (the first iterations; once per run) ...")
     while True:
         if parallel.any(stop).item():  # a signal on any process: every process stops at this iteration
-            checkpointer.save(run, best=False)
+            checkpointer.save(run, procs, best=False)
             log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={cfg['out_dir']}")
             break
         lr = get_lr(run.iter_num, cfg)

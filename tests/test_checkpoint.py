@@ -11,6 +11,7 @@ import torch
 
 import checkpoint
 from checkpoint import CheckpointError, load_checkpoint, save_sharded
+from train import new_optimizer
 
 
 def test_random_bytes_are_not_a_checkpoint_and_no_unpickling_is_suggested(tmp_path):
@@ -97,7 +98,7 @@ def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
     config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
     model = GPT(config)
     cfg = {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99, "pe_lr_scale": 1.0}
-    state = checkpoint.training_state(model, checkpoint.new_optimizer(model, cfg))
+    state = checkpoint.training_state(model, new_optimizer(model, cfg, "cpu"))
     save_sharded(state, {"iter_num": 4, "model_args": asdict(config), "config": cfg}, tmp_path, ("ckpt.dcp",))
     path, newer = tmp_path / "ckpt.pt", {"model": {}, "model_args": {}, "iter_num": 8}
     with monkeypatch.context() as m:
@@ -132,7 +133,7 @@ def test_latest_and_load_read_both_formats_alike(tmp_path):
     cfg = {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99, "pe_lr_scale": 1.0}
     torch.manual_seed(0)
     model = GPT(config)
-    optimizer = checkpoint.new_optimizer(model, cfg)
+    optimizer = new_optimizer(model, cfg, "cpu")
     idx = torch.randint(0, 16, (2, 9))
     model(idx[:, :-1], idx[:, 1:])[1].backward()
     optimizer.step()
@@ -147,7 +148,7 @@ def test_latest_and_load_read_both_formats_alike(tmp_path):
         assert isinstance(resumed, checkpoint.Checkpoint) and resumed.meta["iter_num"] == 4
         assert not {"model", "optimizer"} & resumed.meta.keys()
         fresh = GPT(resumed.model_config)
-        fresh_optimizer = checkpoint.new_optimizer(fresh, resumed.config)
+        fresh_optimizer = new_optimizer(fresh, resumed.config, "cpu")
         resumed.load_into(fresh, fresh_optimizer)
         for k, v in model.state_dict().items():
             assert torch.equal(fresh.state_dict()[k], v), (out.name, k)

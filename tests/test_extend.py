@@ -16,10 +16,10 @@ from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 import eval_length
 import sample
 import train
-from checkpoint import CheckpointError, extended_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import configure
 from model import GPT, GPTConfig
-from options import EXTENSION_OPTIONS
+from runs import extended_model, source
 
 # test_train's tiny run at 16 tokens (a source the tests extend to 64, 4x), without dropout
 SMALL = [*TINY, "--block_size=16", "--eval_interval=3", "--warmup_iters=2", "--dropout=0.0"]
@@ -100,17 +100,17 @@ def test_extension_keeps_the_model_and_scales_rope(sources, yarn_run):
     )
     assert ckpt["iter_num"] == 6 and ckpt["history"][0]["iter"] == 0
     assert all(int(s["step"]) == 6 for s in ckpt["optimizer"]["state"].values())  # fresh: 6 steps, not 4 + 6
-    source = load_checkpoint(sources["rope"] / "ckpt.pt")
-    changes = {k: ckpt["config"][k] for k in ("block_size", "dropout")} | {
+    source_ckpt = load_checkpoint(sources["rope"] / "ckpt.pt")
+    changes = {k: ckpt["config"][k] for k in ("block_size", "dropout", "task")} | {
         k: args[k] for k in ("rope_scaling", "rope_factor", "rope_original_max_len")
     }
-    extended = extended_model(sources["rope"], changes, source["tokenizer"]).eval()
-    reference = model_from_checkpoint(source).eval()
+    extended = extended_model(source(str(sources["rope"])), changes, source_ckpt["tokenizer"]).eval()
+    reference = model_from_checkpoint(source_ckpt).eval()
     reference.set_rope_scaling("yarn", 4.0, 16)
     idx = torch.randint(0, 60, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(extended(idx)[0], reference(idx)[0])
-        unscaled = model_from_checkpoint(source).eval()(idx)[0]
+        unscaled = model_from_checkpoint(source_ckpt).eval()(idx)[0]
     assert not torch.allclose(extended(idx)[0].detach(), unscaled, atol=1e-3)
 
 
@@ -118,11 +118,10 @@ def test_learned_positions_extend_by_interpolation(sources, tmp_path):
     """A learned source extends: its table interpolated to the new block, then fine-tuned; evaluation past it is
     still n/a (a table has no row past its block)."""
     ckpt = extend(sources, "learned", tmp_path / "ft", "--block_size=64", "--max_iters=3", "--lr_decay_iters=3")
-    source = load_checkpoint(sources["learned"] / "ckpt.pt")
+    source_ckpt = load_checkpoint(sources["learned"] / "ckpt.pt")
     assert ckpt["model"]["transformer.wpe.weight"].shape == (64, 32) and ckpt["model_args"]["block_size"] == 64
-    changes = {k: ckpt["config"][k] for k in EXTENSION_OPTIONS}
-    before = extended_model(sources["learned"], changes, source["tokenizer"])
-    assert torch.equal(before.encoding.weight[::4], source["model"]["transformer.wpe.weight"])
+    before = extended_model(source(str(sources["learned"])), ckpt["config"], source_ckpt["tokenizer"])
+    assert torch.equal(before.encoding.weight[::4], source_ckpt["model"]["transformer.wpe.weight"])
 
 
 def test_resuming_an_extension_is_exact(sources, yarn_run, tmp_path):
@@ -207,7 +206,7 @@ def test_another_tokenizer_is_refused(sources, tmp_path):
     assert r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
     tokenizer = json.loads((bpe / "meta.json").read_text())["tokenizer"]  # and where the data is loaded, later
     with pytest.raises(CheckpointError, match="whose token ids mean other things"):
-        extended_model(sources["rope"], {"block_size": 64}, tokenizer)
+        extended_model(source(str(sources["rope"])), {"block_size": 64, "task": "", "dataset": str(bpe)}, tokenizer)
 
 
 @pytest.mark.parametrize("run", ["yarn", "learned"])

@@ -349,7 +349,10 @@ def test_validation_reads_the_evaluation_distribution():
     """train.py's validation rows are the evaluation's (every mqar row has task_pairs pairs and task_queries
     queries, no needle rows), its training rows the curriculum's (1 to task_pairs pairs, needle rows)."""
     cfg = options.resolve(configure(train.defaults, ["config/rope.py", "config/mqar.py"]), train.defaults)
-    run = train.Run(cfg, Processes(False, 0, 0, 1, "cpu"), *[None] * 7)
+    nothing = dict.fromkeys(
+        ("tokenizer", "model", "optimizer", "scaler", "data_rng", "strategy", "checkpointer", "data")
+    )
+    run = train.Run(cfg=cfg, procs=Processes(False, 0, 0, 1, "cpu"), **nothing)
     g = torch.Generator().manual_seed(0)
     pairs = {}
     for split in ("train", "val"):
