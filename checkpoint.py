@@ -1,19 +1,12 @@
 """
-A training run's checkpoints: what they hold, where they are, how they are written and read. Every key a checkpoint
-holds is written and read back in one place, the Checkpointer's save() and restore(): nanoGPT's (`model`,
-`optimizer`, `model_args`, `iter_num`, `best_val_loss`, `config`), `tokenizer` (see tokenizer.py), and what exact
-resumption needs (`eval_setup`, `rng`, `data_rng`, `scaler`, `wandb_run_id`, `history`). Written atomically; loaded
-with weights_only=True, so nothing loaded can run code.
+A training run's checkpoints: what they hold (a TrainingState, written and read back by the Checkpointer's save() and
+restore() alone), where they are (`latest`), how they are written (atomically) and read (weights_only: nothing loaded
+runs code). A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead of ckpt.pt, every process its shards,
+read back at any number of processes; `python checkpoint.py OUT_DIR` consolidates it into a ckpt.pt.
 
-A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead: every process its own shards, through
-torch.distributed.checkpoint, which loads them back at any number of processes. `latest(out_dir)` says where a run's
-latest checkpoint is, in either format, and every reader here loads either; `python checkpoint.py OUT_DIR` turns
-ckpt.dcp into a ckpt.pt (for a run resumed without sharding).
-
-It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp) and its reader, the two formats (each
-answers exists, load and save; load gives a Checkpoint either way) and where a run's latest checkpoint is, what a
-checkpoint holds (a training run's state), and the Checkpointer, which owns a training run's out_dir (its lock, what it
-may overwrite) and saves and restores the run's state; last, the evaluation scripts' reader and the consolidation.
+It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp), the two formats, what a checkpoint holds,
+the Checkpointer (a training run's out_dir: its lock, what it may overwrite, its saves and its resume), and the
+consolidation.
 """
 
 import contextlib
@@ -30,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig
-from outputs import cannot_write
+from outputs import FolderLock, OutputError, cannot_write, fsync_dir, write_atomic
 from parallel import Processes
 
 
@@ -42,9 +35,8 @@ STATES = ("model", "optimizer")  # the keys a format writes its own way (sharded
 
 
 class Checkpoint:
-    """A checkpoint as a resume reads it, in either format (PlainCheckpoint, ShardedCheckpoint): `meta`, every key but
-    the model's and AdamW's states, and load_into(), which reads those states into a model and optimizer as they are
-    now."""
+    """A checkpoint as a resume reads it, in either format: `meta`, every key but the model's and AdamW's states, and
+    load_into(), which reads those states into a model and optimizer as they are now."""
 
     meta: dict
 
@@ -67,20 +59,9 @@ class Checkpoint:
 
 
 def save_checkpoint(ckpt: dict, path: str | Path) -> None:
-    """Write ckpt to a temporary file beside path, flush it to disk, then rename it over path: a crash at any
-    moment leaves either the old checkpoint or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)  # make the rename itself durable
+    """Write ckpt whole (outputs.write_atomic): a crash at any moment leaves the old checkpoint or the new one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda f: torch.save(ckpt, f))
 
 
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
@@ -214,15 +195,6 @@ def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str,
         remove_unlinked_shards(out_dir)
     if distributed:
         dist.barrier()  # the checkpoint is whole before any process goes on (or exits)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the names in a folder durable (a rename, a new entry), as fsync does a file's bytes."""
-    dir_fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def adopt_copied_links(out_dir: str | Path) -> list[str]:
@@ -386,9 +358,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The two formats of a training run's checkpoints. Each answers whether out_dir holds its checkpoint (exists), reads
-# it for a resume (load: a Checkpoint, whichever the format) and writes one (save). Each save removes the other
-# format's checkpoint of the same name: it is older now, and a reader must not find it.
+# The two formats: each answers whether out_dir holds its checkpoint, reads one for a resume and writes one. Each save
+# removes the other format's checkpoint of the same name: it is older now, and a reader must not find it.
 
 
 class Format:
@@ -462,10 +433,8 @@ FORMATS = (PlainFormat(), ShardedFormat())  # in the order a reader looks: ckpt.
 
 
 def latest(out_dir: str | Path) -> Path | None:
-    """Where the run in out_dir keeps its latest checkpoint: out_dir/ckpt.pt, or out_dir/ckpt.dcp where the run
-    saved sharded (each save removes the other format's checkpoint, so where both are there, a consolidation wrote
-    ckpt.pt from ckpt.dcp: the same iteration, in one file); None where it holds neither. Every reader of a run's
-    folder asks this, and load_checkpoint reads either."""
+    """Where the run in out_dir keeps its latest checkpoint, for every reader: ckpt.pt, else the sharded ckpt.dcp (where
+    both are there, a consolidation wrote ckpt.pt from it); None where it holds neither."""
     return next((f.path(out_dir) for f in FORMATS if f.exists(out_dir)), None)
 
 
@@ -529,17 +498,16 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    """Owns a training run's out_dir: it must take checkpoints (a write probe), only one run may train in it (a lock
-    on out_dir/.lock), a fresh start must not replace a run there unless told to, a resume needs the checkpoint its
-    format reads; then the run's saves and its restore, in its strategy's format (sharded: ckpt.dcp, else ckpt.pt).
-    The loop calls save() without asking which format it writes."""
+    """Owns a training run's out_dir: it takes checkpoints, one run trains in it, a fresh start replaces a run there
+    only when told to, a resume has its checkpoint; then the run's saves and restore, in its strategy's format."""
 
     def __init__(self, out_dir: str | Path, sharded: bool, master: bool = True):
         self.out_dir = Path(out_dir)
         self.sharded = sharded
         self.master = master  # the process that writes what one process writes (ckpt.pt, meta.pt, the links)
         self.format, self.other = FORMATS[::-1] if sharded else FORMATS
-        self._lock = None  # the open file whose lock holds out_dir (see hold)
+        busy = "wait for it to end, or train elsewhere with --out_dir=<new folder>"
+        self._lock = FolderLock(self.out_dir, f"out_dir={str(self.out_dir)!r}", "training run", busy)
 
     @property
     def path(self) -> Path:
@@ -587,49 +555,16 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint at {self.path} to resume from; check --out_dir")
 
     def hold(self) -> None:
-        """Lock out_dir/.lock for this run, or say which process holds it: two runs in one folder would overwrite
-        each other's checkpoints (and delete each other's half-written saves). The kernel drops the lock when the
-        process ends, killed or not, so a folder is never left stuck; release() also removes the file. Not on Windows
-        (no flock): there runs are not guarded."""
+        """Lock out_dir for this run (outputs.FolderLock), or say which process holds it: two runs in one folder would
+        overwrite each other's checkpoints (and delete each other's half-written saves)."""
         try:
-            import fcntl
-        except ImportError:
-            return
-        self.release()
-        path = self.out_dir / ".lock"
-        while True:
-            f = open_lock_file(path)
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "unknown"
-                f.close()
-                raise CheckpointError(
-                    f"out_dir={str(self.out_dir)!r} is in use by another training run (process {holder}); wait for it "
-                    "to end, or train elsewhere with --out_dir=<new folder>"
-                ) from None
-            except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
-                f.close()
-                return
-            try:  # the holder removes the file as it ends: a lock on a removed file holds nothing, so take the new one
-                if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            f.close()
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self._lock = f
+            self._lock.acquire()
+        except OutputError as e:
+            raise CheckpointError(str(e)) from None
 
     def release(self) -> None:
-        """Let another run use out_dir: remove the lock file (while locked: the folder is left as it was found)."""
-        if self._lock is not None:
-            (self.out_dir / ".lock").unlink(missing_ok=True)
-            self._lock.close()  # closing the file drops its lock
-            self._lock = None
+        """Let another run use out_dir."""
+        self._lock.release()
 
     # the run: what a checkpoint holds, saved and restored
 
@@ -690,22 +625,6 @@ class Checkpointer:
             procs.log(
                 "note: the checkpoint has no RNG state for this number of processes; dropout will not replay exactly"
             )
-
-
-def open_lock_file(path: Path):
-    """out_dir/.lock opened to read and append, created if missing, never through a link: a link would put the lock
-    (and the process id written in it) outside the run's folder. A folder or a link there is an error naming it."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    except OSError:
-        if not (path.is_symlink() or path.is_dir()):
-            raise
-        if path.is_symlink():
-            what, rm = f"a link (to {os.readlink(path)}), and a run never puts its lock file through a link", "rm"
-        else:
-            what, rm = "a folder, where a training run keeps its lock file", "rm -r"
-        raise CheckpointError(f"{path} is {what}: move it aside or remove it ({rm} {path}), then run again") from None
-    return os.fdopen(fd, "a+")
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ over the target), so that a killed command never leaves half a file for the next
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # matplotlib's savefig picks the format from the suffix
 
@@ -53,16 +55,97 @@ def cannot_write(folder: Path, links: bool = False, create: bool = False) -> str
     return None
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write data to a temporary file beside path, then rename it over path: a reader (or the next run) finds the old
-    file or the new one, never a truncated one."""
+def write_atomic(path: str | Path, data: str | bytes | Callable[[BinaryIO], None]) -> None:
+    """Write data (or what data(file) writes) to a temporary file beside path, flush it to disk, then rename it over
+    path, and make the rename durable: a reader (or the next run) finds the old file or the new one, never a truncated
+    one, whenever the process or the machine stops."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder durable (a rename, a new entry), as fsync does a file's bytes."""
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class FolderLock:
+    """One process at a time in a folder: an exclusive lock on folder/.lock, which holds the holder's process id. The
+    kernel drops the lock when the process ends, killed or not, so a folder is never left stuck; release() also
+    removes the file. Not on Windows (no flock), nor on a filesystem without locks: there the folder is not guarded.
+    name and user say, in errors, what the folder is and what holds it (out_dir=..., a training run); busy, the fix."""
+
+    def __init__(self, folder: Path, name: str, user: str, busy: str):
+        self.path, self.name, self.user, self.busy = Path(folder) / ".lock", name, user, busy
+        self.file = None  # the open file whose lock holds the folder
+
+    def acquire(self) -> None:
+        """Take the lock, or raise OutputError naming the process that holds it (or a .lock that is not a file)."""
+        try:
+            import fcntl
+        except ImportError:
+            return
+        self.release()
+        while True:
+            f = self.open()
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise OutputError(
+                    f"{self.name} is in use by another {self.user} (process {holder}); {self.busy}"
+                ) from None
+            except OSError:  # a filesystem without locks (some network mounts): the work goes on unguarded
+                f.close()
+                return
+            try:  # the holder removes the file as it ends: a lock on a removed file holds nothing, so take the new one
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self) -> None:
+        """Let another process use the folder: remove the lock file (while locked: the folder is left as found)."""
+        if self.file is not None:
+            self.path.unlink(missing_ok=True)
+            self.file.close()  # closing the file drops its lock
+            self.file = None
+
+    def open(self):
+        """.lock opened to read and append, created if missing, never through a link: a link would put the lock (and
+        the process id written in it) outside the folder. A folder or a link there is an error naming it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError:
+            path = self.path
+            if not (path.is_symlink() or path.is_dir()):
+                raise
+            if path.is_symlink():
+                what, rm = f"a link (to {os.readlink(path)}), and a lock file is never put through a link", "rm"
+            else:
+                what, rm = f"a folder, where a {self.user} keeps its lock file", "rm -r"
+            raise OutputError(f"{path} is {what}: move it aside or remove it ({rm} {path}), then run again") from None
+        return os.fdopen(fd, "a+")
