@@ -25,6 +25,7 @@ import torch
 import eval_length
 import synthetic
 import tasks
+from model import POS_ENCODINGS
 from outputs import write_atomic
 
 ROOT = Path(__file__).resolve().parent
@@ -629,6 +630,11 @@ class Extension:
     seconds: float  # the fine-tune's wall clock
 
 
+def scalable(enc: str) -> bool:
+    """Whether an encoding takes RoPE's scalings (its variants are rows of their own)."""
+    return POS_ENCODINGS[enc].rope_scalable
+
+
 def extension_name(r: Extension) -> str:
     """A fine-tuned variant's row name, seeds together."""
     return f"{r.enc}+{r.scaling}" if r.scaling != "none" else r.enc
@@ -636,7 +642,9 @@ def extension_name(r: Extension) -> str:
 
 def extension_label(r: Extension, F: int) -> str:
     """A variant's label in the tables: the encoding, and RoPE's scaling with its factor."""
-    return f"{r.enc} · {r.scaling} (s={F})" if r.scaling != "none" else f"{r.enc} · none" if r.enc == "rope" else r.enc
+    if r.scaling != "none":
+        return f"{r.enc} · {r.scaling} (s={F})"
+    return f"{r.enc} · none" if scalable(r.enc) else r.enc
 
 
 def steps_to(histories: list[list[dict]], targets: list[float]) -> str:
@@ -783,7 +791,7 @@ def plot_extension(text: list[Extension], report: dict, tasks: dict, runs: list[
     L0 = int(report["fine-tuned"]["lengths"][0])
     names = list(dict.fromkeys(label for label, *_ in rows))
     for label, fine_tuned, rs, by_len in rows:
-        ax = axes[0] if rs[0].enc == "rope" else axes[1]
+        ax = axes[0] if scalable(rs[0].enc) else axes[1]
         pts = [(int(L), v) for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])) if v]
         ax.errorbar(
             [L for L, _ in pts],
@@ -801,12 +809,12 @@ def plot_extension(text: list[Extension], report: dict, tasks: dict, runs: list[
         ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (sliding)")
         ax.set_title(f"{title}: dashed as trained, solid fine-tuned at {F * L0}", fontsize=9)
     for name, rs in by_encoding(text, extension_name).items():
-        if rs[0].enc != "rope":
+        if not scalable(rs[0].enc):
             continue
         iters = [h["iter"] for h in rs[0].history]
         vals = [statistics.mean(r.history[k]["val"] for r in rs) for k in range(len(iters))]
         axes[2].plot(iters, vals, marker="o", color=colors[names.index(extension_label(rs[0], F)) % 10], label=name)
-    source_val = statistics.mean(r.source_val for r in text if r.enc == "rope")
+    source_val = statistics.mean(r.source_val for r in text if scalable(r.enc))
     axes[2].axhline(source_val, color="black", ls=":", lw=1, label=f"the sources' val loss at {L0}")
     axes[2].set(xlabel="fine-tuning step", ylabel=f"val loss at {F * L0} tokens (mean over seeds)")
     axes[2].set_title("RoPE: fine-tuning curves", fontsize=9)
