@@ -337,12 +337,10 @@ def _after_mark(x, t, v):  # offset: the token right after MARK (right when k = 
     return x[np.flatnonzero(x[: t + 1] == MARK)[:1] + 1]
 
 
-def _commonest_after_mark(
-    x, t, v
-):  # offset: the commonest of the OFFSETS tokens after MARK, ties to the first: k unread
+def _commonest_after_mark(x, t, v):  # offset: the commonest of the OFFSETS tokens after MARK (every tied one): k unread
     after = x[np.flatnonzero(x[: t + 1] == MARK)[0] + 1 :][:OFFSETS]
-    tokens, first, counts = np.unique(after, return_index=True, return_counts=True)
-    return tokens[np.lexsort((first, -counts))][:1]
+    tokens, counts = np.unique(after, return_counts=True)
+    return tokens[counts == counts.max()]
 
 
 def _followed_before(x, t, v):  # copy: a token that followed an earlier occurrence of the current one
