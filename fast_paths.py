@@ -1,11 +1,11 @@
 """
 The fast paths: faster ways to compute the numbers model.py computes, tested equal to them. model.py asks
 `fast_attention()` once per forward for a kernel, and takes its reference attention where the answer is None; FIRE's
-bias matrix and the compiled decode step come from here too. Nothing here imports the project's code: the chunk
+bias matrix, RoPE's eager rotation and the compiled decode step come from here too. Nothing here imports the project's code: the chunk
 (model.Chunk) and the score bias (model.ScoreBias) are read through their attributes.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, BiasAttention (a CPU bias with a
-gradient), FIRE's bias, the fallbacks when the compiler cannot build a kernel, and the compiled decode step.
+gradient), FIRE's bias, the fallbacks when the compiler cannot build a kernel, RoPE's rotation and the decode step.
 docs/development.md ("How attention is computed") explains each path and why it is there.
 """
 
@@ -424,7 +424,16 @@ def with_kernel_fallbacks(model, step: Callable, before_retry: Callable | None =
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The compiled decode step
+# RoPE's rotation, and the compiled decode step
+
+
+def fast_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """model.apply_rotary eagerly as one complex multiply, (x1 + i·x2)(cos + i·sin): one kernel where the real
+    arithmetic takes six. None when compiling: inductor has no complex codegen, and fuses the real arithmetic."""
+    if torch.compiler.is_compiling():
+        return None
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hs/2, 2)
+    return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
 def compiled_step(step: Callable, owner, device_type: str) -> Callable:

@@ -21,9 +21,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py
-    from .fast_paths import AttentionOptions, compiled_step, fast_attention, fire_matrix
+    from .fast_paths import AttentionOptions, compiled_step, fast_attention, fast_rotary, fire_matrix
 except ImportError:
-    from fast_paths import AttentionOptions, compiled_step, fast_attention, fire_matrix
+    from fast_paths import AttentionOptions, compiled_step, fast_attention, fast_rotary, fire_matrix
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
@@ -406,13 +406,12 @@ class RoPE(PositionalEncoding):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x (B, nh, T, hs) by angles with cos, sin (T, hs/2), in float32."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hs/2, 2)
-    if torch.compiler.is_compiling():  # real arithmetic, which inductor fuses into one kernel (no complex codegen)
-        x1, x2 = pairs.unbind(-1)
-        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
-    # eager: one complex multiply, (x1 + i·x2)(cos + i·sin), one kernel where the real arithmetic takes six
-    return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).type_as(x)
+    """Rotate adjacent pairs (x1, x2) of x (B, nh, T, hs) to (x1·cos - x2·sin, x1·sin + x2·cos), cos and sin
+    (T, hs/2), in float32."""
+    if (rotated := fast_rotary(x, cos, sin)) is not None:
+        return rotated
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, nh, T, hs/2) each
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
