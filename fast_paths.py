@@ -1,8 +1,8 @@
 """
 The fast paths: faster ways to compute the numbers model.py computes, tested equal to them. model.py asks
 `fast_attention()` once per forward for a kernel, and takes its reference attention where the answer is None; FIRE's
-bias matrix, RoPE's eager rotation and the compiled decode step come from here too. Nothing here imports the project's code: the chunk
-(model.Chunk) and the score bias (model.ScoreBias) are read through their attributes.
+bias matrix, RoPE's eager rotation and the compiled decode step come from here too. Nothing here imports the
+project's code: the chunk (model.Chunk) and the score bias (model.ScoreBias) are read through their attributes.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, BiasAttention (a CPU bias with a
 gradient), FIRE's bias, the fallbacks when the compiler cannot build a kernel, RoPE's rotation and the decode step.

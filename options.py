@@ -4,6 +4,7 @@ defaults that depend on other options, and the values that are legal but probabl
 one-line ConfigError naming the value and the fix, before any work.
 """
 
+import json
 import os
 from dataclasses import fields
 from functools import partial
@@ -68,17 +69,8 @@ def resolve(
         )
     if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
         raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
-    init = cfg["init_from"]
-    if init not in ("scratch", "resume") and not init.startswith("gpt2") and not Path(init).is_dir():
-        raise ConfigError(
-            f"init_from={init!r}: choose scratch, resume, a GPT-2 name like gpt2-medium, or a folder (a run's, to "
-            "extend it, or Hugging Face GPT-2 weights)"
-        )
-    if source is None and Path(init).is_dir() and not (Path(init) / "config.json").is_file():
-        raise ConfigError(
-            f"init_from={init!r} holds neither a run's checkpoint (ckpt.pt or ckpt.dcp) nor Hugging Face GPT-2 weights "
-            "(config.json); give the folder of the run to extend (its out_dir)"
-        )
+    check_init_from(cfg["init_from"], source)
+    check_rope_scaling(cfg, explicit)
     check_ranges(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group starts
     if cfg["gradient_accumulation_steps"] % world_size:
@@ -86,12 +78,56 @@ def resolve(
             f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of the "
             f"{world_size} processes"
         )
-    if init == "scratch":  # the model's own checks (GPTConfig), before the data is prepared or the model built
+    if cfg["init_from"] == "scratch":  # the model's own checks (GPTConfig), before the data or the model
         try:
             GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     return cfg
+
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # GPT-2's checkpoints on the Hugging Face hub
+
+
+def check_init_from(init: str, source: Source | None) -> None:
+    """init_from names what it can start from: scratch, resume, a run's folder (source, read), GPT-2's names, or a
+    folder of Hugging Face GPT-2 weights; anything else (a missing folder, an export of this project, another model's
+    weights) is a one-line error."""
+    choices = "scratch, resume, a run's folder (to extend it), " + ", ".join(GPT2_NAMES) + " or a GPT-2 folder"
+    if init in ("scratch", "resume", *GPT2_NAMES) or source is not None:
+        return
+    folder = Path(init)
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        raise ConfigError(f"init_from={init!r}: {what}; choose {choices}")
+    if (folder / "nanope.json").is_file():
+        raise ConfigError(
+            f"init_from={init!r} is a Hugging Face export of a nanoPE run (export.py wrote it), not the run: give the "
+            "run's folder (its out_dir, with ckpt.pt) to extend it"
+        )
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if model_type != "gpt2":
+        found = (
+            f"Hugging Face {model_type!r} weights, not GPT-2's"
+            if model_type
+            else "neither a run's checkpoint (ckpt.pt or ckpt.dcp) nor Hugging Face GPT-2 weights (config.json)"
+        )
+        raise ConfigError(f"init_from={init!r} holds {found}; choose {choices}")
+
+
+def check_rope_scaling(cfg: dict, explicit: set[str] | frozenset[str]) -> None:
+    """RoPE's factor and original length only act through a scaling: one given without rope_scaling does nothing."""
+    if cfg["rope_scaling"] != "none" or cfg["pos_encoding"] != "rope":
+        return
+    for name in ("rope_factor", "rope_original_max_len"):
+        if name in explicit and cfg[name] not in (1.0, None):
+            raise ConfigError(
+                f"{name}={cfg[name]!r} does nothing without a RoPE scaling: add --rope_scaling (linear, ntk, yarn, "
+                f"llama3 or dynamic_ntk), or drop --{name}"
+            )
 
 
 def check_encoding_options(cfg: dict, defaults: dict, extension: bool = False) -> None:

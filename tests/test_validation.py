@@ -3,6 +3,7 @@ config files, dataset files, the out_dir. These call the checks directly (no tra
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,43 @@ def small_data(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------------------------------------------
 # option values
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "does not exist; choose scratch, resume, a run's folder (to extend it), gpt2, gpt2-medium"),
+        (lambda d: d.write_text("a file"), "is a file; choose scratch"),
+        (lambda d: d.mkdir(), "holds neither a run's checkpoint (ckpt.pt or ckpt.dcp) nor Hugging Face GPT-2 weights"),
+        (
+            lambda d: (d.mkdir(), (d / "nanope.json").write_text("{}"), (d / "config.json").write_text("{}")),
+            "is a Hugging Face export of a nanoPE run (export.py wrote it), not the run: give the run's folder",
+        ),
+        (
+            lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "llama"}')),
+            "holds Hugging Face 'llama' weights, not GPT-2's",
+        ),
+    ],
+)
+def test_init_from_takes_only_what_it_names(make, message, tmp_path):
+    """init_from is scratch, resume, a run's folder, GPT-2's names or a folder of GPT-2 weights; a missing folder, a
+    file, an export of a run, another model's weights are each a one-line error before any work."""
+    folder = tmp_path / "init"
+    make(folder)
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        resolved(f"--init_from={folder}")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("option", ["--rope_factor=2", "--rope_original_max_len=128"])
+def test_a_rope_option_without_a_scaling_is_refused(option):
+    """rope_factor and rope_original_max_len act through rope_scaling alone: given without it, a one-line error."""
+    explicit: set[str] = set()
+    cfg = configure(train.defaults, ["--device=cpu", "--pos_encoding=rope", option], explicit)
+    with pytest.raises(ConfigError, match="does nothing without a RoPE scaling: add --rope_scaling"):
+        options.resolve(cfg, train.defaults, explicit)
+    cfg = configure(train.defaults, ["--device=cpu", "--rope_scaling=yarn", option], explicit)
+    options.resolve(cfg, train.defaults, explicit)
 
 
 @pytest.mark.parametrize(
