@@ -47,6 +47,7 @@ import eval_length
 import synthetic
 import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError, configure
 from model import POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
 from sweep_report import (
@@ -142,16 +143,78 @@ def finished_checkpoint(d: Path) -> dict:
     return ckpt
 
 
+# train.py options that say where and how a run ran, or what it logs, not what it trains: a run reused by a study may
+# differ in these alone
+NOT_TRAINING = (
+    "out_dir",
+    "log_interval",
+    "eval_only",
+    "always_save_checkpoint",
+    "overwrite",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+    "wandb_group",
+    "parallel",
+    "backend",
+    "device",
+    "compile",
+    "dtype",  # follows the device by default (bfloat16 on a GPU, float32 on a CPU)
+)
+
+
+def asked_config(arguments: list[str]) -> dict:
+    """The options train.py would run with these arguments, resolved as train.py resolves them."""
+    import options
+    import train
+
+    explicit: set[str] = set()
+    try:
+        cfg = options.resolve(configure(train.defaults, arguments, explicit), train.defaults, explicit)
+    except ConfigError as e:
+        sys.exit(f"[sweep] train.py {' '.join(arguments)}: {e}")
+    if cfg["pe_lr_scale"] is None:  # train.py resolves it with the model: the encoding's own
+        cfg["pe_lr_scale"] = POS_ENCODINGS[cfg["pos_encoding"]].lr_scale
+    return cfg
+
+
+def trained_differently(d: Path, asked: dict) -> str | None:
+    """How the run in d was trained otherwise than asked ('key=value, and this study asks key=value'), from its
+    checkpoint's options; None where it was trained as asked."""
+    trained = load_checkpoint(latest(d)).get("config") or {}
+    for key, value in asked.items():
+        old = trained.get(key, value)
+        if key in NOT_TRAINING or (key == "init_from" and "resume" in (old, value)):
+            continue
+        if key == "init_from" and Path(old).is_dir() and Path(value).is_dir():
+            old, value = Path(old).resolve(), Path(value).resolve()  # the source, however its path is written
+        if old != value:
+            return f"{key}={trained.get(key)!r}, and this study asks {key}={asked[key]!r}"
+    return None
+
+
 def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str] | None:
-    """train.py's command for one run (resuming an unfinished one), or None if the run is finished: the encoding's
-    config, then configs, then the sweep's own options, extra (a recipe's), --train's and last (an extension's)."""
+    """train.py's command for one run (resuming an unfinished one), or None if the run is finished. A run in d that
+    was trained otherwise than this command asks (another task, rate, number of steps, source...) stops the sweep
+    before any training: reusing it would put its results under this study's labels."""
+    arguments = train_arguments(enc, seed, d, args, configs, extra, last)
     state = finished(d)
+    if state is not None and (problem := trained_differently(d, asked_config(arguments))):
+        sys.exit(
+            f"[sweep] {d} was trained with {problem}: give this study another --out_dir, or move {d} aside to train "
+            "it again as asked"
+        )
     if state:
         print(f"[sweep] {d.parent.name}/{d.name}: finished earlier, not trained again", flush=True)
         return None
-    cmd = [
-        sys.executable,
-        "train.py",
+    cmd = [sys.executable, "train.py", *arguments]
+    return cmd + ["--init_from=resume"] if state is False else cmd
+
+
+def train_arguments(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str]:
+    """train.py's arguments for one run: the encoding's config, then configs, then the sweep's own options, extra (a
+    recipe's), --train's and last (an extension's); the last value of an option wins."""
+    return [
         f"config/{enc}.py",
         *configs,
         f"--out_dir={d}",
@@ -162,7 +225,6 @@ def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=
         *args.train,
         *last,
     ]
-    return cmd + ["--init_from=resume"] if state is False else cmd
 
 
 def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
@@ -368,6 +430,19 @@ def recipes(task: str) -> dict[str, list[str]]:
     return out
 
 
+def recipe_varies(task: str) -> set[str]:
+    """The train.py options the task's recipes differ in."""
+    values = [dict(opt[2:].split("=", 1) for opt in options) for options in recipes(task).values()]
+    return {k for k in values[0] if len({v.get(k) for v in values}) > 1}
+
+
+def trained_options(d: Path, options: list[str]) -> list[str]:
+    """options (train.py's --key=value) as the run in d was trained with them: its checkpoint's values."""
+    cfg = finished_checkpoint(d)["config"]
+    keys = [opt[2:].split("=", 1)[0] for opt in options]
+    return [f"--{k}={cfg[k]}" for k in keys]
+
+
 def choose(grid: dict[str, list[float]], order: list[str]) -> str:
     """The recipe with the highest mean final validation accuracy; within 1 point, the earlier in order."""
     mean = {r: statistics.mean(grid[r]) for r in order}
@@ -424,7 +499,9 @@ def recipe_study(args, argv: list[str], out_dir: Path) -> None:
         cells={t: list(by_enc.values()) for t, by_enc in cells.items()},
         selection_seeds=args.selection_seeds,
         grid_seconds=grid_seconds,
-        options={t: recipes(t) for t in args.synthetic},
+        options={  # as the grid's runs trained: --train may have changed their budget
+            t: {r: trained_options(d, recipes(t)[r]) for tt, r, _, _, d in grid_runs if tt == t} for t in args.synthetic
+        },
     )
     print(f"[sweep] report: {recipe_report(out_dir, study, argv, time.time() - t0, args.task_trials)}")
 
@@ -583,20 +660,26 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
         if cmd := train_command(enc, seed, d, args if kind == "text" else task_args, configs, last=last):
             jobs.append((d, cmd))
     train_all(jobs, args.jobs)
-    runs = []
-    for kind, enc, scaling, seed, src, d in plan:
+    runs, trained = [], []  # trained: each fine-tune's options, which the report's labels are read from
+    for kind, enc, _, seed, src, d in plan:
         ckpt, source = finished_checkpoint(d), finished_checkpoint(src)
         seconds = (read_json(d / "sweep.json") or {}).get("seconds", 0.0)
+        scaling = ckpt["config"].get("rope_scaling", "none")
         runs.append(
             Extension(kind, enc, scaling, seed, str(src), str(d), source["best_val_loss"], ckpt["history"], seconds)
         )
+        trained.append((ckpt["config"], source["config"]))
     source_seconds = sum((read_json(src / "sweep.json") or {}).get("seconds", 0.0) for *_, src in sources)
 
     text = [r for r in runs if r.kind == "text"]
-    L0 = sorted({finished_checkpoint(Path(r.source))["config"]["block_size"] for r in text})
-    if len(L0) > 1:
-        sys.exit(f"[sweep] the sources were trained at different lengths ({L0}): one report cannot compare them")
-    lengths = args.lengths or [L0[0] * k for k in (1, F, 2 * F, 4 * F)]
+    L0 = sorted({src["block_size"] for (_, src), r in zip(trained, runs, strict=True) if r.kind == "text"})
+    factors = sorted({c["block_size"] / src["block_size"] for c, src in trained})
+    steps = sorted({c["max_iters"] for c, _ in trained})
+    for what, found in (("lengths", L0), ("factors", factors), ("numbers of steps", steps)):
+        if len(found) > 1:
+            sys.exit(f"[sweep] the runs were trained at different {what} ({found}): one report cannot compare them")
+    L0, F, steps = L0[0], int(factors[0]), steps[0]
+    lengths = args.lengths or [L0 * k for k in (1, F, 2 * F, 4 * F)]
     evaluation = dict(lengths=lengths, modes=["sliding"], eval_tokens=args.eval_tokens or size["eval_tokens"])
     evaluation |= dict(out_json="", plot="")
     stamps = [[r.dir, *stamp(latest(r.dir)), r.source, *stamp(latest(r.source))] for r in runs]
@@ -633,7 +716,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
         tasks = {"task": kinds[1], "lengths": task_lengths, "trials": args.task_trials, "options": options} | scores
     evaluated = report["sources"]["seconds"] + report["fine-tuned"]["seconds"] + tasks.get("seconds", 0.0)
     seconds = {"sources": source_seconds, "evaluation": evaluated, "wall": time.time() - t0}
-    path = extend_report(out_dir, runs, report, tasks, F, args.steps, seconds, argv)
+    path = extend_report(out_dir, runs, report, tasks, F, steps, L0, seconds, argv)
     print(f"[sweep] report: {path}")
 
 
@@ -675,7 +758,9 @@ def _main(argv: list[str]) -> None:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     """The options, checked (a bad one is a one-line error before any work), and the output folder."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--size", choices=SIZES, default=None, help="default: gpu where there is one, else cpu")
     p.add_argument(
         "--encodings",
@@ -756,7 +841,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         help="--extend: the seeds of --extend_task's runs (default: --seeds; fewer make the study cheaper)",
     )
     p.add_argument("--train", nargs=argparse.REMAINDER, default=[], help="train.py options for every run")
-    args = p.parse_args(argv)
+    # everything after --train is train.py's, split off before parsing: argparse would read an option there as an
+    # abbreviation of the sweep's own (--task=needle as --task_trials)
+    cut = argv.index("--train") if "--train" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.train = argv[cut + 1 :]
     extend_only = {"factor": 4, "steps": 150, "sources": None, "task_sources": None, "extend_task": "passkey"}
     extend_only |= {"task_seeds": args.seeds}
     for name, default in extend_only.items():
@@ -803,6 +892,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     check_train_options(p, args.train)
+    if args.recipes:  # an option the recipes differ in, given to every run, would make the grid compare nothing
+        varied = {k for t in args.synthetic for k in recipe_varies(t)}
+        for opt in args.train:
+            if (key := opt[2:].split("=", 1)[0]) in varied:
+                p.error(f"--train {opt}: the recipes differ in {key} (the grid compares them); drop it from --train")
+    if args.extend and "dynamic_ntk" in args.rope_scaling:
+        p.error(
+            "--rope_scaling dynamic_ntk: the extension study compares scalings at a fixed s = --factor, and dynamic "
+            "NTK scales with the length by itself (s = factor on top would square it); leave it out"
+        )
     default = (
         "sweep-extend" if args.extend else "sweep-synthetic" if args.synthetic is not None else f"sweep-{args.size}"
     )

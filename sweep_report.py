@@ -678,15 +678,15 @@ def extend_report(
     tasks: dict,
     F: int,
     steps: int,
+    L0: int,
     seconds: dict,
     argv: list[str],
 ) -> Path:
     """report.md of the extension study: perplexity by length and the fine-tunes' validation loss (before, after, the
     steps to their source's loss) per encoding and scaling, as trained and fine-tuned; the synthetic task's accuracy
     by length the same way, against its floor; extension.png; results.json."""
-    text = [r for r in runs if r.kind == "text"]
+    text = [r for r in runs if r.kind == "text"]  # F, steps and L0: as the runs were trained (their checkpoints')
     lengths = [int(L) for L in report["fine-tuned"]["lengths"]]
-    L0 = lengths[0]
     tuned = sum(r.seconds for r in runs)
     lines = [
         "# Extending the context: fine-tuned at a longer length, against the same models without",
@@ -706,7 +706,7 @@ def extend_report(
         "",
         "| encoding · scaling | fine-tuned | val loss at "
         + f"{F * L0}: start → end | steps to the source's val loss | "
-        + " | ".join(f"{L} ({L // L0}×)" for L in lengths)
+        + " | ".join(f"{L} ({L / L0:g}×)" for L in lengths)
         + " |",
         "|---|---|---:|---:|" + "---:|" * len(lengths),
     ]
@@ -722,7 +722,7 @@ def extend_report(
     if tasks:
         lines += extension_task_lines(runs, tasks, F)
     lines += ["", "![perplexity by length and the fine-tuning curves](extension.png)", ""]
-    plot_extension(text, report, tasks, runs, F, out_dir / "extension.png")
+    plot_extension(text, report, tasks, runs, F, L0, out_dir / "extension.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
     results = {"runs": [asdict(r) for r in runs], "eval": report, "tasks": tasks, "seconds": seconds}
@@ -764,7 +764,7 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
         f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} tokens of at least "
         f"{synthetic.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing scores.",
         "",
-        "| encoding · scaling | fine-tuned | learned at | " + " | ".join(f"{L} ({L // L0}×)" for L in lengths) + " |",
+        "| encoding · scaling | fine-tuned | learned at | " + " | ".join(f"{L} ({L / L0:g}×)" for L in lengths) + " |",
         "|---|---|---:|" + "---:|" * len(lengths),
         "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
     ]
@@ -779,7 +779,9 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
     return lines
 
 
-def plot_extension(text: list[Extension], report: dict, tasks: dict, runs: list[Extension], F: int, path: Path) -> None:
+def plot_extension(
+    text: list[Extension], report: dict, tasks: dict, runs: list[Extension], F: int, L0: int, path: Path
+) -> None:
     """extension.png: perplexity by length for RoPE's scalings and for the other encodings (dashed: as trained,
     solid: fine-tuned; mean ± std over seeds), the fine-tunes' validation loss by step (RoPE's scalings, and the
     sources' loss at their length, dotted), and the synthetic task's accuracy by length."""
@@ -788,7 +790,6 @@ def plot_extension(text: list[Extension], report: dict, tasks: dict, runs: list[
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
     colors = plt.get_cmap("tab10").colors
     rows = extension_rows(text, report, F)
-    L0 = int(report["fine-tuned"]["lengths"][0])
     names = list(dict.fromkeys(label for label, *_ in rows))
     for label, fine_tuned, rs, by_len in rows:
         ax = axes[0] if scalable(rs[0].enc) else axes[1]

@@ -561,6 +561,8 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     )
     if resumed is not None:
         checkpointer.restore(run, resumed, procs)
+        # the run is saved with how it started (scratch, its source...), not with this process's "resume"
+        cfg["init_from"] = resumed.config.get("init_from", "resume")
         del resumed  # a ckpt.pt's states, in memory until now
     if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
         log(

@@ -2,6 +2,7 @@
 second run reuses finished runs instead of training them again."""
 
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -100,6 +101,11 @@ def test_sweep_with_tasks_side_by_side(task_data, tmp_path):
     assert (out / "passkey.png").stat().st_size > 10_000
 
 
+def as_trained(data: Path) -> list[str]:
+    """The sweep's --train options under which finished_run's checkpoints are runs trained as asked."""
+    return ["--train", "--max_iters=4", f"--dataset={data}"]
+
+
 def finished_run(out_dir: Path, enc: str, seed: int, data: Path) -> GPT:
     """A checkpoint as train.py leaves a finished run (iter_num = max_iters), so sweep.py only evaluates it."""
     meta = load_meta(data)
@@ -125,11 +131,12 @@ def test_parameter_column_counts_each_parameter_once(tiny_data, tmp_path, capsys
     out = tmp_path / "sweep"
     models = {enc: finished_run(out, enc, 1, tiny_data) for enc in ("rope", "learned")}
     argv = ["--encodings", "rope", "learned", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}"]
-    sweep.main([*argv, "--rope_scaling"])
-    sweep.main([*argv, "--rope_scaling"])
+    argv += ["--rope_scaling", *as_trained(tiny_data)]
+    sweep.main(argv)
+    sweep.main(argv)
     assert "up to date" in capsys.readouterr().out
     finished_run(out, "rope", 1, tiny_data)  # trained again: a new checkpoint
-    sweep.main([*argv, "--rope_scaling"])
+    sweep.main(argv)
     assert "up to date" not in capsys.readouterr().out
     runs = {r["enc"]: r["params"] for r in json.loads((out / "runs.json").read_text())}
     for enc, model in models.items():
@@ -175,6 +182,11 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--synthetic", "--rope_scaling"], "--rope_scaling: the synthetic suite does not use it"),
         (["--synthetic", "--size=cpu"], "--size: the synthetic suite does not use it"),
         (["--synthetic", "--task_depths=3"], "--task_depths: the synthetic suite does not use it"),
+        (
+            ["--synthetic", "mqar", "--recipes", "--seeds", "7", "--train", "--learning_rate=0.01"],
+            "--train --learning_rate=0.01: the recipes differ in learning_rate (the grid compares them)",
+        ),
+        (["--extend", "--rope_scaling", "dynamic_ntk"], "--rope_scaling dynamic_ntk: the extension study compares"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, message):
@@ -187,6 +199,43 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, me
         sweep.main([f"--out_dir={tmp_path / 'sweep'}", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.glob("sweep/*"))
+
+
+def test_options_after_train_are_train_pys():
+    """Everything after --train goes to train.py, also an option that abbreviates one of the sweep's own (--task is
+    the start of --task_trials and --task_depths): no "ambiguous option"."""
+    args, _ = sweep.parse_args(["--synthetic", "needle", "--train", "--task=needle", "--task_mix=0.1", "--seeds=3"])
+    assert args.train == ["--task=needle", "--task_mix=0.1", "--seeds=3"] and args.seeds == [1337]
+
+
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        (["--max_iters=8"], "was trained with max_iters=4, and this study asks max_iters=8"),
+        (["--max_iters=4", "--learning_rate=0.002"], "was trained with learning_rate=0.001, and this study asks "),
+        (["--max_iters=4", "--dataset=shakespeare_char"], "and this study asks dataset='shakespeare_char'"),
+    ],
+)
+def test_a_run_trained_otherwise_is_not_reused(train, message, tiny_data, tmp_path, monkeypatch):  # noqa: F811
+    """A run in the study's folder that was trained otherwise than the study asks (steps, rate, data...) is never
+    reported under its labels: the sweep stops before any training, naming the option that differs and the fix; a
+    run trained as asked is reused."""
+    out = tmp_path / "sweep"
+    finished_run(out, "rope", 1, tiny_data)
+    ckpt_path = sweep.run_dir(out, "rope", 1) / "ckpt.pt"
+    ckpt = load_checkpoint(ckpt_path)
+    save_checkpoint(ckpt | {"config": ckpt["config"] | {"learning_rate": 0.001}}, ckpt_path)
+    monkeypatch.setattr(sweep, "train_all", lambda *a: pytest.fail("trained before the check"))
+    argv = ["--encodings", "rope", "--seeds", "1", f"--out_dir={out}", "--train", f"--dataset={tiny_data}"]
+    with pytest.raises(SystemExit, match=re.escape(message) + ".*give this study another --out_dir, or move"):
+        sweep.main(argv + train)
+    assert sweep.train_command("rope", 1, sweep.run_dir(out, "rope", 1), *parsed(argv + ["--max_iters=4"])) is None
+
+
+def parsed(argv: list[str]) -> tuple:
+    """(args, configs) as the text sweep passes them to train_command."""
+    args, _ = sweep.parse_args(argv)
+    return args, sweep.SIZES[args.size]["train"]
 
 
 def fake_training(d: Path, script: str) -> list[str]:
@@ -245,7 +294,8 @@ def test_unreadable_sweep_files_are_made_again(tiny_data, tmp_path, capsys):  # 
     (sweep.run_dir(out, "rope", 1) / "sweep.json").write_text("")
     (out / "report_inputs.json").write_text('{"eval": [')
     (out / "report.md").write_text("old")
-    sweep.main(["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"])
+    argv = ["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"]
+    sweep.main(argv + as_trained(tiny_data))
     assert "up to date" not in capsys.readouterr().out and (out / "report.md").read_text() != "old"
     assert json.loads((out / "report_inputs.json").read_text())["eval"]
 
@@ -270,6 +320,7 @@ def test_text_report_is_made_again_after_a_synthetic_one(tiny_data, tmp_path, ca
     out = tmp_path / "sweep"
     finished_run(out, "rope", 1, tiny_data)
     text = ["--encodings", "rope", "--seeds", "1", "--lengths", "8", "16", f"--out_dir={out}", "--rope_scaling"]
+    text += as_trained(tiny_data)
     sweep.main(text)
     # the synthetic suite's report, made in this process (its evaluation pool, forked after this process's OpenMP
     # threads ran, would hang)
