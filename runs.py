@@ -71,7 +71,14 @@ class Source:
         """The new run's data (cfg's, in tokenizer's ids) is in the token ids the source was trained on."""
         old = self.ckpt.get("config") or {}  # nanoGPT's checkpoints keep none
         if problem := other_data(old, self.ckpt.get("tokenizer"), cfg, tokenizer, same_task=False):
-            hint = f" (e.g. config/{old['task']}.py)" if old.get("task") else " (drop --task)" if cfg["task"] else ""
+            if old.get("task"):
+                hint = (
+                    f" (drop --task_vocab: its is {old.get('task_vocab')})"
+                    if cfg["task"]
+                    else f" (config/{old['task']}.py)"
+                )
+            else:
+                hint = " (drop --task)" if cfg["task"] else ""
             raise error(f"{self.folder} {problem}: extend it on data of its own kind{hint}")
 
 

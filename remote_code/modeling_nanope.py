@@ -154,10 +154,21 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         return self.gpt.lm_head
 
     def readable(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx with every id past the model's vocabulary (the tokenizer's <|endoftext|>) read as config.read_eot_as."""
-        if self.config.read_eot_as is None:
-            return idx
-        return idx.masked_fill(idx >= self.config.vocab_size, self.config.read_eot_as)
+        """idx with the tokenizer's <|endoftext|>, where the model has no embedding for it, read as config.read_eot_as;
+        any other id the model has no embedding for is an error naming it."""
+        if idx.numel() == 0:
+            raise ValueError("input_ids is empty: give every row at least one token")
+        V = self.config.vocab_size
+        eot = V if self.config.read_eot_as is not None else None  # a character tokenizer's, after its characters
+        past = (idx >= V) & (idx != eot) if eot is not None else idx >= V
+        if bool(past.any()) or bool((idx < 0).any()):
+            bad = idx[past | (idx < 0)][0].item()
+            raise ValueError(
+                f"input_ids holds the id {bad}, which this model has no embedding for (its vocabulary is 0 … {V - 1}"
+                + (f", and {eot} is the end of text" if eot is not None else "")
+                + "): encode the text with this folder's tokenizer"
+            )
+        return idx if eot is None else idx.masked_fill(idx == eot, self.config.read_eot_as)
 
     def logits(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of tokens idx (B, T); with mask (B, T), each row's unmasked tokens run alone (positions
@@ -182,6 +193,11 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         that starts a KVCache, one token through it, or the whole window again where no cache can be exact."""
         if not cache.groups:  # the prompt: rows that share their padding share their positions
             keep = torch.ones_like(idx, dtype=torch.bool) if mask is None else mask.bool()
+            if not bool(keep.any(1).all()):
+                row = int((~keep.any(1)).nonzero()[0, 0])
+                raise ValueError(
+                    f"row {row} of attention_mask is all zeros: its prompt is empty; give every row at least one token"
+                )
             patterns, group = torch.unique(keep, dim=0, return_inverse=True)  # (G, T), (B,)
             for g, cols in enumerate(patterns):
                 rows = (group == g).nonzero()[:, 0]

@@ -457,6 +457,20 @@ def test_remote_code_reads_the_tokenizers_padding_and_end_of_text(remote):
         close(hf(torch.tensor([[V, *ids[0]]])).logits, model(torch.tensor([[0, *ids[0]]]))[0])
 
 
+def test_remote_code_refuses_what_it_cannot_read(remote):
+    """An id past the tokenizer's last (not the end of text, the one id past the model's vocabulary), an empty
+    prompt and a prompt row that the attention mask leaves empty are each a one-line error naming the problem."""
+    _, _, hf = remote["t5"]
+    with pytest.raises(ValueError, match=rf"holds the id {V + 1}, which this model has no embedding for"):
+        hf(torch.tensor([[1, V + 1, 2]]))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        hf.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    idx, mask = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    with pytest.raises(ValueError, match="row 1 of attention_mask is all zeros: its prompt is empty") as e:
+        hf.generate(idx, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert "\n" not in str(e.value)
+
+
 def prompts_left_padded() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Prompts of 8 and 5 tokens, and the batch (2, 8) and mask that pad them on the left."""
     prompts = [torch.randint(0, V, (k,), generator=torch.Generator().manual_seed(k)) for k in (8, 5)]

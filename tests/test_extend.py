@@ -4,6 +4,7 @@ work, the source never written to, exact resume, and the readers (the KV cache, 
 taking the scaling from the checkpoint unasked."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -370,3 +371,30 @@ def test_sweep_extend_options_are_checked(tmp_path, monkeypatch, args, message, 
     with pytest.raises(SystemExit):
         sweep.parse_args(args)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "task, vocab, hint",
+    [
+        ("needle", 64, "(drop --task_vocab: its is 128)"),  # the same task in another vocabulary
+        ("passkey", 64, "(drop --task_vocab: its is 128)"),
+        ("", None, "(config/needle.py)"),  # text, from a task's run
+    ],
+)
+def test_an_extension_on_other_token_ids_says_which_option_to_drop(task, vocab, hint):
+    """An extension of a synthetic task's run on ids that mean other things names the fix that applies to the command
+    given: drop --task_vocab where the task is there already, add the task's config where it is not."""
+    from configurator import ConfigError
+    from runs import Source
+
+    src = Source("out-needle", {"config": {"task": "needle", "task_vocab": 128}, "tokenizer": ids_tokenizer(128)})
+    tokenizer = ids_tokenizer(vocab) if task else {"kind": "char", "chars": "ab"}
+    with pytest.raises(ConfigError, match=re.escape(f"extend it on data of its own kind {hint}")):
+        src.check_data({"task": task, "task_vocab": vocab, "dataset": "shakespeare_char"}, tokenizer, ConfigError)
+    src.check_data({"task": "passkey", "task_vocab": 128, "dataset": ""}, ids_tokenizer(128), ConfigError)  # same ids
+
+
+def ids_tokenizer(vocab: int) -> dict:
+    from datafiles import task_meta
+
+    return task_meta(vocab)["tokenizer"]
