@@ -562,7 +562,7 @@ def test_synthetic_suite_from_a_process_that_ran_torch_threads(tmp_path):
     script = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(2); torch.randn(512, 512) @ "
         "torch.randn(512, 512); import sweep; sweep.main(['--synthetic', 'needle', '--encodings', 'alibi', 'rope', "
-        "'--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2]])"
+        "'--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2], '--train', '--max_iters=1'])"
     )
     env = dict(ENV, OMP_NUM_THREADS="2")
     r = subprocess.run(
