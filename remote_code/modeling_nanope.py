@@ -28,11 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch.nn import functional as F
 from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .model import GPT, GPTConfig, KVCache
+
+SUPPORTED = "transformers 5.23 or newer"  # the releases this code is tested on: 5.23 and 5.24
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
+    raise ImportError(f"this export needs {SUPPORTED}, and transformers {transformers.__version__} is installed")
+# the name transformers gives the cache between generate()'s steps: "cache" from 5.24, "past_key_values" before
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def code_sha256(folder: Path, names) -> dict[str, str | None]:
@@ -229,6 +236,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         past_key_values: NanoPECache | None = None,
+        cache: NanoPECache | None = None,
         use_cache: bool | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
@@ -243,6 +251,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
                 "position_ids and inputs_embeds"
             )
         idx = self.readable(input_ids)
+        past_key_values = cache if cache is not None else past_key_values  # its name since transformers 5.24
         if past_key_values is None and not use_cache:
             logits = self.logits(idx, attention_mask)
             loss = None
@@ -252,19 +261,22 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             raise ValueError("labels with a cache: a loss needs every position's logits; call without use_cache")
         cache = NanoPECache() if past_key_values is None else past_key_values
-        return CausalLMOutputWithPast(logits=self.next_logits(idx, attention_mask, cache), past_key_values=cache)
+        return CausalLMOutputWithPast(logits=self.next_logits(idx, attention_mask, cache), **{CACHE: cache})
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # forward() makes its own cache, a NanoPECache, on the first step
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, **kw):
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, cache=None, **kw
+    ):
         """What each of generate()'s steps feeds forward(): the tokens the cache has not read, and the cache, which
         without use_cache holds the tokens alone (a NanoPECache is made here then, as forward() would not make one)."""
+        past_key_values = cache if cache is not None else past_key_values
         if past_key_values is None:
             past_key_values = NanoPECache(use_kv=use_cache)
         return {
             "input_ids": input_ids[:, past_key_values.get_seq_length() :],
             "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
+            CACHE: past_key_values,
         }

@@ -457,6 +457,24 @@ def test_remote_code_reads_the_tokenizers_padding_and_end_of_text(remote):
         close(hf(torch.tensor([[V, *ids[0]]])).logits, model(torch.tensor([[0, *ids[0]]]))[0])
 
 
+def test_remote_code_generate_carries_its_cache_between_steps(remote):
+    """transformers' generate() hands the cache from each step to the next (its name is "past_key_values" up to 5.23,
+    "cache" from 5.24): after the prompt, every step feeds the model one token, not the whole sequence again."""
+    _, _, hf = remote["t5"]
+    lengths, forward = [], hf.forward
+
+    def recording(input_ids, *args, **kwargs):
+        lengths.append(input_ids.size(1))
+        return forward(input_ids, *args, **kwargs)
+
+    hf.forward = recording
+    try:
+        hf.generate(torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=6, do_sample=False)
+    finally:
+        del hf.forward
+    assert lengths == [5, 1, 1, 1, 1, 1], lengths
+
+
 def test_remote_code_refuses_what_it_cannot_read(remote):
     """An id past the tokenizer's last (not the end of text, the one id past the model's vocabulary), an empty
     prompt and a prompt row that the attention mask leaves empty are each a one-line error naming the problem."""
