@@ -1,16 +1,23 @@
 # make demo: train the RoPE model on the embedded Shakespeare and print a sample (GPU if there is one, else CPU).
-# make test: the whole test suite. Both create .venv and install requirements.txt on first use.
+# make test: the whole test suite. Both create .venv on first use: demo installs requirements.txt (training, sampling,
+# plots), test and lint requirements-dev.txt (every command's packages, and the test and lint tools).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test lint
 
-$(VENV)/.installed: requirements.txt
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+
+$(VENV)/.installed: requirements.txt | $(PY)
+	$(PIP) -r requirements.txt
 	touch $@
+
+$(VENV)/.dev-installed: requirements.txt requirements-full.txt requirements-dev.txt | $(PY)
+	$(PIP) -r requirements-dev.txt
+	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed
 	@if [ -f out-rope/ckpt.pt ]; then \
@@ -23,9 +30,9 @@ demo: $(VENV)/.installed
 	fi
 	$(PY) sample.py --out_dir=out-rope --num_samples=1 --max_new_tokens=500
 
-test: $(VENV)/.installed
+test: $(VENV)/.dev-installed
 	$(PY) -m pytest -n auto --dist worksteal
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.dev-installed
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
