@@ -25,8 +25,8 @@ demo: $(VENV)/.installed
 	elif $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) train.py config/rope.py; \
 	else \
-		echo "no GPU: training the CPU-sized model (config/rope.py config/cpu.py)"; \
-		$(PY) train.py config/rope.py config/cpu.py; \
+		echo "no GPU: training the CPU-sized model for 1,200 iterations (config/rope.py config/cpu.py)"; \
+		$(PY) train.py config/rope.py config/cpu.py --max_iters=1200 --lr_decay_iters=1200; \
 	fi
 	$(PY) sample.py --out_dir=out-rope --num_samples=1 --max_new_tokens=500
 
