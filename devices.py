@@ -4,6 +4,7 @@ sample.py, the evaluations, the benchmark), so that a rule (TF32 on, float32 on 
 lives once.
 """
 
+import importlib.util
 import os
 from contextlib import nullcontext
 
@@ -90,6 +91,14 @@ def forward_bytes(model, L: int, B: int = 1, logits: bool = True) -> int:
     c = model.config
     square = (4 * c.n_head + 9) * L * L if model.encoding.has_score_bias else 0
     return B * L * (32 * c.n_embd + (8 * c.vocab_size if logits else 0)) + square
+
+
+def missing(package: str, needed_for: str) -> str | None:
+    """Where an optional package (requirements-full.txt's: wandb, datasets, transformers) is not installed, what to
+    do, as one line; None where it is."""
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return f"{needed_for} needs {package}, which is not installed: pip install -r requirements-full.txt (or {package})"
 
 
 def gb(n: float) -> str:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from checkpoint import CheckpointError, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, validation_tokens
-from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb
+from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
 from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
 from runs import load_run
@@ -140,11 +140,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     memory = device_memory(args.device)
     if args.memory_gb is not None and memory and args.memory_gb * 2**30 > memory:
         p.error(f"--memory_gb={args.memory_gb}: more than the {gb(memory)} of {args.device}")
-    if args.wandb_log:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            p.error("--wandb_log needs wandb, which is not installed: pip install wandb, or leave out --wandb_log")
+    if args.wandb_log and (problem := missing("wandb", "--wandb_log")):
+        p.error(f"{problem}, or leave out --wandb_log")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from devices import DTYPES, device_memory
+from devices import DTYPES, device_memory, missing
 from model import CONV1D_WEIGHTS, GPT, LLAMA3_HIGH, LLAMA3_LOW, YARN_ALPHA, YARN_BETA
 from outputs import cannot_write
 from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
@@ -579,6 +579,8 @@ def main(argv: list[str] | None = None) -> Path:
         help="nanoPE's own model code in the folder (trust_remote_code), also for encodings transformers has",
     )
     args = p.parse_args(argv)
+    if problem := missing("transformers", "export.py"):
+        sys.exit(f"error: {problem}")
     ckpt_path = Path(args.out_dir) / args.ckpt
     try:
         if args.n_positions is not None and args.n_positions < 1:

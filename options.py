@@ -13,7 +13,7 @@ from pathlib import Path
 import runs
 import synthetic
 from configurator import ConfigError, require
-from devices import DTYPES, check_device, default_dtype, device_memory, gb
+from devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
 from model import ENCODING_OPTIONS, GPTConfig
 from parallel import STRATEGIES
 from runs import Source, extend_from
@@ -30,6 +30,7 @@ def resolve(
     extension's source decides the others of its model); source: the run init_from names, read (else read here)."""
     cfg = dict(cfg)
     source = source or runs.source(cfg["init_from"])
+    gpt2 = cfg["init_from"] in GPT2_NAMES or source is None and (Path(cfg["init_from"]) / "config.json").is_file()
     if source is not None:
         extend_from(cfg, explicit, source)
     check_task(cfg, defaults)
@@ -49,6 +50,10 @@ def resolve(
         f"{cfg['task'] or cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
     )
     check_device(cfg["device"])
+    needs = [("wandb", "wandb_log=True", cfg["wandb_log"]), ("transformers", f"init_from={cfg['init_from']!r}", gpt2)]
+    for package, option, asked in needs:
+        if asked and (problem := missing(package, option)):
+            raise ConfigError(problem)
     cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
     if cfg["compile"] is None:
         cfg["compile"] = cfg["device"].startswith("cuda")

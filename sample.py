@@ -28,6 +28,7 @@ from devices import (
     device_memory,
     forward_bytes,
     gb,
+    missing,
 )
 from model import GPT, ROPE_SCALINGS, Engine, number
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
@@ -163,6 +164,8 @@ def main(argv: list[str]) -> None:
     if cfg["init_from"] == "resume":
         model, tok = load(cfg)
     else:
+        if problem := missing("transformers", f"init_from={cfg['init_from']!r}"):
+            sys.exit(f"error: {problem}")
         try:
             model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
         except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers

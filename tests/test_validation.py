@@ -274,3 +274,21 @@ def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     removed = f"removed {stale.name}, left by a save that was killed mid-write"
     assert prepare(resolved(f"--out_dir={tmp_path}")) == [removed]
     assert not stale.exists() and live.exists()
+
+
+@pytest.mark.parametrize(
+    "package, args, message",
+    [
+        ("wandb", ["--wandb_log=True"], "wandb_log=True needs wandb, which is not installed: pip install -r "),
+        ("transformers", ["--init_from=gpt2"], "init_from='gpt2' needs transformers, which is not installed"),
+    ],
+)
+def test_a_missing_optional_package_is_one_line_naming_the_install(package, args, message, monkeypatch):
+    """make demo installs requirements.txt alone: an option that needs a package of requirements-full.txt says which
+    one and how to install it, before any work, where it is missing."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find(name, *a))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolved(*args)

@@ -4,6 +4,7 @@
 """
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=None)
     args = parser.parse_args()
+    if importlib.util.find_spec("datasets") is None:
+        sys.exit(
+            "error: this dataset is read from the Hugging Face hub with datasets, which is not installed: pip "
+            "install -r requirements-full.txt (or datasets)"
+        )
     from datasets import load_dataset
 
     dataset = load_dataset("openwebtext", num_proc=args.num_proc)
