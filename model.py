@@ -742,10 +742,28 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.recompute = "none"  # activation checkpointing, a training setting (set_activation_checkpointing)
 
     def forward(self, x, rope, attention, cache=None, slots=None):
-        x = x + self.attn(self.ln_1(x), rope, attention, cache, slots)
-        return x + self.mlp(self.ln_2(x))
+        attend = lambda x: x + self.attn(self.ln_1(x), rope, attention, cache, slots)  # noqa: E731
+        mlp = lambda x: x + self.mlp(self.ln_2(x))  # noqa: E731
+        if cache is not None or not torch.is_grad_enabled() or self.recompute == "none":
+            return mlp(attend(x))
+        # activation checkpointing: what a sublayer computes is not kept for the backward but computed again there
+        x = checkpoint(attend, x, use_reentrant=False)  # "selective": the attention, where (T, T) tensors live
+        return checkpoint(mlp, x, use_reentrant=False) if self.recompute == "full" else mlp(x)
+
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute in the backward what each block's forward computed, instead of keeping it: every sublayer ("full"),
+    the attention alone ("selective"), or nothing ("none"). The same numbers, less memory, more time."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={mode!r}: choose {', '.join(ACTIVATION_CHECKPOINTING)}")
+    for block in model.transformer.h:
+        block.recompute = mode
 
 
 # ----------------------------------------------------------------------------------------------------------------

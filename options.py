@@ -14,7 +14,7 @@ import runs
 import synthetic
 from configurator import ConfigError, require
 from devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
-from model import ENCODING_OPTIONS, GPTConfig
+from model import ACTIVATION_CHECKPOINTING, ENCODING_OPTIONS, GPTConfig
 from parallel import STRATEGIES
 from runs import Source, extend_from
 
@@ -65,6 +65,11 @@ def resolve(
         if not isinstance(cfg["pe_lr_scale"], int | float) or isinstance(cfg["pe_lr_scale"], bool):
             raise ConfigError(f"pe_lr_scale={cfg['pe_lr_scale']!r}: expected a number, e.g. 30, or None")
         cfg["pe_lr_scale"] = float(cfg["pe_lr_scale"])
+    if cfg["activation_checkpointing"] not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError(
+            f"activation_checkpointing={cfg['activation_checkpointing']!r}: choose none, full (the least memory) or "
+            "selective (each block's attention alone)"
+        )
     if cfg["parallel"] not in STRATEGIES:
         raise ConfigError(f"parallel={cfg['parallel']!r}: choose ddp (the default) or fsdp (sharded)")
     if cfg["parallel"] == "fsdp" and cfg["dtype"] == "float16":

@@ -160,6 +160,7 @@ NOT_TRAINING = (
     "device",
     "compile",
     "dtype",  # follows the device by default (bfloat16 on a GPU, float32 on a CPU)
+    "activation_checkpointing",  # memory against time: the same numbers
 )
 
 

@@ -29,7 +29,7 @@ from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta, other_data, task_meta
 from devices import autocast, default_device, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
-from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
+from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
 from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
@@ -104,6 +104,8 @@ defaults = dict(
     device=default_device(),  # cuda, cuda:1, mps, cpu; default the best available
     dtype="",  # float32 | bfloat16 | float16; default bfloat16 where the GPU has it, else float16; float32 on CPU
     compile=None,  # torch.compile the model; default on for CUDA
+    activation_checkpointing="none",  # none | full (every block's activations computed again in the backward: the
+    # least memory) | selective (each block's attention alone, where a (T, T) tensor lives); the same numbers
     seed=1337,
 )
 defaults |= {f.name: f.default for f in fields(GPTConfig) if f.name in ENCODING_OPTIONS}  # rpe_max_distance, ...
@@ -545,6 +547,7 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
     model = build_model(cfg, data, resumed, source, log, shards=procs.world_size if parallel.sharded else 1)
     del source  # its checkpoint, in memory until now
+    set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
     model.to(procs.device)
     parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
     run = Run(

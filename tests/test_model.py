@@ -1331,3 +1331,32 @@ def test_fire_equals_the_papers_formula(multiplier, regime, monkeypatch):
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)  # logits of about 1: a near-zero one differs at 1e-15
     for name in grads_b:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_step(pe, mode):
+    """With activation checkpointing (every block's sublayers, or its attention alone, computed again in the
+    backward), a training step's logits, loss and every gradient equal the step without it, bit for bit, dropout's
+    draws included (the recompute replays the RNG); and the backward recomputes: fewer tensors are kept."""
+    from model import set_activation_checkpointing
+
+    def step(model):
+        torch.manual_seed(3)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logits, loss = model(tokens(2, 16), targets=torch.roll(tokens(2, 16), -1, 1))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), loss.detach(), grads, sum(saved)
+
+    model = tiny(pe, dropout=0.1).train()
+    logits, loss, grads, kept = step(model)
+    model.zero_grad()
+    set_activation_checkpointing(model, mode)
+    logits2, loss2, grads2, kept2 = step(model)
+    assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
+    assert grads.keys() == grads2.keys() and all(torch.equal(grads[n], grads2[n]) for n in grads)
+    assert kept2 < kept
+    with pytest.raises(ValueError, match="activation_checkpointing='some': choose none, full, selective"):
+        set_activation_checkpointing(model, "some")

@@ -100,6 +100,22 @@ def test_resume_is_bit_exact(tiny_data, tmp_path):
     assert a["tokenizer"]["kind"] == "char" and a["config"]["pos_encoding"] == "bias_rpe"
 
 
+def test_activation_checkpointing_trains_and_resumes_as_without(tiny_data, tmp_path):
+    """activation_checkpointing is a training setting: a run with it (full) equals one without, and a run resumed with
+    it switched to selective continues exactly, dropout on."""
+    common = [f"--dataset={tiny_data}", "--dropout=0.1", "--pos_encoding=alibi", "--max_iters=6"]
+    train_here(*common, f"--out_dir={tmp_path / 'plain'}")
+    train_here(*common, "--activation_checkpointing=full", f"--out_dir={tmp_path / 'full'}")
+    train_here(*common[:-1], "--max_iters=3", "--activation_checkpointing=full", f"--out_dir={tmp_path / 'split'}")
+    train_here(*common, "--init_from=resume", "--activation_checkpointing=selective", f"--out_dir={tmp_path / 'split'}")
+    plain = load_checkpoint(tmp_path / "plain" / "ckpt.pt")
+    for run in ("full", "split"):
+        ckpt = load_checkpoint(tmp_path / run / "ckpt.pt")
+        assert ckpt["iter_num"] == 6
+        assert_same_state(plain["model"], ckpt["model"])
+        assert "activation_checkpointing" not in ckpt["model_args"]  # not the model's: its config is unchanged
+
+
 def test_ctrl_c_saves_and_resume_is_exact(tiny_data, tmp_path):
     """SIGINT mid-run saves a checkpoint at an iteration boundary; resuming gives the straight run's weights."""
     common = [

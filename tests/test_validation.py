@@ -84,6 +84,7 @@ def test_a_rope_option_without_a_scaling_is_refused(option):
     "args, message",
     [
         (["--grad_clip=-1"], "grad_clip=-1.0 must be at least 0 (0 disables clipping"),
+        (["--activation_checkpointing=some"], "activation_checkpointing='some': choose none, full (the least memory)"),
         (["--pe_lr_scale=0"], "pe_lr_scale=0.0 must be positive"),
         (["--learning_rate=-1"], "learning_rate=-1.0 must be positive"),
         (["--learning_rate=0"], "learning_rate=0.0 must be positive"),
