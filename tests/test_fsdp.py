@@ -41,13 +41,15 @@ def assert_same_weights(a: Path, b: Path) -> None:
 def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path):  # noqa: F811
     """Two FSDP processes give one process's weights (the same global batch of 8 rows); their checkpoint, saved at
     iteration 4, resumed at 1 process and at 4 reaches iteration 8's weights of the uninterrupted run. Each process
-    holds half of the parameters and of AdamW's state, as train.py measures and logs them."""
+    holds half of the parameters and of AdamW's state, as train.py measures and logs them. Activation checkpointing
+    (selective at 2 processes, full resumed at 4) changes nothing of it."""
     data = f"--dataset={tiny_data}"
     for iters in (4, 8):  # the reference: one process, no sharding
         train_here(data, *COMMON, "--batch_size=8", f"--max_iters={iters}", f"--out_dir={tmp_path / f'one{iters}'}")
     two = tmp_path / "two"
     fsdp2 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]  # 2 micro-steps a process
-    r = train_torchrun(2, data, *COMMON, *fsdp2, "--max_iters=4", f"--out_dir={two}")
+    ac = "--activation_checkpointing=selective"
+    r = train_torchrun(2, data, *COMMON, *fsdp2, ac, "--max_iters=4", f"--out_dir={two}")
     assert_ok(r)
     assert "on 2 process(es) (fsdp)" in r.stdout
     (held,) = re.findall(r"parameters ([\d.]+) MiB of ([\d.]+), AdamW's state ([\d.]+) MiB of ([\d.]+)", r.stdout)
@@ -62,7 +64,8 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     shutil.copytree(two, at4, symlinks=True)
     train_here(data, *COMMON, *fsdp2, "--max_iters=8", "--init_from=resume", f"--out_dir={at1}")
     fsdp4 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]
-    r = train_torchrun(4, data, *COMMON, *fsdp4, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
+    ac = "--activation_checkpointing=full"
+    r = train_torchrun(4, data, *COMMON, *fsdp4, ac, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
     assert_ok(r)
     assert f"resuming from {at4 / 'ckpt.dcp'} at iteration 4" in r.stdout
     for resumed in (at1, at4):

@@ -1360,3 +1360,22 @@ def test_activation_checkpointing_gives_the_same_step(pe, mode):
     assert kept2 < kept
     with pytest.raises(ValueError, match="activation_checkpointing='some': choose none, full, selective"):
         set_activation_checkpointing(model, "some")
+
+
+@pytest.mark.parametrize("pe, mode", [("rope", "full"), ("bias_rpe", "selective"), ("fire", "full")])
+def test_activation_checkpointing_compiles_to_one_graph(pe, mode):
+    """Compiled (dynamo and AOTAutograd, one graph), a training step with activation checkpointing gives the eager
+    step's logits and gradients without it."""
+    from model import set_activation_checkpointing
+
+    model = tiny(pe, block_size=32).train()
+    idx = tokens(2, 32)
+    ref_logits, ref = grads(model, idx)
+    set_activation_checkpointing(model, mode)
+    counter = CompileCounterWithBackend("aot_eager")
+    logits, got = grads(torch.compile(model, backend=counter, fullgraph=True), idx)
+    assert counter.frame_count == 1
+    close(logits, ref_logits)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        close(got[n], ref[n])
