@@ -103,3 +103,72 @@ def missing(package: str, needed_for: str) -> str | None:
 
 def gb(n: float) -> str:
     return f"{n / 2**30:,.1f} GB"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A training step's peak memory, estimated before training
+
+
+def saved_bytes(model, B: int, T: int, device: str, dtype: str = "float32") -> int:
+    """The bytes autograd keeps for the backward of one training forward of model (a GPT) on B rows of T tokens, on
+    the path this device takes eagerly: every saved tensor's storage once, the parameters' left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    idx = torch.zeros(B, T, dtype=torch.long, device=device)
+    cuda = [torch.device(device).index or 0] if device.startswith("cuda") else []  # dropout's draws left as they were
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad(), autocast(device, dtype):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx, targets=idx)
+    return sum(storages.values())
+
+
+def activation_bytes(model, B: int, T: int, device: str, dtype: str = "float32") -> tuple[int, int]:
+    """saved_bytes at B rows of T tokens, from four small forwards: what grows with the rows (per token, and per pair
+    of a row, as attention's probabilities) and what the rows share (per position, and per pair, as a score bias), each
+    fitted as x·n + y·n² over two lengths n; and of it, the rows' shared pairs (the score bias matrices)."""
+    n1 = max(2, min(32, model.config.block_size // 4, T // 4))
+    n2 = 4 * n1
+
+    def fit(f1: float, f2: float, n: int, square_only: bool = False) -> float:  # x·n + y·n² through two points
+        y = (f2 / n2 - f1 / n1) / (n2 - n1)
+        return y * n * n if square_only else (f1 / n1 - y * n1) * n + y * n * n
+
+    one = [saved_bytes(model, 1, n, device, dtype) for n in (n1, n2)]
+    three = [saved_bytes(model, 3, n, device, dtype) for n in (n1, n2)]
+    per_row = [(s3 - s1) / 2 for s1, s3 in zip(one, three, strict=True)]
+    shared = [s1 - r for s1, r in zip(one, per_row, strict=True)]
+    return max(0, round(B * fit(*per_row, T) + fit(*shared, T))), max(0, round(fit(*shared, T, square_only=True)))
+
+
+def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", shards: int = 1) -> dict[str, int]:
+    """A training step's peak memory per process, by part: the float32 weights, their gradients and AdamW's two
+    moments (the last two split over `shards` processes under FSDP), the activations the forward keeps for the
+    backward (as activation checkpointing is set on model), and what the backward holds at once on top: one block's
+    activations (recomputed there with checkpointing, and the gradients of a block's activations). The peak is the
+    larger of the backward's and AdamW's step (gradients and moments, the activations freed)."""
+    n = sum(p.numel() for p in model.parameters())
+    modes = [block.recompute for block in model.transformer.h]
+    kept, bias = activation_bytes(model, B, T, device, dtype)
+    for block in model.transformer.h:
+        block.recompute = "none"
+    try:
+        every, every_bias = activation_bytes(model, B, T, device, dtype)
+    finally:
+        for block, mode in zip(model.transformer.h, modes, strict=True):
+            block.recompute = mode
+    if modes[0] != "none":  # the score bias matrices stay alive for the recompute, whether or not they are saved
+        kept += max(0, every_bias - bias)
+    layer = (every - every_bias) // model.config.n_layer
+    recomputed = 2 if modes[0] != "none" else 1  # the block recomputed, and its gradients' temporaries
+    parts = {"weights": 4 * n, "gradients": 4 * n // shards, "AdamW": 8 * n // shards, "activations": kept}
+    backward = parts["gradients"] + kept + recomputed * layer
+    step = parts["gradients"] + parts["AdamW"] + 4 * n // shards  # AdamW's foreach step makes a copy's worth
+    parts["peak"] = parts["weights"] + max(backward, step)
+    return parts

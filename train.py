@@ -27,7 +27,7 @@ import synthetic
 from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from configurator import ConfigError, configure, script_usage
 from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta, other_data, task_meta
-from devices import autocast, default_device, peak_flops
+from devices import autocast, default_device, device_memory, gb, peak_flops, training_bytes
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
 from options import check_fits, odd_values, resolve
@@ -229,6 +229,35 @@ def check_resumed_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> No
     else:
         fix = f"resume on its dataset (--dataset={old.get('dataset')})"
     raise CheckpointError(f"{cfg['out_dir']} {problem}: {fix}, or train on this in another --out_dir")
+
+
+def check_memory(model: GPT, cfg: dict, procs: Processes, shards: int) -> None:
+    """Log the step's estimated peak memory per process (devices.training_bytes); where it exceeds the device's, stop
+    before any work, naming the options that bring it under and what each would need."""
+    B, T, dev, dtype = cfg["batch_size"], cfg["block_size"], procs.device, cfg["dtype"]
+    parts = training_bytes(model, B, T, dev, dtype, shards)
+    mib = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in parts.items() if k != "peak")
+    procs.log(f"memory: about {gb(parts['peak'])} per process at the step's peak ({mib})")
+    memory = device_memory(dev)
+    if not memory or parts["peak"] <= memory:
+        return
+    fixes = []
+    mode = cfg["activation_checkpointing"]
+    if mode != "full":
+        set_activation_checkpointing(model, "full")
+        fixes.append(f"--activation_checkpointing=full ({gb(training_bytes(model, B, T, dev, dtype, shards)['peak'])})")
+        set_activation_checkpointing(model, mode)
+    if B > 1:
+        accum = f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps'] * 2}"
+        fixes.append(
+            f"--batch_size={B // 2} {accum} ({gb(training_bytes(model, B // 2, T, dev, dtype, shards)['peak'])})"
+        )
+    if T > 1:
+        fixes.append(f"--block_size={T // 2} ({gb(training_bytes(model, B, T // 2, dev, dtype, shards)['peak'])})")
+    raise TrainError(
+        f"a training step of this run needs about {gb(parts['peak'])} per process, more than the {gb(memory)} of "
+        f"{dev}: try {', or '.join(fixes)}"
+    )
 
 
 def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
@@ -549,6 +578,8 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     del source  # its checkpoint, in memory until now
     set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
     model.to(procs.device)
+    if not cfg["eval_only"]:
+        check_memory(model, cfg, procs, shards=procs.world_size if parallel.sharded else 1)
     parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
     run = Run(
         cfg=cfg,
