@@ -329,6 +329,82 @@ def bench_attention(args, device: str) -> None:
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
+def memory_cell(enc: str, T: int, mode: str, B: int, steps: int) -> tuple[float, float, float]:
+    """One training step of the comparison model (config/<enc>.py's shape, float32, eager) at B rows of T tokens with
+    activation checkpointing `mode`, in a fresh process: its measured peak (the resident high-water mark above the
+    model's setup, MiB), its time (ms, the median of `steps`) and devices.training_bytes's estimate (MiB)."""
+    from devices import training_bytes
+    from model import set_activation_checkpointing
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=T, vocab_size=65, n_layer=6, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
+    model = GPT(cfg).train()
+    set_activation_checkpointing(model, mode)
+    estimate = training_bytes(model, B, T, "cpu")
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    x = torch.randint(0, 65, (B, T))
+
+    def step():
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reset_memory("cpu")
+    base = memory_now("cpu")
+    step()
+    peak = float(peak_above(base, "cpu").split()[0].replace(",", ""))
+    t = timed(step, "cpu", steps, 0)
+    return peak, t * 1e3, (estimate["peak"] - estimate["weights"]) / 2**20
+
+
+def longest_block(enc: str, mode: str, B: int, budget: float) -> int:
+    """The longest power-of-two block (from 256) whose estimated step fits budget bytes (devices.training_bytes)."""
+    from devices import training_bytes
+    from model import set_activation_checkpointing
+
+    T = 256
+    while True:
+        cfg = GPTConfig(block_size=2 * T, vocab_size=65, n_layer=6, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
+        with torch.device("cpu"):
+            model = GPT(cfg).train()
+        set_activation_checkpointing(model, mode)
+        if training_bytes(model, B, 2 * T, "cpu")["peak"] > budget or T >= 2**20:
+            return T
+        T *= 2
+
+
+def bench_memory(args, device: str) -> None:
+    """Peak memory and step time of one training step per encoding, block size and activation checkpointing mode, in
+    fresh processes (CPU), beside the estimate; then, for a memory budget, the longest block each mode trains at."""
+    B = args.memory_batch
+    print(f"\n### Training step memory (comparison model, batch {B}, float32, {device})\n")
+    print(
+        "| encoding | block | none: peak MiB (estimate) | ms | full: peak MiB (estimate) | ms | selective: peak MiB "
+        "(estimate) | ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    fresh = multiprocessing.get_context("forkserver")
+    fresh.set_forkserver_preload(["torch", "model", "devices"])
+    for enc in args.memory_encodings:
+        for T in args.memory_blocks:
+            cells = []
+            for mode in ("none", "full", "selective"):
+                with ProcessPoolExecutor(1, mp_context=fresh) as pool:
+                    peak, ms, est = pool.submit(memory_cell, enc, T, mode, B, args.memory_steps).result()
+                cells += [f"{peak:,.0f} ({est:,.0f})", f"{ms:,.0f}"]
+            print(f"| {enc} | {T} | " + " | ".join(cells) + " |", flush=True)
+    budget = args.memory_budget_gb * 2**30
+    print(f"\n### The longest block that fits {args.memory_budget_gb:g} GiB (estimated; batch {B})\n")
+    print("| encoding | none | full | selective |\n|---|---:|---:|---:|")
+    for enc in args.memory_encodings:
+        print(
+            f"| {enc} | "
+            + " | ".join(f"{longest_block(enc, m, B, budget):,}" for m in ("none", "full", "selective"))
+            + " |",
+            flush=True,
+        )
+
+
 def run_train_py(cmd: list[str]) -> tuple[str, list[float], str | None]:
     """A train.py command (python train.py ..., or torchrun's) run in a temporary out_dir: its stdout, the step times
     it logged (ms), and if it failed, the last line it wrote."""
@@ -393,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
-    p.add_argument("--only", choices=["train", "encodings", "decode", "attention", "shapes", "parallel"], default=None)
+    p.add_argument(
+        "--only", choices=["train", "encodings", "decode", "attention", "shapes", "parallel", "memory"], default=None
+    )
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -414,6 +492,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     p.add_argument("--shape_iters", type=int, default=6, help="--only=shapes: iterations per cell")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    p.add_argument("--memory_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS, help="--only=memory: which")
+    p.add_argument("--memory_blocks", type=int, nargs="+", default=[256, 1024, 2048], help="--only=memory")
+    p.add_argument("--memory_batch", type=int, default=4, help="--only=memory: rows per step")
+    p.add_argument("--memory_steps", type=int, default=3, help="--only=memory: timed steps per cell")
+    p.add_argument("--memory_budget_gb", type=float, default=8.0, help="--only=memory: the longest block's budget")
     p.add_argument("--parallel_procs", type=int, default=2, help="--only=parallel: processes (torchrun)")
     p.add_argument("--parallel_iters", type=int, default=30, help="--only=parallel: iterations per strategy")
     p.add_argument(
@@ -446,9 +529,10 @@ def main(argv: list[str] | None = None) -> None:
         "attention": lambda: bench_attention(args, device),
         "shapes": lambda: bench_shapes(args, device),
         "parallel": lambda: bench_parallel(args, device),
+        "memory": lambda: bench_memory(args, device),
     }
-    for key, fn in tables.items():  # shapes and parallel run train.py as commands: only when asked
-        if args.only == key or (args.only is None and key not in ("shapes", "parallel")):
+    for key, fn in tables.items():  # shapes, parallel and memory run many processes: only when asked
+        if args.only == key or (args.only is None and key not in ("shapes", "parallel", "memory")):
             fn()
 
 

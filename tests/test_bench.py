@@ -54,3 +54,20 @@ def test_bench_shapes_runs_train_py_per_cell():
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = table_rows(r.stdout, "alibi")
     assert row[1:3] == ["head_dim-8", "trains"] and float(row[3]) > 0, row
+
+
+def test_bench_memory_table_and_longest_block():
+    """--only=memory prints, per encoding and block, each checkpointing mode's measured peak beside its estimate and
+    its step time, then the longest block each mode fits in the budget (full checkpointing at least as long)."""
+    cmd = [sys.executable, "bench.py", "--device=cpu", "--only=memory", "--memory_encodings", "alibi"]
+    cmd += ["--memory_blocks", "64", "--memory_steps", "1", "--memory_batch", "2", "--memory_budget_gb", "0.5"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = table_rows(r.stdout, "alibi")
+    measured = [row for row in cells if len(row) == 8]
+    assert [row[:2] for row in measured] == [["alibi", "64"]]
+    for row in measured:
+        assert all(re.fullmatch(r"[\d,]+ \([\d,]+\)", row[i]) for i in (2, 4, 6)), row
+        assert all(float(row[i].replace(",", "")) > 0 for i in (3, 5, 7)), row
+    longest = {row[0]: [int(c.replace(",", "")) for c in row[1:]] for row in cells if len(row) == 4}
+    assert longest.keys() == {"alibi"} and all(full >= none for none, full, _ in longest.values())
