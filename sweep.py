@@ -593,6 +593,8 @@ def finetune_options(source: Path, trained: dict, scaling: str, args) -> list[st
     opts += [f"--learning_rate={EXTEND_RATE}", f"--min_lr={EXTEND_RATE / 10:g}"]
     if scaling != "none":
         opts += [f"--rope_scaling={scaling}", f"--rope_factor={F}", f"--rope_original_max_len={block}"]
+    if args.size == "gpu":  # factor times the context: each block's attention recomputed, not kept (the same numbers)
+        opts += ["--activation_checkpointing=selective"]
     return opts
 
 
