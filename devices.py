@@ -163,10 +163,12 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
     finally:
         for block, mode in zip(model.transformer.h, modes, strict=True):
             block.recompute = mode
-    if modes[0] != "none":  # the score bias matrices stay alive for the recompute, whether or not they are saved
-        kept += max(0, every_bias - bias)
+    if modes[0] != "none":  # the score bias matrices stay alive for the recompute, whether or not they are saved,
+        # and the backward recomputes one (a trainable bias's formula) with its gradient
+        one = every_bias // (model.config.n_layer if model.encoding.per_layer else 1)
+        kept += max(0, every_bias - bias) + 2 * one
     layer = (every - every_bias) // model.config.n_layer
-    recomputed = 2 if modes[0] != "none" else 1  # the block recomputed, and its gradients' temporaries
+    recomputed = 2 if modes[0] == "full" else 1  # the gradients' temporaries of a block, and its recompute (full)
     parts = {"weights": 4 * n, "gradients": 4 * n // shards, "AdamW": 8 * n // shards, "activations": kept}
     backward = parts["gradients"] + kept + recomputed * layer
     step = parts["gradients"] + parts["AdamW"] + 4 * n // shards  # AdamW's foreach step makes a copy's worth
