@@ -329,7 +329,7 @@ def bench_attention(args, device: str) -> None:
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
-def memory_cell(enc: str, T: int, mode: str, B: int, steps: int) -> tuple[float, float, float]:
+def memory_cell(enc: str, T: int, mode: str, B: int, steps: int, n_layer: int = 6) -> tuple[float, float, float]:
     """One training step of the comparison model (config/<enc>.py's shape, float32, eager) at B rows of T tokens with
     activation checkpointing `mode`, in a fresh process: its measured peak (the resident high-water mark above the
     model's setup, MiB), its time (ms, the median of `steps`) and devices.training_bytes's estimate (MiB)."""
@@ -337,7 +337,7 @@ def memory_cell(enc: str, T: int, mode: str, B: int, steps: int) -> tuple[float,
     from model import set_activation_checkpointing
 
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=T, vocab_size=65, n_layer=6, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
+    cfg = GPTConfig(block_size=T, vocab_size=65, n_layer=n_layer, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
     model = GPT(cfg).train()
     set_activation_checkpointing(model, mode)
     estimate = training_bytes(model, B, T, "cpu")
@@ -357,14 +357,16 @@ def memory_cell(enc: str, T: int, mode: str, B: int, steps: int) -> tuple[float,
     return peak, t * 1e3, (estimate["peak"] - estimate["weights"]) / 2**20
 
 
-def longest_block(enc: str, mode: str, B: int, budget: float) -> int:
+def longest_block(enc: str, mode: str, B: int, budget: float, n_layer: int = 6) -> int:
     """The longest power-of-two block (from 256) whose estimated step fits budget bytes (devices.training_bytes)."""
     from devices import training_bytes
     from model import set_activation_checkpointing
 
     T = 256
     while True:
-        cfg = GPTConfig(block_size=2 * T, vocab_size=65, n_layer=6, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
+        cfg = GPTConfig(
+            block_size=2 * T, vocab_size=65, n_layer=n_layer, n_head=6, n_embd=384, bias=False, pos_encoding=enc
+        )
         with torch.device("cpu"):
             model = GPT(cfg).train()
         set_activation_checkpointing(model, mode)
@@ -376,33 +378,33 @@ def longest_block(enc: str, mode: str, B: int, budget: float) -> int:
 def bench_memory(args, device: str) -> None:
     """Peak memory and step time of one training step per encoding, block size and activation checkpointing mode, in
     fresh processes (CPU), beside the estimate; then, for a memory budget, the longest block each mode trains at."""
-    B = args.memory_batch
-    print(f"\n### Training step memory (comparison model, batch {B}, float32, {device})\n")
-    print(
-        "| encoding | block | none: peak MiB (estimate) | ms | full: peak MiB (estimate) | ms | selective: peak MiB "
-        "(estimate) | ms |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    B, L = args.memory_batch, args.memory_n_layer
     fresh = multiprocessing.get_context("forkserver")
     fresh.set_forkserver_preload(["torch", "model", "devices"])
+    if args.memory_blocks:
+        print(f"\n### Training step memory (comparison model with {L} layers, batch {B}, float32, {device})\n")
+        print(
+            "| encoding | block | none: peak MiB (estimate) | ms | full: peak MiB (estimate) | ms "
+            "| selective: peak MiB (estimate) | ms |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for enc in args.memory_encodings:
         for T in args.memory_blocks:
             cells = []
             for mode in ("none", "full", "selective"):
                 with ProcessPoolExecutor(1, mp_context=fresh) as pool:
-                    peak, ms, est = pool.submit(memory_cell, enc, T, mode, B, args.memory_steps).result()
+                    peak, ms, est = pool.submit(memory_cell, enc, T, mode, B, args.memory_steps, L).result()
                 cells += [f"{peak:,.0f} ({est:,.0f})", f"{ms:,.0f}"]
             print(f"| {enc} | {T} | " + " | ".join(cells) + " |", flush=True)
     budget = args.memory_budget_gb * 2**30
-    print(f"\n### The longest block that fits {args.memory_budget_gb:g} GiB (estimated; batch {B})\n")
+    print(f"\n### The longest block that fits {args.memory_budget_gb:g} GiB ({L} layers, estimated; batch {B})\n")
     print("| encoding | none | full | selective |\n|---|---:|---:|---:|")
     for enc in args.memory_encodings:
-        print(
-            f"| {enc} | "
-            + " | ".join(f"{longest_block(enc, m, B, budget):,}" for m in ("none", "full", "selective"))
-            + " |",
-            flush=True,
-        )
+        longest = []
+        for mode in ("none", "full", "selective"):  # a fresh process each: freed memory stays with a process
+            with ProcessPoolExecutor(1, mp_context=fresh) as pool:
+                longest.append(pool.submit(longest_block, enc, mode, B, budget, L).result())
+        print(f"| {enc} | " + " | ".join(f"{T:,}" for T in longest) + " |", flush=True)
 
 
 def run_train_py(cmd: list[str]) -> tuple[str, list[float], str | None]:
@@ -493,8 +495,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape_iters", type=int, default=6, help="--only=shapes: iterations per cell")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
     p.add_argument("--memory_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS, help="--only=memory: which")
-    p.add_argument("--memory_blocks", type=int, nargs="+", default=[256, 1024, 2048], help="--only=memory")
+    p.add_argument(
+        "--memory_blocks", type=int, nargs="*", default=[256, 1024, 2048], help="--only=memory (none: the budget alone)"
+    )
     p.add_argument("--memory_batch", type=int, default=4, help="--only=memory: rows per step")
+    p.add_argument("--memory_n_layer", type=int, default=6, help="--only=memory: the comparison model's depth")
     p.add_argument("--memory_steps", type=int, default=3, help="--only=memory: timed steps per cell")
     p.add_argument("--memory_budget_gb", type=float, default=8.0, help="--only=memory: the longest block's budget")
     p.add_argument("--parallel_procs", type=int, default=2, help="--only=parallel: processes (torchrun)")

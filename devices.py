@@ -164,9 +164,10 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
         for block, mode in zip(model.transformer.h, modes, strict=True):
             block.recompute = mode
     if modes[0] != "none":  # the score bias matrices stay alive for the recompute, whether or not they are saved,
-        # and the backward recomputes one (a trainable bias's formula) with its gradient
+        # and the backward recomputes one with its gradient where the bias is trained (ALiBi's is not)
         one = every_bias // (model.config.n_layer if model.encoding.per_layer else 1)
-        kept += max(0, every_bias - bias) + 2 * one
+        trained = any(p.requires_grad for p in model.encoding.parameters())
+        kept += max(0, every_bias - bias) + (2 * one if trained else 0)
     layer = (every - every_bias) // model.config.n_layer
     recomputed = 2 if modes[0] == "full" else 1  # the gradients' temporaries of a block, and its recompute (full)
     parts = {"weights": 4 * n, "gradients": 4 * n // shards, "AdamW": 8 * n // shards, "activations": kept}

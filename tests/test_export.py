@@ -606,32 +606,73 @@ def test_bf16_remote_code_export_loads(tmp_path):
 
 LOAD_ALONE = """
 import importlib.util, sys, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 assert importlib.util.find_spec("model") is None and importlib.util.find_spec("export") is None, "nanoPE on the path"
-hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+assert sys.stdin.isatty() and sys.stdout.isatty(), "not in a terminal"
+folder, native = sys.argv[1], sys.argv[4]
+hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+ours = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+assert ours.eos_token_id == PreTrainedTokenizerFast.from_pretrained(folder).eos_token_id
+AutoModelForCausalLM.from_pretrained(native)
+theirs = AutoTokenizer.from_pretrained(native)
+assert theirs.eos_token_id == PreTrainedTokenizerFast.from_pretrained(native).eos_token_id
 print(sys.modules[type(hf).__module__].__file__)
 with torch.no_grad():
     torch.save(hf(torch.load(sys.argv[2])).logits, sys.argv[3])
 """
 
 
+def in_a_terminal(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """cmd run with a pseudo-terminal as its stdin, stdout and stderr, stdin left open and unanswered, as in a user's
+    terminal: its exit code and what it printed. Stops it at the first question it asks (a line ending "[y/N] ")."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], 300)
+            if not ready:
+                break
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the follower's side closed: the process ended
+                break
+            if not chunk:
+                break
+            out += chunk
+            if out.rstrip().endswith(b"[y/N]"):
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        os.close(leader)
+    return proc.returncode, out.decode(errors="replace")
+
+
 def logits_alone(folder: Path, idx: torch.Tensor, tmp_path: Path) -> torch.Tensor:
     """The logits of idx that the export in folder computes in a process that cannot import nanoPE (cwd and sys.path
-    outside the repository), loaded with trust_remote_code from transformers' own copy of its code."""
+    outside the repository), loaded with trust_remote_code from transformers' own copy of its code, in a terminal:
+    loading it and its tokenizer, and a GPT-NeoX export's model and tokenizer without the flag, asks nothing."""
     torch.save(idx, tmp_path / "idx.pt")
+    native = export.export(checkpoint(pos_encoding="rope")[0], tmp_path / "hf-rope")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
         "HF_MODULES_CACHE": str(tmp_path / "modules")
     }
     cmd = [sys.executable, "-I", "-c", LOAD_ALONE, str(folder), str(tmp_path / "idx.pt"), str(tmp_path / "logits.pt")]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().startswith(str(tmp_path / "modules")), r.stdout
+    code, out = in_a_terminal([*cmd, str(native)], tmp_path, env)
+    assert "[y/N]" not in out and code == 0, out[-3000:]
+    assert str(tmp_path / "modules") in out, out
     return torch.load(tmp_path / "logits.pt")
 
 
 def test_remote_code_loads_without_nanope(remote, tmp_path):
     """A process that cannot import nanoPE loads the folder with trust_remote_code and computes our logits: the
-    folder carries all the code it needs."""
+    folder carries all the code it needs. In a terminal, nothing it loads asks a question."""
     out, model, _ = remote["bias_rpe"]
     idx = torch.randint(0, V, (2, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
