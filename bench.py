@@ -380,7 +380,7 @@ def bench_memory(args, device: str) -> None:
     fresh processes (CPU), beside the estimate; then, for a memory budget, the longest block each mode trains at."""
     B, L = args.memory_batch, args.memory_n_layer
     fresh = multiprocessing.get_context("forkserver")
-    fresh.set_forkserver_preload(["torch", "model", "devices"])
+    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "parallel"])
     if args.memory_blocks:
         print(f"\n### Training step memory (comparison model with {L} layers, batch {B}, float32, {device})\n")
         print(

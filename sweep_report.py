@@ -815,8 +815,10 @@ def plot_extension(
         iters = [h["iter"] for h in rs[0].history]
         vals = [statistics.mean(r.history[k]["val"] for r in rs) for k in range(len(iters))]
         axes[2].plot(iters, vals, marker="o", color=colors[names.index(extension_label(rs[0], F)) % 10], label=name)
-    source_val = statistics.mean(r.source_val for r in text if scalable(r.enc))
-    axes[2].axhline(source_val, color="black", ls=":", lw=1, label=f"the sources' val loss at {L0}")
+    if rope := [r.source_val for r in text if scalable(r.enc)]:
+        axes[2].axhline(statistics.mean(rope), color="black", ls=":", lw=1, label=f"the sources' val loss at {L0}")
+    for ax in (axes[0], axes[2]) if not rope else ():  # a study of other encodings alone: the RoPE panels say so
+        ax.text(0.5, 0.5, "no RoPE run in this study", ha="center", va="center", transform=ax.transAxes, fontsize=8)
     axes[2].set(xlabel="fine-tuning step", ylabel=f"val loss at {F * L0} tokens (mean over seeds)")
     axes[2].set_title("RoPE: fine-tuning curves", fontsize=9)
     if tasks:
@@ -840,7 +842,8 @@ def plot_extension(
         ax.set_title(f"{task}: dashed as trained, solid fine-tuned", fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

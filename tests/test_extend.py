@@ -346,12 +346,16 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
     again = run_cli(sweep.main, cmd)
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 10
     assert "eval_length" not in again.stderr  # the evaluations were kept
-    seed = cmd.index("--seeds") + 1  # a second text seed, the task's runs on the first alone (--task_seeds)
-    more = run_cli(sweep.main, cmd[:seed] + ["5", "6", "--task_seeds", "5"] + cmd[seed + 1 :])
+    seed = cmd.index("--seeds") + 1  # a second text seed, the task's runs on the first alone (--task_seeds), of
+    # one encoding (the study reports the runs its command names)
+    more = cmd[:2] + ["alibi"] + cmd[4:seed] + ["5", "6", "--task_seeds", "5"] + cmd[seed + 1 :]
+    more = run_cli(sweep.main, more)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
-    assert (out / "rope-yarn-seed6" / "ckpt.pt").is_file() and not (out / "passkey" / "rope-yarn-seed6").exists()
+    assert (out / "alibi-seed6" / "ckpt.pt").is_file() and not (out / "passkey" / "alibi-seed6").exists()
     report = (out / "report.md").read_text()
     assert "seeds [5, 6]; each fine-tuned" in report and "seeds [5] (mean ± std where there are several)" in report
+    assert "| alibi | 2 steps |" in report and "| rope" not in report  # and its plot, without RoPE's runs
+    assert (out / "extension.png").stat().st_mtime > (out / "rope-yarn-seed5" / "ckpt.pt").stat().st_mtime
 
 
 @pytest.mark.parametrize(

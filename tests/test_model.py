@@ -667,15 +667,14 @@ def test_torch_compile_forward_backward(pe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("multiplier", [1.0, 0.9, 0.47])  # L = 16, 14.4, 7.52: no query past it, one (<= T / 8), 8
-def test_compiled_fire_equals_eager_wherever_L_is(multiplier):
+def test_compiled_fire_equals_eager_wherever_L_is():
     """Compiled, FIRE's bias takes its branch at run time (no size from the data in one graph): a gather where no query
-    is past L, the last T / 8 rows pair by pair where a few are, every pair where more are. Each gives eager's logits
-    and gradients (eager is checked against the paper's formula above), float64 to 1e-10."""
+    is past L, the last T / 8 rows pair by pair where a few are, every pair where more are. One compiled model takes
+    all three without compiling again, and each gives eager's logits and gradients (eager is checked against the
+    paper's formula above), float64 to 1e-10."""
     torch.manual_seed(0)
     model = tiny("fire", block_size=16, n_layer=1).double()
     with torch.no_grad():
-        model.encoding.L_multiplier.fill_(multiplier)
         model.encoding.w2.mul_(50)  # a bias that matters
     # eager's attention as compiled's (SDPA over the materialized bias): BiasAttention's backward works in float32
     model.attention_options = replace(model.attention_options, fused=False)
@@ -688,11 +687,16 @@ def test_compiled_fire_equals_eager_wherever_L_is(multiplier):
         return logits, [p.grad.clone() for p in model.parameters()]
 
     counter = CompileCounterWithBackend("aot_eager")
-    (a, grads_a), (b, grads_b) = run(torch.compile(model, backend=counter, fullgraph=True)), run(model)
-    assert counter.frame_count >= 1  # compiled, one graph (fullgraph); float64 makes Dynamo trace it twice
-    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-14)
+    compiled, graphs = torch.compile(model, backend=counter, fullgraph=True), None
+    for multiplier in (1.0, 0.9, 0.47):  # L = 16, 14.4, 7.52: no query past it, one (<= T / 8), 8
+        with torch.no_grad():
+            model.encoding.L_multiplier.fill_(multiplier)
+        (a, grads_a), (b, grads_b) = run(compiled), run(model)
+        assert counter.frame_count >= 1 and graphs in (None, counter.frame_count), multiplier  # compiled once
+        graphs = counter.frame_count  # (float64 makes Dynamo trace it twice)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        for ga, gb in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
