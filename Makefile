@@ -16,10 +16,11 @@ $(VENV)/.installed: requirements.txt | $(PY)
 	touch $@
 
 # pip takes torch (where a build of it lies on local disk, pip's configuration finds it), then uv the rest: a
-# minute less than pip for the test tools, lm-eval and their dependencies, resolved from the same pins.
+# minute less than pip for the test tools, lm-eval and their dependencies, resolved from the same pins. Compiled to
+# bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it imports.
 $(VENV)/.dev-installed: requirements.txt requirements-full.txt requirements-dev.txt | $(PY)
 	$(PIP) "$$(grep -m1 '^torch==' requirements.txt)" "$$(grep -m1 '^uv==' requirements-dev.txt)"
-	$(VENV)/bin/uv pip install -q --python $(PY) -r requirements-dev.txt
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements-dev.txt
 	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed
