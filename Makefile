@@ -35,7 +35,7 @@ demo: $(VENV)/.installed
 	$(PY) sample.py --out_dir=out-rope --num_samples=1 --max_new_tokens=500
 
 test: $(VENV)/.dev-installed
-	$(PY) -m pytest -n auto --dist worksteal
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n auto --dist worksteal
 
 lint: $(VENV)/.dev-installed
 	$(PY) -m ruff format --check .
