@@ -25,7 +25,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
 from devices import allow_tf32, autocast, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
@@ -247,6 +246,8 @@ def bench_decode(args, device: str, nanogpt) -> None:
         def gen(model=model, **kw):
             return model.generate(prompt, n, temperature=0, **kw)
 
+        from torch._dynamo.utils import counters  # here: torch._dynamo takes a second to import
+
         skips = counters["inductor"]["cudagraph_skips"]
         first = n / rate(lambda: gen(compile=True))  # seconds: compiles (and records the CUDA graph)
         compiled = rate(lambda: gen(compile=True))
@@ -380,6 +381,7 @@ def bench_memory(args, device: str) -> None:
     fresh processes (CPU), beside the estimate; then, for a memory budget, the longest block each mode trains at."""
     B, L = args.memory_batch, args.memory_n_layer
     fresh = multiprocessing.get_context("forkserver")
+    # what bench.py imports, and torch._dynamo, which AdamW's first call imports: once, in the fork server
     fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "parallel"])
     if args.memory_blocks:
         print(f"\n### Training step memory (comparison model with {L} layers, batch {B}, float32, {device})\n")
