@@ -156,15 +156,17 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
     n = sum(p.numel() for p in model.parameters())
     modes = [block.recompute for block in model.transformer.h]
     kept, bias = activation_bytes(model, B, T, device, dtype)
-    for block in model.transformer.h:
-        block.recompute = "none"
-    try:
-        every, every_bias = activation_bytes(model, B, T, device, dtype)
-    finally:
-        for block, mode in zip(model.transformer.h, modes, strict=True):
-            block.recompute = mode
-    if modes[0] != "none":  # the score bias matrices stay alive for the recompute, whether or not they are saved,
-        # and the backward recomputes one with its gradient where the bias is trained (ALiBi's is not)
+    every, every_bias = kept, bias  # what the forward keeps without checkpointing
+    if modes[0] != "none":
+        for block in model.transformer.h:
+            block.recompute = "none"
+        try:
+            every, every_bias = activation_bytes(model, B, T, device, dtype)
+        finally:
+            for block, mode in zip(model.transformer.h, modes, strict=True):
+                block.recompute = mode
+        # the score bias matrices stay alive for the recompute, whether or not they are saved, and the backward
+        # recomputes one with its gradient where the bias is trained (ALiBi's is not)
         one = every_bias // (model.config.n_layer if model.encoding.per_layer else 1)
         trained = any(p.requires_grad for p in model.encoding.parameters())
         kept += max(0, every_bias - bias) + (2 * one if trained else 0)
