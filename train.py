@@ -234,8 +234,12 @@ def check_resumed_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> No
 def check_memory(model: GPT, cfg: dict, procs: Processes, shards: int) -> None:
     """Log the step's estimated peak memory per process (devices.training_bytes); where it exceeds the device's, stop
     before any work, naming the options that bring it under and what each would need."""
-    B, T, dev, dtype = cfg["batch_size"], cfg["block_size"], procs.device, cfg["dtype"]
-    parts = training_bytes(model, B, T, dev, dtype, shards)
+    B, T, dev = cfg["batch_size"], cfg["block_size"], procs.device
+
+    def peak(B: int, T: int) -> str:
+        return gb(training_bytes(model, B, T, dev, cfg["dtype"], shards)["peak"])
+
+    parts = training_bytes(model, B, T, dev, cfg["dtype"], shards)
     mib = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in parts.items() if k != "peak")
     procs.log(f"memory: about {gb(parts['peak'])} per process at the step's peak ({mib})")
     memory = device_memory(dev)
@@ -245,15 +249,13 @@ def check_memory(model: GPT, cfg: dict, procs: Processes, shards: int) -> None:
     mode = cfg["activation_checkpointing"]
     if mode != "full":
         set_activation_checkpointing(model, "full")
-        fixes.append(f"--activation_checkpointing=full ({gb(training_bytes(model, B, T, dev, dtype, shards)['peak'])})")
+        fixes.append(f"--activation_checkpointing=full ({peak(B, T)})")
         set_activation_checkpointing(model, mode)
     if B > 1:
         accum = f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps'] * 2}"
-        fixes.append(
-            f"--batch_size={B // 2} {accum} ({gb(training_bytes(model, B // 2, T, dev, dtype, shards)['peak'])})"
-        )
+        fixes.append(f"--batch_size={B // 2} {accum} ({peak(B // 2, T)})")
     if T > 1:
-        fixes.append(f"--block_size={T // 2} ({gb(training_bytes(model, B, T // 2, dev, dtype, shards)['peak'])})")
+        fixes.append(f"--block_size={T // 2} ({peak(B, T // 2)})")
     raise TrainError(
         f"a training step of this run needs about {gb(parts['peak'])} per process, more than the {gb(memory)} of "
         f"{dev}: try {', or '.join(fixes)}"
@@ -574,12 +576,13 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     log = procs.log
     data = load_data(cfg, procs)
     resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
-    model = build_model(cfg, data, resumed, source, log, shards=procs.world_size if parallel.sharded else 1)
+    shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
+    model = build_model(cfg, data, resumed, source, log, shards=shards)
     del source  # its checkpoint, in memory until now
     set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
     model.to(procs.device)
     if not cfg["eval_only"]:
-        check_memory(model, cfg, procs, shards=procs.world_size if parallel.sharded else 1)
+        check_memory(model, cfg, procs, shards)
     parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
     run = Run(
         cfg=cfg,
