@@ -107,9 +107,9 @@ def progress(ckpt: dict) -> tuple[int, int | None]:
     return ckpt.get("iter_num", 0), ckpt.get("config", {}).get("max_iters")
 
 
-def finished(d: Path) -> bool | None:
-    """True if d holds a finished run (it reached max_iters), False if an unfinished one (to resume), None if none.
-    An unreadable checkpoint stops the sweep: training afresh over it could destroy the only copy of a run. So does a
+def saved_run(d: Path) -> dict | None:
+    """The checkpoint the sweep resumes and reports in d (ckpt.pt or ckpt.dcp), None where there is none. An
+    unreadable checkpoint stops the sweep: training afresh over it could destroy the only copy of a run. So does a
     folder with only a best checkpoint: the sweep can neither resume it nor (train.py refuses) start anew."""
     path = latest(d)
     if path is None:
@@ -120,11 +120,20 @@ def finished(d: Path) -> bool | None:
             )
         return None
     try:
-        ckpt = load_checkpoint(path)
+        return load_checkpoint(path)
     except CheckpointError as e:
         sys.exit(f"[sweep] {e}\n[sweep] not training over it: move {d} aside (or delete it), then re-run")
+
+
+def reached_max_iters(ckpt: dict) -> bool:
     done, max_iters = progress(ckpt)
     return max_iters is None or done >= max_iters
+
+
+def finished(d: Path) -> bool | None:
+    """True if d holds a finished run (it reached max_iters), False if an unfinished one (to resume), None if none."""
+    ckpt = saved_run(d)
+    return None if ckpt is None else reached_max_iters(ckpt)
 
 
 def finished_checkpoint(d: Path) -> dict:
@@ -179,10 +188,10 @@ def asked_config(arguments: list[str]) -> dict:
     return cfg
 
 
-def trained_differently(d: Path, asked: dict) -> str | None:
-    """How the run in d was trained otherwise than asked ('key=value, and this study asks key=value'), from its
-    checkpoint's options; None where it was trained as asked."""
-    trained = load_checkpoint(latest(d)).get("config") or {}
+def trained_differently(ckpt: dict, asked: dict) -> str | None:
+    """How the run saved in ckpt was trained otherwise than asked ('key=value, and this study asks key=value'), from
+    its options; None where it was trained as asked."""
+    trained = ckpt.get("config") or {}
     for key, value in asked.items():
         old = trained.get(key, value)
         if key in NOT_TRAINING or (key == "init_from" and "resume" in (old, value)):
@@ -199,17 +208,18 @@ def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=
     was trained otherwise than this command asks (another task, rate, number of steps, source...) stops the sweep
     before any training: reusing it would put its results under this study's labels."""
     arguments = train_arguments(enc, seed, d, args, configs, extra, last)
-    state = finished(d)
-    if state is not None and (problem := trained_differently(d, asked_config(arguments))):
+    cmd = [sys.executable, "train.py", *arguments]
+    if (ckpt := saved_run(d)) is None:
+        return cmd
+    if problem := trained_differently(ckpt, asked_config(arguments)):
         sys.exit(
             f"[sweep] {d} was trained with {problem}: give this study another --out_dir, or move {d} aside to train "
             "it again as asked"
         )
-    if state:
+    if reached_max_iters(ckpt):
         print(f"[sweep] {d.parent.name}/{d.name}: finished earlier, not trained again", flush=True)
         return None
-    cmd = [sys.executable, "train.py", *arguments]
-    return cmd + ["--init_from=resume"] if state is False else cmd
+    return cmd + ["--init_from=resume"]
 
 
 def train_arguments(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str]:
