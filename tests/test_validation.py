@@ -293,3 +293,16 @@ def test_a_missing_optional_package_is_one_line_naming_the_install(package, args
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find(name, *a))
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolved(*args)
+
+
+@pytest.mark.parametrize("name", ["openwebtext", "tinystories", "wikitext103"])
+def test_a_hugging_face_recipe_without_datasets_is_one_line(name, monkeypatch, capsys):
+    """data/<name>/prepare.py, where datasets is not installed, says so and how to install it, before any download."""
+    import importlib.util
+    import runpy
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else find(n, *a))
+    monkeypatch.setattr(sys, "argv", ["prepare.py"])
+    with pytest.raises(SystemExit, match=re.escape("needs datasets, which is not installed: pip install -r requirem")):
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "data" / name / "prepare.py"), run_name="__main__")

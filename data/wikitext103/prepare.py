@@ -4,12 +4,12 @@ The rows are lines of articles, so they are joined as they are, with no end-of-t
 """
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from datafiles import prepare_hf  # noqa: E402
+from devices import missing  # noqa: E402
 
 
 def split(dataset):
@@ -26,11 +26,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=None)
     args = parser.parse_args()
-    if importlib.util.find_spec("datasets") is None:
-        sys.exit(
-            "error: this dataset is read from the Hugging Face hub with datasets, which is not installed: pip "
-            "install -r requirements-full.txt (or datasets)"
-        )
+    if problem := missing("datasets", "this dataset (read from the Hugging Face hub)"):
+        sys.exit(f"error: {problem}")
     from datasets import load_dataset
 
     dataset = load_dataset("wikitext", "wikitext-103-raw-v1")
