@@ -305,6 +305,15 @@ def attention_cell(enc: str, T: int, fused: bool | None, args, device: str, batc
     return f"{t * 1e3:.1f}" if device == "cuda" else f"{t * 1e3:.0f}", peak_above(base, device)
 
 
+def in_a_fresh_process(fn, *args):
+    """fn(*args) in a process of its own, so that its peak resident memory is its own: forked from a server that has
+    imported torch, torch._dynamo (AdamW's first call imports it) and bench.py's modules once (seconds per process)."""
+    fresh = multiprocessing.get_context("forkserver")
+    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "parallel"])
+    with ProcessPoolExecutor(1, mp_context=fresh) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def bench_attention(args, device: str) -> None:
     """The bias encodings' attention at long contexts, forward + backward. The reference path is SDPA with the
     materialized (nh, T, T) bias: its math path, or on a CPU its flash kernel where the bias needs no gradient. The
@@ -315,18 +324,14 @@ def bench_attention(args, device: str) -> None:
     print(f"\n### Attention for the bias encodings at long contexts ({size})\n")
     print("| encoding | context | reference ms | default ms | reference peak | default peak |")
     print("|---|---:|---:|---:|---:|---:|")
-    # a fresh process per CPU cell, forked from a server that has imported torch once (two seconds saved per cell)
-    fresh = multiprocessing.get_context("forkserver")
-    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model"])
     for enc in BIASED:
         for T in args.attention_lengths:
             cells = []
             for fused in (False, None):
                 if device == "cuda":
                     cells.append(attention_cell(enc, T, fused, args, device, batch))
-                else:  # a fresh process per cell: its peak RSS is this cell's alone
-                    with ProcessPoolExecutor(1, mp_context=fresh) as pool:
-                        cells.append(pool.submit(attention_cell, enc, T, fused, args, device, batch).result())
+                else:  # its peak RSS is this cell's alone
+                    cells.append(in_a_fresh_process(attention_cell, enc, T, fused, args, device, batch))
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
@@ -380,9 +385,6 @@ def bench_memory(args, device: str) -> None:
     """Peak memory and step time of one training step per encoding, block size and activation checkpointing mode, in
     fresh processes (CPU), beside the estimate; then, for a memory budget, the longest block each mode trains at."""
     B, L = args.memory_batch, args.memory_n_layer
-    fresh = multiprocessing.get_context("forkserver")
-    # what bench.py imports, and torch._dynamo, which AdamW's first call imports: once, in the fork server
-    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "parallel"])
     if args.memory_blocks:
         print(f"\n### Training step memory (comparison model with {L} layers, batch {B}, float32, {device})\n")
         print(
@@ -394,18 +396,15 @@ def bench_memory(args, device: str) -> None:
         for T in args.memory_blocks:
             cells = []
             for mode in ("none", "full", "selective"):
-                with ProcessPoolExecutor(1, mp_context=fresh) as pool:
-                    peak, ms, est = pool.submit(memory_cell, enc, T, mode, B, args.memory_steps, L).result()
+                peak, ms, est = in_a_fresh_process(memory_cell, enc, T, mode, B, args.memory_steps, L)
                 cells += [f"{peak:,.0f} ({est:,.0f})", f"{ms:,.0f}"]
             print(f"| {enc} | {T} | " + " | ".join(cells) + " |", flush=True)
     budget = args.memory_budget_gb * 2**30
     print(f"\n### The longest block that fits {args.memory_budget_gb:g} GiB ({L} layers, estimated; batch {B})\n")
     print("| encoding | none | full | selective |\n|---|---:|---:|---:|")
     for enc in args.memory_encodings:
-        longest = []
-        for mode in ("none", "full", "selective"):  # a fresh process each: freed memory stays with a process
-            with ProcessPoolExecutor(1, mp_context=fresh) as pool:
-                longest.append(pool.submit(longest_block, enc, mode, B, budget, L).result())
+        # a process each: the memory one frees stays with it
+        longest = [in_a_fresh_process(longest_block, enc, m, B, budget, L) for m in ("none", "full", "selective")]
         print(f"| {enc} | " + " | ".join(f"{T:,}" for T in longest) + " |", flush=True)
 
 
