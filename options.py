@@ -30,7 +30,6 @@ def resolve(
     extension's source decides the others of its model); source: the run init_from names, read (else read here)."""
     cfg = dict(cfg)
     source = source or runs.source(cfg["init_from"])
-    gpt2 = cfg["init_from"] in GPT2_NAMES or source is None and (Path(cfg["init_from"]) / "config.json").is_file()
     if source is not None:
         extend_from(cfg, explicit, source)
     check_task(cfg, defaults)
@@ -50,10 +49,8 @@ def resolve(
         f"{cfg['task'] or cfg['dataset']}-{cfg['n_layer']}L-{cfg['n_embd']}d-T{cfg['block_size']}"
     )
     check_device(cfg["device"])
-    needs = [("wandb", "wandb_log=True", cfg["wandb_log"]), ("transformers", f"init_from={cfg['init_from']!r}", gpt2)]
-    for package, option, asked in needs:
-        if asked and (problem := missing(package, option)):
-            raise ConfigError(problem)
+    if cfg["wandb_log"] and (problem := missing("wandb", "wandb_log=True")):
+        raise ConfigError(problem)
     cfg["dtype"] = cfg["dtype"] or default_dtype(cfg["device"])
     if cfg["compile"] is None:
         cfg["compile"] = cfg["device"].startswith("cuda")
@@ -79,7 +76,10 @@ def resolve(
         )
     if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
         raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
-    check_init_from(cfg["init_from"], source)
+    if check_init_from(cfg["init_from"], source) and (
+        problem := missing("transformers", f"init_from={cfg['init_from']!r}")
+    ):
+        raise ConfigError(problem)
     check_rope_scaling(cfg, explicit)
     check_ranges(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group starts
@@ -99,13 +99,15 @@ def resolve(
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # GPT-2's checkpoints on the Hugging Face hub
 
 
-def check_init_from(init: str, source: Source | None) -> None:
+def check_init_from(init: str, source: Source | None) -> bool:
     """init_from names what it can start from: scratch, resume, a run's folder (source, read), GPT-2's names, or a
     folder of Hugging Face GPT-2 weights; anything else (a missing folder, an export of this project, another model's
-    weights) is a one-line error."""
+    weights) is a one-line error. True where it names GPT-2's weights (transformers loads them)."""
     choices = "scratch, resume, a run's folder (to extend it), " + ", ".join(GPT2_NAMES) + " or a GPT-2 folder"
-    if init in ("scratch", "resume", *GPT2_NAMES) or source is not None:
-        return
+    if init in ("scratch", "resume") or source is not None:
+        return False
+    if init in GPT2_NAMES:
+        return True
     folder = Path(init)
     if not folder.is_dir():
         what = "is a file" if folder.exists() else "does not exist"
@@ -126,6 +128,7 @@ def check_init_from(init: str, source: Source | None) -> None:
             else "neither a run's checkpoint (ckpt.pt or ckpt.dcp) nor Hugging Face GPT-2 weights (config.json)"
         )
         raise ConfigError(f"init_from={init!r} holds {found}; choose {choices}")
+    return True
 
 
 def check_rope_scaling(cfg: dict, explicit: set[str] | frozenset[str]) -> None:
