@@ -102,12 +102,70 @@ def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def forkserver():
-    """multiprocessing's forkserver context, its server preloading what the checkpoint tests' writers import: a fresh
-    process forked from it starts at once (a spawned one would import torch: two seconds). A process has one server,
-    started with the preload list of the first caller: every test here asks for the same list."""
+    """multiprocessing's forkserver context, its server preloading what the checkpoint tests' writers and train.py
+    import (torch._dynamo too: AdamW's first call imports it): a fresh process forked from it starts at once, where a
+    spawned one would spend two seconds importing torch. A process has one server, started with the preload list of
+    the first caller: every test here asks for the same list."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "checkpoint", "torch.distributed.checkpoint"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "checkpoint", "torch.distributed.checkpoint", "train"])
     return ctx
+
+
+def train_py_forked(argv: list[str], cwd: str, env: dict, log: str | None) -> None:
+    """`python train.py argv` in a process forked from forkserver(): its own session, folder, environment and
+    output, as sweep.py starts one."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if threads := env.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(threads))  # the server's OpenMP read the variable when it imported torch
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    sys.argv = ["train.py", *argv]
+    import train
+
+    train.cli(argv)  # its SystemExit("message") is the message on stderr and status 1, as Python's own
+
+
+class ForkedTrainPy:
+    """The part of subprocess.Popen sweep.py uses, for its `python train.py ...` commands: the run forked from
+    forkserver() (0.1 s to start, not 2.7). For the tests of a study's logic, which start 8 or 9 runs each; the
+    tests of how sweep.py starts, stops and reads its processes (Ctrl-C, a run stopped from outside, a sweep's first
+    test) start real ones."""
+
+    def __init__(self, cmd: list[str], cwd, env: dict, stdout=None, stderr=None, start_new_session: bool = True):
+        assert cmd[0] == sys.executable and cmd[1] == "train.py" and start_new_session, cmd
+        log = stdout.name if stdout is not None else None
+        self.process = forkserver().Process(target=train_py_forked, args=(cmd[2:], str(cwd), dict(env), log))
+        self.process.start()
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        self.process.join()
+        return self.process.exitcode
+
+
+@pytest.fixture
+def forked_train_py(monkeypatch):
+    """sweep.py's training runs forked from a server that has imported torch and train.py (ForkedTrainPy)."""
+    import types
+
+    import sweep
+
+    monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(Popen=ForkedTrainPy))
 
 
 def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:

@@ -311,6 +311,7 @@ def task_source(folder: Path, pe: str, seed: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_train_py")
 def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     """sweep.py --extend: the text sources trained where missing (the text sweep's command), every source fine-tuned
     at 4x (RoPE per scaling), evaluated as trained and fine-tuned at 1x to 16x and reported in pairs with the

@@ -74,6 +74,7 @@ def task_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_train_py")
 def test_sweep_with_tasks_side_by_side(task_data, tmp_path):
     """Runs trained with retrieval tasks, two at a time (--jobs 2, each with its own log), are scored on passkey,
     recall and copy at every length: a summary row per encoding, the task tables and the passkey heatmaps."""
@@ -378,6 +379,7 @@ def test_recipe_choice_and_grid():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_train_py")
 def test_recipe_study_end_to_end(tmp_path):
     """sweep.py --synthetic --recipes: the grid on the selection seed, each encoding's choice, the chosen recipe on
     the fresh seeds (and only those evaluated and reported), the learned counts with their intervals, the floor

@@ -449,13 +449,14 @@ def test_synthetic_resume_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_train_py")
 def test_synthetic_suite_end_to_end(tmp_path):
     """sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task with
     the learned counts, the plot, and a second run reuses everything."""
     out = tmp_path / "suite"
     cmd = ["--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
     cmd += ["--jobs", "2", "--task_trials", "20", f"--out_dir={out}", "--train", "--max_iters=30", "--eval_interval=10"]
-    r = run_cli(sweep.main, cmd)  # in this process; its training runs are train.py processes
+    r = run_cli(sweep.main, cmd)  # in this process; its runs forked from a server that imported train.py
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report and "Every seed:" in report
