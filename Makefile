@@ -15,12 +15,14 @@ $(VENV)/.installed: requirements.txt | $(PY)
 	$(PIP) -r requirements.txt
 	touch $@
 
-# pip takes torch (where a build of it lies on local disk, pip's configuration finds it), then uv the rest: a
-# minute less than pip for the test tools, lm-eval and their dependencies, resolved from the same pins. Compiled to
-# bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it imports.
+# uv installs the test tools, lm-eval and everything else from the same pins, a minute faster than pip. It does not
+# read pip's configuration, so it is given pip's find-links (where pip is set to find wheels on local disk, such as a
+# CPU build of torch). Compiled to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would
+# otherwise compile what it imports.
 $(VENV)/.dev-installed: requirements.txt requirements-full.txt requirements-dev.txt | $(PY)
-	$(PIP) "$$(grep -m1 '^torch==' requirements.txt)" "$$(grep -m1 '^uv==' requirements-dev.txt)"
-	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements-dev.txt
+	$(PIP) "$$(grep -m1 '^uv==' requirements-dev.txt)"
+	UV_FIND_LINKS="$$($(PY) -m pip config list | sed -n "s/.*find-links='\(.*\)'/\1/p" | head -1 | tr ' ' ,)" \
+		$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements-dev.txt
 	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed

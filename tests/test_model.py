@@ -848,7 +848,7 @@ def test_compiled_cpu_bias_attention_is_one_graph_and_equals_reference(pe, windo
     paths = taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", 16)  # ragged: 40 queries in blocks of 16
     torch.manual_seed(0)
-    model = tiny(pe, block_size=40).train()
+    model = tiny(pe, block_size=40, n_layer=1).train()  # a second layer would compile the same code again
     idx = tokens(3, 40)
     counter = CompileCounterWithBackend("aot_eager")
     logits, got = grads(torch.compile(model, backend=counter, fullgraph=True), idx, window=window)
@@ -1372,7 +1372,7 @@ def test_activation_checkpointing_compiles_to_one_graph(pe, mode):
     step's logits and gradients without it."""
     from model import set_activation_checkpointing
 
-    model = tiny(pe, block_size=32).train()
+    model = tiny(pe, block_size=32, n_layer=1).train()  # a second layer would compile the same code again
     idx = tokens(2, 32)
     ref_logits, ref = grads(model, idx)
     set_activation_checkpointing(model, mode)
