@@ -58,9 +58,11 @@ def test_bench_shapes_runs_train_py_per_cell():
 
 def test_bench_memory_table_and_longest_block():
     """--only=memory prints, per encoding and block, each checkpointing mode's measured peak beside its estimate and
-    its step time, then the longest block each mode fits in the budget (full checkpointing at least as long)."""
+    its step time, then the longest block each mode fits in the budget (longer with full checkpointing). Two layers:
+    the fewer, the less a block's recomputation saves, and at two it still doubles the block."""
     cmd = [sys.executable, "bench.py", "--device=cpu", "--only=memory", "--memory_encodings", "alibi"]
-    cmd += ["--memory_blocks", "64", "--memory_steps", "1", "--memory_batch", "2", "--memory_budget_gb", "0.5"]
+    cmd += ["--memory_blocks", "64", "--memory_steps", "1", "--memory_batch", "2", "--memory_n_layer", "2"]
+    cmd += ["--memory_budget_gb", "0.1"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-3000:]
     cells = table_rows(r.stdout, "alibi")
@@ -70,4 +72,4 @@ def test_bench_memory_table_and_longest_block():
         assert all(re.fullmatch(r"[\d,]+ \([\d,]+\)", row[i]) for i in (2, 4, 6)), row
         assert all(float(row[i].replace(",", "")) > 0 for i in (3, 5, 7)), row
     longest = {row[0]: [int(c.replace(",", "")) for c in row[1:]] for row in cells if len(row) == 4}
-    assert longest.keys() == {"alibi"} and all(full >= none for none, full, _ in longest.values())
+    assert longest.keys() == {"alibi"} and all(full > none for none, full, _ in longest.values()), longest
