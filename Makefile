@@ -17,12 +17,12 @@ $(VENV)/.installed: requirements.txt | $(PY)
 
 # uv installs the test tools, lm-eval and everything else from the same pins, a minute faster than pip. It does not
 # read pip's configuration, so it is given pip's find-links (where pip is set to find wheels on local disk, such as a
-# CPU build of torch). Compiled to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would
-# otherwise compile what it imports.
+# CPU build of torch). Not compiled to bytecode at install (15 s for 1.6 GB of packages): the tests write the bytecode
+# of what they import, even where PYTHONDONTWRITEBYTECODE is set, so that their few hundred processes compile it once.
 $(VENV)/.dev-installed: requirements.txt requirements-full.txt requirements-dev.txt | $(PY)
 	$(PIP) "$$(grep -m1 '^uv==' requirements-dev.txt)"
 	UV_FIND_LINKS="$$($(PY) -m pip config list | sed -n "s/.*find-links='\(.*\)'/\1/p" | head -1 | tr ' ' ,)" \
-		$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements-dev.txt
+		$(VENV)/bin/uv pip install -q --python $(PY) -r requirements-dev.txt
 	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed
