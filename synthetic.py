@@ -38,8 +38,10 @@ length reaches LEARNED (90%).
 """
 
 import argparse
+import functools
 import json
 import sys
+from copy import deepcopy
 from dataclasses import dataclass
 
 import numpy as np
@@ -370,6 +372,13 @@ FLOOR_SEQUENCES = 2000  # the steadier estimate: at 400 sequences a floor of 27%
 
 
 def floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict:
+    """_floor's answer, computed once per process for the same arguments (a sweep's reports ask it again: 2,000
+    sequences a length), a copy the caller may change."""
+    return deepcopy(_floor(task, vocab, length, n, seed, **kw))
+
+
+@functools.cache
+def _floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict:
     """The best shortcut's accuracy on the n sequences that scores() reads (drawn through batch(), as it does), its
     expected "token" (each answer right with probability 1/|candidates| if it is among them) and "sequence" (every
     answer of a sequence right) accuracy; "strategy", its name (the best on the token accuracy); "band", the 95%
