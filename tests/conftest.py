@@ -107,8 +107,7 @@ def forkserver():
     spawned one would spend two seconds importing torch. A process has one server, started with the preload list of
     the first caller: every test here asks for the same list."""
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch._dynamo", "checkpoint", "torch.distributed.checkpoint", "train", "conftest"]
-    ctx.set_forkserver_preload(preload)  # conftest: where the processes' targets live, or what their modules import
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "checkpoint", "torch.distributed.checkpoint", "train"])
     return ctx
 
 
