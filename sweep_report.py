@@ -719,11 +719,10 @@ def extend_report(
         else:
             cells = ["no", "", ""]
         lines.append(f"| {label} | " + " | ".join(cells + ppl) + " |")
-    floors = task_floor(tasks) if tasks else {}  # for the table and the plot: 2,000 sequences a length
     if tasks:
-        lines += extension_task_lines(runs, tasks, floors, F)
+        lines += extension_task_lines(runs, tasks, F)
     lines += ["", "![perplexity by length and the fine-tuning curves](extension.png)", ""]
-    plot_extension(text, report, tasks, floors, runs, F, L0, out_dir / "extension.png")
+    plot_extension(text, report, tasks, runs, F, L0, out_dir / "extension.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
     results = {"runs": [asdict(r) for r in runs], "eval": report, "tasks": tasks, "seconds": seconds}
@@ -748,12 +747,13 @@ def task_floor(tasks: dict) -> dict[int, float]:
     return {L: synthetic.floor(tasks["task"], vocab, L, tasks["trials"], **opts)["token"] for L in tasks["lengths"]}
 
 
-def extension_task_lines(runs: list[Extension], tasks: dict, floors: dict[int, float], F: int) -> list[str]:
+def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str]:
     """The synthetic task's table: accuracy by length per encoding and scaling, as trained and fine-tuned, under
     the task's floor; when each fine-tune learned the task at the new length."""
     task, lengths = tasks["task"], tasks["lengths"]
     rs_all = [r for r in runs if r.kind == task]
     L0 = lengths[0]
+    floors = task_floor(tasks)
     lines = [
         "",
         f"## Retrieval after extension: {task}",
@@ -780,14 +780,7 @@ def extension_task_lines(runs: list[Extension], tasks: dict, floors: dict[int, f
 
 
 def plot_extension(
-    text: list[Extension],
-    report: dict,
-    tasks: dict,
-    floors: dict[int, float],
-    runs: list[Extension],
-    F: int,
-    L0: int,
-    path: Path,
+    text: list[Extension], report: dict, tasks: dict, runs: list[Extension], F: int, L0: int, path: Path
 ) -> None:
     """extension.png: perplexity by length for RoPE's scalings and for the other encodings (dashed: as trained,
     solid: fine-tuned; mean ± std over seeds), the fine-tunes' validation loss by step (RoPE's scalings, and the
@@ -843,9 +836,8 @@ def plot_extension(
                     color=colors[k % 10],
                     label=name if variant is None else None,
                 )
-        ax.plot(
-            tasks["lengths"], [100 * floors[L] for L in tasks["lengths"]], color="black", ls=":", lw=1.2, label="floor"
-        )
+        floors = [100 * f for f in task_floor(tasks).values()]
+        ax.plot(tasks["lengths"], floors, color="black", ls=":", lw=1.2, label="floor")
         ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="accuracy (%)", ylim=(-3, 103))
         ax.set_title(f"{task}: dashed as trained, solid fine-tuned", fontsize=9)
     for ax in axes:
