@@ -28,6 +28,7 @@ import torch
 
 from devices import allow_tf32, autocast, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
+from generate import generate
 from model import GPT, POS_ENCODINGS, GPTConfig
 from parallel import STRATEGIES
 
@@ -244,7 +245,7 @@ def bench_decode(args, device: str, nanogpt) -> None:
         model = GPT(GPTConfig(**cfg, pos_encoding=enc)).to(device, dtype).eval()
 
         def gen(model=model, **kw):
-            return model.generate(prompt, n, temperature=0, **kw)
+            return generate(model, prompt, n, temperature=0, **kw)
 
         from torch._dynamo.utils import counters  # here: torch._dynamo takes a second to import
 
@@ -309,7 +310,7 @@ def in_a_fresh_process(fn, *args):
     """fn(*args) in a process of its own, so that its peak resident memory is its own: forked from a server that has
     imported torch, torch._dynamo (AdamW's first call imports it) and bench.py's modules once (seconds per process)."""
     fresh = multiprocessing.get_context("forkserver")
-    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "parallel"])
+    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "generate", "parallel"])
     with ProcessPoolExecutor(1, mp_context=fresh) as pool:
         return pool.submit(fn, *args).result()
 

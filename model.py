@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any
 
 import torch
@@ -21,9 +21,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py
-    from .fast_paths import AttentionOptions, compiled_step, fast_attention, fast_rotary, fire_matrix
+    from .fast_paths import AttentionOptions, fast_attention, fast_rotary, fire_matrix
 except ImportError:
-    from fast_paths import AttentionOptions, compiled_step, fast_attention, fast_rotary, fire_matrix
+    from fast_paths import AttentionOptions, fast_attention, fast_rotary, fire_matrix
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
@@ -33,9 +33,10 @@ except ImportError:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting of an encoding (its default is GPTConfig's field): a one-line help, and a check that says what is
-    wrong with a value, or None. derive fills a default of None from the rest of the config."""
+    """One setting of an encoding, a field of GPTConfig and a key of train.py: its default, a one-line help, and a
+    check that says what is wrong with a value, or None. derive fills a default of None from the rest of the config."""
 
+    default: Any
     help: str
     check: Callable[[Any], str | None] = lambda value: None
     derive: Callable[[Any], Any] | None = None
@@ -220,6 +221,7 @@ class BiasRPE(PositionalEncoding):
     lr_scale = 30.0
     options = {
         "rpe_max_distance": Option(
+            None,
             "distances clamp to ±(r_max - 1), 2·r_max - 1 biases per head; None: block_size // 2, so the far "
             "entry that every longer distance reads is trained within the training length",
             optional(positive_int),
@@ -248,8 +250,9 @@ class T5(PositionalEncoding):
     has_score_bias = True
     lr_scale = 30.0
     options = {
-        "t5_num_buckets": Option("biases per head, half exact distances, half log-spaced", positive_int),
+        "t5_num_buckets": Option(32, "biases per head, half exact distances, half log-spaced", positive_int),
         "t5_max_distance": Option(
+            None,
             "distances from here on share the last bucket; None: block_size // 2 (at least t5_num_buckets), so "
             "that bucket is trained within the training length",
             optional(positive_int),
@@ -290,7 +293,9 @@ class Kerple(PositionalEncoding):
     summary = "a bias -r1·log(1 + r2·distance), r1 and r2 trainable per head (KERPLE)"
 
     has_score_bias = True
-    options = {"kerple_per_layer": Option("(r1, r2) of each layer's own, as the paper's model; False: shared", boolean)}
+    options = {
+        "kerple_per_layer": Option(False, "(r1, r2) of each layer's own, as the paper's model; False: shared", boolean)
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -320,22 +325,24 @@ class RoPE(PositionalEncoding):
 
     rope_scalable = True
     options = {
-        "rope_base": Option("θ_k = base^(-2k/d)", greater(1.0, "must be > 1")),
+        "rope_base": Option(10000.0, "θ_k = base^(-2k/d)", greater(1.0, "must be > 1")),
         "rope_fraction": Option(
+            1.0,
             "the fraction of each head's pairs that rotate (the fastest; p-RoPE)",
             lambda v: None if number(v) and 0.0 < v <= 1.0 else "must be in (0, 1] (1: every pair rotates)",
         ),
         "rope_scaling": Option(
+            "none",
             "to run past the training length: " + " | ".join(ROPE_SCALINGS),
             lambda v: (
                 None if v in ROPE_SCALINGS else f"is not a RoPE scaling; valid choices: {', '.join(ROPE_SCALINGS)}"
             ),
         ),
         "rope_factor": Option(
-            "rope_scaling's s: the context is stretched s times", greater(1.0, "must be a number >= 1", equal=True)
+            1.0, "rope_scaling's s: the context is stretched s times", greater(1.0, "must be a number >= 1", equal=True)
         ),
         "rope_original_max_len": Option(
-            "rope_scaling's L0, the original training length (None: block_size)", optional(positive_int)
+            None, "rope_scaling's L0, the original training length (None: block_size)", optional(positive_int)
         ),
     }
 
@@ -513,7 +520,7 @@ POS_ENCODINGS = {
 
 @dataclass
 class ModelShape:
-    """GPTConfig's fields that every model has; GPTConfig adds each encoding's options."""
+    """The model's shape: GPTConfig's fields that every model has; GPTConfig adds every encoding's options."""
 
     block_size: int = 1024  # training context length (the most a `learned` model can take)
     vocab_size: int = 50304  # GPT-2's 50257, padded up to a multiple of 64 for speed
@@ -548,24 +555,24 @@ ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {
 }
 
 
-@dataclass
-class GPTConfig(ModelShape):
-    """The model's shape and every encoding's options, each a field of its own name with its default; the encoding
-    declares the option's help and check. Only the chosen encoding's options are checked."""
+def resolve_encoding_options(config: ModelShape) -> None:
+    """The chosen encoding's options: derived defaults filled, values checked (only the chosen encoding's)."""
+    ModelShape.__post_init__(config)
+    POS_ENCODINGS[config.pos_encoding].resolve(config)
 
-    rpe_max_distance: int | None = None  # bias_rpe
-    t5_num_buckets: int = 32  # t5
-    t5_max_distance: int | None = None  # t5
-    kerple_per_layer: bool = False  # kerple
-    rope_base: float = 10000.0  # rope
-    rope_fraction: float = 1.0  # rope
-    rope_scaling: str = "none"  # rope
-    rope_factor: float = 1.0  # rope
-    rope_original_max_len: int | None = None  # rope
 
-    def __post_init__(self):
-        super().__post_init__()
-        POS_ENCODINGS[self.pos_encoding].resolve(self)  # the chosen encoding's options: derived defaults, checks
+# The model's shape and every encoding's options: a field per option, of the option's name and default (the encoding
+# declares each, once)
+GPTConfig = make_dataclass(
+    "GPTConfig",
+    [(name, Any, field(default=opt.default)) for name, (_, opt) in ENCODING_OPTIONS.items()],
+    bases=(ModelShape,),
+    namespace={
+        "__post_init__": resolve_encoding_options,
+        "__module__": __name__,
+        "__doc__": "ModelShape's fields, then a field per encoding option (its name and default are the encoding's).",
+    },
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -790,7 +797,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
         self.attention_options = AttentionOptions()  # what fast_attention reads; replaced, never edited
-        self.engine = Engine(self)  # generation: the KV cache's lifecycle and the one-token decode step
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("c_proj.weight"):
@@ -945,9 +951,12 @@ class GPT(nn.Module):
         self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
         self.transformer.wpe = type(self.encoding)(self.config)  # RoPE holds no weights: nothing is lost
 
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *args, **kwargs) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens (Engine.generate lists the options)."""
-        return self.engine.generate(idx, max_new_tokens, *args, **kwargs)
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+        """nanoGPT's call: extend idx (B, T) by max_new_tokens sampled tokens, with generate.py's generate (which
+        lists the options)."""
+        from generate import generate  # generation is a module of its own, which imports this one
+
+        return generate(self, idx, max_new_tokens, **options)
 
     @classmethod
     def from_hf(cls, hf_model, dropout: float = 0.0) -> GPT:
@@ -974,118 +983,3 @@ class GPT(nn.Module):
         from transformers import GPT2LMHeadModel
 
         return cls.from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Generation: the inference engine (nanochat's Engine): the KV cache's lifecycle, the one-token decode step (compiled
-# on request), and sampling
-
-
-class Engine:
-    """Generation for one model (its `engine`): each step feeds the model a prefill that starts a cache, one token
-    through the decode step, or the whole window again where no cache can be exact."""
-
-    def __init__(self, model: GPT):
-        self.model = model
-        self.compiled_step, self.compiled_for = None, None  # step compiled by generate(compile=True), for an encoding
-
-    @staticmethod
-    def cache_size(encoding: PositionalEncoding, window: int, prompt: int) -> int:
-        """The slots a generation's cache takes: a rolling one the window and the longest chunk written at once
-        (the prompt, in pieces of at most the window), a cropping one the window."""
-        return window - 1 + min(prompt, window) if encoding.rolling else window
-
-    def context_window(self, max_context: int | None = None) -> int:
-        """The longest context generation attends to: max_context, by default block_size."""
-        config = self.model.config
-        W = config.block_size if max_context is None else max_context
-        if not isinstance(W, int) or W < 1:
-            raise ValueError(f"max_context={max_context!r} must be a positive integer")
-        if not self.model.encoding.reaches(W):
-            raise ValueError(
-                f"max_context={W} is longer than pos_encoding={config.pos_encoding!r} can take "
-                f"(block_size={config.block_size}); use max_context <= {config.block_size}"
-            )
-        return W
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        use_cache: bool = True,
-        max_context: int | None = None,
-        generator: torch.Generator | None = None,
-        compile: bool = False,
-    ) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. The model attends to at most
-        max_context tokens (default block_size): past it, the absolute encodings crop to the last max_context tokens
-        and restart at position 0 (nanoGPT's way), the others roll their cache, keys keeping their positions.
-        use_cache=False re-runs the window every token; compile=True compiles the decode step."""
-        W = self.context_window(max_context)
-        step = self.compiled(idx.device.type) if compile and use_cache else self.step
-        cache, new = None, idx  # new: the tokens the model has not seen yet
-        for _ in range(max_new_tokens):
-            logits, started = self.next_logits(idx, new, cache, W, use_cache, step)  # cache None without one
-            if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
-                for t in [started.pos, *started.k, *started.v]:
-                    torch._dynamo.mark_static_address(t)
-            cache, new = started, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
-            idx = torch.cat([idx, new], dim=1)
-        return idx
-
-    def next_logits(
-        self, idx: torch.Tensor, new: torch.Tensor, cache: KVCache | None, W: int, use_cache: bool = True, step=None
-    ) -> tuple[torch.Tensor, KVCache | None]:
-        """Logits (B, vocab_size) of the token after idx (B, T), whose last tokens `new` the cache has not read,
-        attending to at most W tokens; and the cache to pass next time."""
-        model, pe = self.model, self.model.encoding
-        T = idx.size(1)
-        if not use_cache or not pe.cache_exact(min(T, W)):  # the whole window again
-            absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
-            pos = torch.arange(T - W, T, device=idx.device) if absolute else None
-            return model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1]), cache
-        window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
-        if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
-            cache = KVCache(model.config.n_layer, self.cache_size(pe, W, new.size(1)))
-            tokens = new if pe.rolling else idx[:, -W:]
-            return model.lm_head(model.features(tokens, cache=cache, window=window)[:, -1]), cache
-        # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
-        return (step or self.step)(new, model.chunk(1, None, cache, window, idx.device), cache), cache
-
-    def step(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
-        """Logits (B, vocab_size) of one new token idx (B, 1) at chunk.pos, its slot claimed: the unit compiled."""
-        return self.model.lm_head(self.model.hidden(idx, chunk, cache)[:, -1])
-
-    def compiled(self, device_type: str) -> Callable:
-        """step, compiled for this model and its encoding (set_rope_scaling replaces the encoding)."""
-        if self.compiled_for is not self.model.encoding:
-            self.compiled_step = compiled_step(Engine.step, self, device_type)
-            self.compiled_for = self.model.encoding
-        return self.compiled_step
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """One token per row of logits (B, V) -> (B, 1). temperature 0 is greedy; top_k keeps the k likeliest tokens,
-    top_p the smallest set whose probability reaches p (Holtzman et al. 2019)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p (keeps the first)
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)

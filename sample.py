@@ -30,7 +30,8 @@ from devices import (
     gb,
     missing,
 )
-from model import GPT, ROPE_SCALINGS, Engine, number
+from generate import cache_size, context_window, generate
+from model import GPT, ROPE_SCALINGS, number
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def generation_bytes(model: GPT, prompt: int, new: int, window: int, cache: bool
     """The least memory generate takes: the tokens, the KV cache (keys and values of every layer, fp32, for the window
     and a prompt's chunk) and the largest forward (the prompt's prefill, or without the cache the whole window)."""
     c = model.config
-    kv = 8 * c.n_layer * c.n_embd * Engine.cache_size(model.encoding, window, prompt) if cache else 0
+    kv = 8 * c.n_layer * c.n_embd * cache_size(model.encoding, window, prompt) if cache else 0
     return 8 * (prompt + new) + kv + forward_bytes(model, min(prompt, window) if cache else window, logits=False)
 
 
@@ -194,7 +195,7 @@ def main(argv: list[str]) -> None:
             )
     try:
         ids = tok.encode(start)
-        max_context = model.engine.context_window(cfg["max_context"])
+        max_context = context_window(model, cfg["max_context"])
     except ValueError as e:
         sys.exit(f"error: {e}")
     if not ids:
@@ -221,7 +222,8 @@ def main(argv: list[str]) -> None:
     with torch.no_grad(), ctx:
         for _ in range(cfg["num_samples"]):
             t0 = time.perf_counter()
-            y = model.generate(
+            y = generate(
+                model,
                 x,
                 cfg["max_new_tokens"],
                 temperature=cfg["temperature"],

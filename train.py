@@ -108,7 +108,7 @@ defaults = dict(
     # least memory) | selective (each block's attention alone, where a (T, T) tensor lives); the same numbers
     seed=1337,
 )
-defaults |= {f.name: f.default for f in fields(GPTConfig) if f.name in ENCODING_OPTIONS}  # rpe_max_distance, ...
+defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # each encoding's: rpe_max_distance, ...
 EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration

@@ -1,6 +1,6 @@
 """
 nanoPE's GPT as a Hugging Face transformers model, for an export folder that carries its own code (export.py copies
-this file into the folder beside nanoPE's model.py and fast_paths.py, byte for byte). Loaded with
+this file into the folder beside nanoPE's model.py, fast_paths.py and generate.py, byte for byte). Loaded with
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
@@ -13,14 +13,14 @@ logit comes from model.py, nothing here computes attention or positions.
 - Tokens the model has no embedding for (a character-level tokenizer's <|endoftext|>, which is also its start of text
   and padding) read as config.read_eot_as, a newline: where texts start. A padded position is left out anyway.
 - Generation: transformers' generate() and its loop, with model.py's KVCache behind transformers' Cache interface
-  (NanoPECache), each step the one model.py's Engine.generate (sample.py's generation) takes: the model attends to at
+  (NanoPECache), each step the one generate.py's generate (sample.py's generation) takes: the model attends to at
   most config.max_context tokens (default block_size); past that, the absolute encodings (sinusoidal, learned) start
   again from the last max_context tokens at position 0 and the others keep a rolling cache whose keys keep their
   positions; dynamic NTK past its training length runs the window again each step, and so does every step of
   generate(use_cache=False), as sample.py --no_cache. A forward without a cache (scoring) reads the whole sequence.
-- The code check: config.json records the sha256 of model.py, fast_paths.py and this file at export; a folder whose
-  code differs (edited, or mixed with another export's files) is refused at load, as its weights were trained for
-  other code.
+- The code check: config.json records the sha256 of model.py, fast_paths.py, generate.py and this file at export; a
+  folder whose code differs (edited, or mixed with another export's files) is refused at load, as its weights were
+  trained for other code.
 """
 
 import hashlib
@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .generate import context_window, next_logits
 from .model import GPT, GPTConfig, KVCache
 
 SUPPORTED = "transformers 5.23 or newer"  # the releases this code is tested on: 5.23 and 5.24
@@ -192,7 +193,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def context_window(self) -> int:
         """The longest context generation attends to: config.max_context, by default block_size."""
-        return self.gpt.engine.context_window(self.config.max_context)
+        return context_window(self.gpt, self.config.max_context)
 
     def next_logits(self, idx: torch.Tensor, mask: torch.Tensor | None, cache: NanoPECache) -> torch.Tensor:
         """Logits (B, 1, V) of the token after idx (B, T), the tokens the cache has not read (the prompt first, with
@@ -226,8 +227,8 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def group_step(self, rows: Rows, new: torch.Tensor, use_kv: bool) -> torch.Tensor:
         """Logits (n, V) of the next token of a group whose tokens end in new: the step sample.py's generation takes
-        (model.py's Engine.next_logits), on the group's own KVCache."""
-        logits, rows.kv = self.gpt.engine.next_logits(rows.tokens, new, rows.kv, self.context_window(), use_kv)
+        (generate.py's next_logits), on the group's own KVCache."""
+        logits, rows.kv = next_logits(self.gpt, rows.tokens, new, rows.kv, self.context_window(), use_kv)
         return logits
 
     def forward(

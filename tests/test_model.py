@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
 from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
+from generate import sample_next
 from model import (
     ENCODING_OPTIONS,
     GPT,
@@ -37,7 +38,6 @@ from model import (
     ModelShape,
     alibi_slopes,
     apply_rotary,
-    sample_next,
 )
 
 # ----------------------------------------------------------------------------------------------------------------

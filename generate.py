@@ -1,0 +1,141 @@
+"""
+Generation (nanochat's engine.py, gpt-fast's generate.py): the loop that feeds a model.GPT one token at a time through
+its KV cache, and sampling. The model neither builds nor holds any of it: sample.py, bench.py and the Hugging Face
+export call `generate(model, idx, ...)` (GPT.generate, nanoGPT's call, too).
+
+Each step is a prefill that starts a cache, one token through the decode step (compiled on request), or the whole
+window again where no cache can be exact.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+try:  # in an export's folder, transformers loads this file as a module of a package, beside model.py
+    from .fast_paths import compiled_step
+    from .model import GPT, Chunk, KVCache, PositionalEncoding
+except ImportError:
+    from fast_paths import compiled_step
+    from model import GPT, Chunk, KVCache, PositionalEncoding
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    use_cache: bool = True,
+    max_context: int | None = None,
+    generator: torch.Generator | None = None,
+    compile: bool = False,
+) -> torch.Tensor:
+    """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. The model attends to at most
+    max_context tokens (default block_size): past it, the absolute encodings crop to the last max_context tokens and
+    restart at position 0 (nanoGPT's way), the others roll their cache, keys keeping their positions.
+    use_cache=False re-runs the window every token; compile=True compiles the decode step."""
+    W = context_window(model, max_context)
+    step = compiled(model, idx.device.type) if compile and use_cache else decode_step
+    cache, new = None, idx  # new: the tokens the model has not seen yet
+    for _ in range(max_new_tokens):
+        logits, started = next_logits(model, idx, new, cache, W, use_cache, step)  # cache None without one
+        if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
+            for t in [started.pos, *started.k, *started.v]:
+                torch._dynamo.mark_static_address(t)
+        cache, new = started, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
+        idx = torch.cat([idx, new], dim=1)
+    return idx
+
+
+def next_logits(
+    model: GPT,
+    idx: torch.Tensor,
+    new: torch.Tensor,
+    cache: KVCache | None,
+    W: int,
+    use_cache: bool = True,
+    step: Callable | None = None,
+) -> tuple[torch.Tensor, KVCache | None]:
+    """Logits (B, vocab_size) of the token after idx (B, T), whose last tokens `new` the cache has not read,
+    attending to at most W tokens; and the cache to pass next time."""
+    pe = model.encoding
+    T = idx.size(1)
+    if not use_cache or not pe.cache_exact(min(T, W)):  # the whole window again
+        absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
+        pos = torch.arange(T - W, T, device=idx.device) if absolute else None
+        return model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1]), cache
+    window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
+    if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
+        cache = KVCache(model.config.n_layer, cache_size(pe, W, new.size(1)))
+        tokens = new if pe.rolling else idx[:, -W:]
+        return model.lm_head(model.features(tokens, cache=cache, window=window)[:, -1]), cache
+    # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
+    return (step or decode_step)(model, new, model.chunk(1, None, cache, window, idx.device), cache), cache
+
+
+def decode_step(model: GPT, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
+    """Logits (B, vocab_size) of one new token idx (B, 1) at chunk.pos, its slot claimed: the unit compiled."""
+    return model.lm_head(model.hidden(idx, chunk, cache)[:, -1])
+
+
+# a model's compiled decode step, and the encoding it was compiled for (set_rope_scaling replaces the encoding); held
+# here, not by the model, and dropped with the model
+COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled(model: GPT, device_type: str) -> Callable:
+    """decode_step compiled for this model and its encoding: once, then reused by every generate() call."""
+    encoding, step = COMPILED.get(model, (None, None))
+    if encoding is not model.encoding:
+        step = compiled_step(decode_step, model, device_type)
+        COMPILED[model] = (model.encoding, step)
+    return lambda model, idx, chunk, cache: step(idx, chunk, cache)
+
+
+def cache_size(encoding: PositionalEncoding, window: int, prompt: int) -> int:
+    """The slots a generation's cache takes: a rolling one the window and the longest chunk written at once (the
+    prompt, in pieces of at most the window), a cropping one the window."""
+    return window - 1 + min(prompt, window) if encoding.rolling else window
+
+
+def context_window(model: GPT, max_context: int | None = None) -> int:
+    """The longest context generation attends to: max_context, by default block_size."""
+    config = model.config
+    W = config.block_size if max_context is None else max_context
+    if not isinstance(W, int) or W < 1:
+        raise ValueError(f"max_context={max_context!r} must be a positive integer")
+    if not model.encoding.reaches(W):
+        raise ValueError(
+            f"max_context={W} is longer than pos_encoding={config.pos_encoding!r} can take "
+            f"(block_size={config.block_size}); use max_context <= {config.block_size}"
+        )
+    return W
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of logits (B, V) -> (B, 1). temperature 0 is greedy; top_k keeps the k likeliest tokens,
+    top_p the smallest set whose probability reaches p (Holtzman et al. 2019)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p (keeps the first)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
