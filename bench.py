@@ -117,7 +117,8 @@ def train_step_fn(model, cfg: dict, args, device: str):
     ctx = autocast(device, torch.bfloat16 if device == "cuda" else torch.float32)
     compiled = [torch.compile(model) if args.compile else model]
 
-    def recompile():  # after a kernel fallback (as train.py does)
+    def recompile(options: AttentionOptions):  # after a kernel fallback (as train.py does)
+        model.attention_options = options
         opt.zero_grad(set_to_none=True)
         compiled[0] = torch.compile(model) if args.compile else model
 
@@ -131,7 +132,11 @@ def train_step_fn(model, cfg: dict, args, device: str):
     # nanoGPT's model has no attention options: nothing to fall back to
     if not isinstance(model, GPT):
         return one_step
-    return lambda: with_kernel_fallbacks(model, one_step, recompile, log=lambda m: print(m, file=sys.stderr))
+
+    def options() -> AttentionOptions | None:  # None: no score bias, no fused kernel to fall back from
+        return model.attention_options if model.encoding.has_score_bias else None
+
+    return lambda: with_kernel_fallbacks(one_step, options(), recompile, log=lambda m: print(m, file=sys.stderr))
 
 
 def sizes(device: str) -> dict:

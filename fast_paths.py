@@ -1,11 +1,12 @@
 """
-The fast paths: faster ways to compute the numbers model.py computes, tested equal to them. model.py asks
-`fast_attention()` once per forward for a kernel, and takes its reference attention where the answer is None; FIRE's
-bias matrix, RoPE's eager rotation and the compiled decode step come from here too. Nothing here imports the
-project's code: the chunk (model.Chunk) and the score bias (model.ScoreBias) are read through their attributes.
+The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py asks
+`fast_attention()` once per forward and layer, handing it tensors (the positions, the bias matrix on a CPU) and the
+layer's score bias as a pure function of (head, query position, key position); where the answer is None it takes its
+reference attention. Nothing here imports the project's code or reads a model object: train.py and bench.py hand the
+kernel fallbacks the options, and generate.py compiles its decode step with `compiled_step`.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, BiasAttention (a CPU bias with a
-gradient), FIRE's bias, the fallbacks when the compiler cannot build a kernel, RoPE's rotation and the decode step.
+gradient), the fallbacks when the compiler cannot build a kernel, the compiled decode step.
 docs/development.md ("How attention is computed") explains each path and why it is there.
 """
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.9 (return_lse is deprecated there)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -90,61 +90,76 @@ def kernel(
 
 
 def fast_attention(
-    options: AttentionOptions, chunk, score_bias, head_dim: int, dropout_p: float
+    options: AttentionOptions,
+    bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    pos: torch.Tensor,
+    keys: torch.Tensor,
+    window: int | None,
+    own_keys: bool,
+    far_distance: int | None,
+    trainable: bool,
+    n_head: int,
+    head_dim: int,
+    dropout_p: float,
+    scores: torch.Tensor | None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """A fast attention (q, k, v) -> y for this forward's chunk and score bias (model.ScoreBias), or None where
-    model.py's reference path is the one to take (no score bias, or no row of `kernel` matches)."""
-    if score_bias is None:
-        return None
-    device = chunk.pos.device.type
+    """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
+    reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query position
+    i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
+    window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
+    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters; scores: the
+    bias at every pair (nh, Tq, Tk), -inf where a query does not see a key (model.py computes it on a CPU, where every
+    path reads it)."""
+    device = pos.device.type
     name = kernel(
         options,
-        trainable=score_bias.trainable,
-        band=score_bias.encoding.far_distance is not None,
-        own_keys=chunk.consecutive and not chunk.cached,
+        trainable=trainable,
+        band=far_distance is not None,
+        own_keys=own_keys,
         device=device,
         compiling=torch.compiler.is_compiling(),
         dropout=dropout_p > 0,
         fits=flex_fits(head_dim, device),
     )
-    return None if name is None else KERNELS[name](chunk, score_bias, options.flex_kernel_options)
+    if name is None:
+        return None
+    if name == "bias_attention":
+        return bias_attention(scores, own_keys)
+    visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
+    block_mask = create_block_mask(lambda b, h, i, j: visible(i, j), None, None, len(pos), len(keys), device=pos.device)
+    if name == "flex_band":
+        return flex_band(bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options)
+    if name == "flex":
+        score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
+        return lambda q, k, v: flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options.flex_kernel_options
+        )
+    raise ValueError(f"kernel() answered {name!r}, which fast_attention does not build")
+
+
+def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one (model.Chunk.sees)."""
+    return rel >= 0 if window is None else (rel >= 0) & (rel < window)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
 
 
-def flex_band(chunk, score_bias, kernel_options: dict | None) -> Callable:
-    # the kernel reads the bias as a constant table of distances 0 … R, BandBiasGrad gives the table its gradient
-    R, device, pos, keys = score_bias.encoding.far_distance, chunk.pos.device, chunk.pos, chunk.keys
-    heads, distances = torch.arange(score_bias.n_head, device=device)[:, None], torch.arange(R + 1, device=device)
-    table = score_bias(heads, distances[None], 0)
+def flex_band(bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_options: dict | None) -> Callable:
+    """FlexAttention reading the bias as a constant table of distances 0 … R (the band), which BandBiasGrad gives its
+    gradient."""
+    heads, distances = torch.arange(n_head, device=pos.device)[:, None], torch.arange(R + 1, device=pos.device)
+    table = bias(heads, distances[None], 0)
     frozen = table.detach()  # (nh, R + 1)
     score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - keys[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
-    block_mask = flex_block_mask(chunk)
 
     def attend(q, k, v):
         y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
-        return BandBiasGrad.apply(y, lse, q, k, v, table, chunk.window)
+        return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
     return attend
-
-
-def flex(chunk, score_bias, kernel_options: dict | None) -> Callable:
-    pos, keys = chunk.pos, chunk.keys
-    score_mod = lambda s, b, h, i, j: s + score_bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
-    block_mask = flex_block_mask(chunk)
-    return lambda q, k, v: flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=kernel_options
-    )
-
-
-def flex_block_mask(chunk):
-    """Which (query, key) blocks hold any pair a query sees."""
-    pos, keys = chunk.pos, chunk.keys
-    return create_block_mask(
-        lambda b, h, i, j: chunk.sees(pos[i] - keys[j]), None, None, len(pos), len(keys), device=pos.device
-    )
 
 
 def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
@@ -207,10 +222,9 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> tor
 # BiasAttention: a trainable score bias on a CPU, through SDPA's flash kernel (which gives a bias no gradient)
 
 
-def bias_attention(chunk, score_bias, kernel_options: dict | None) -> Callable:
-    scores = score_bias.matrix(chunk)  # (nh, Tq, Tk), -inf where a query does not see a key
-    own_keys = chunk.consecutive and not chunk.cached  # key j is query j: query i sees keys 0 … i at most
-    function = OwnKeysBiasAttention if own_keys else BiasAttention
+def bias_attention(scores: torch.Tensor, own_keys: bool) -> Callable:
+    """Attention under scores (nh, Tq, Tk; -inf where a query does not see a key), whose gradient reaches the bias."""
+    function = OwnKeysBiasAttention if own_keys else BiasAttention  # own keys: query i sees keys 0 … i at most
     return lambda q, k, v: function.apply(q, k, v, scores.to(q.dtype))
 
 
@@ -268,103 +282,7 @@ def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
-KERNELS = {build.__name__: build for build in (flex_band, flex, bias_attention)}  # kernel()'s answers
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# FIRE's bias: the same values as model.FIRE.score_bias at every pair, with less memory and time
-
-
-def recomputed(fn: Callable, recompute: bool) -> Callable:
-    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
-    backward instead of kept."""
-    if not recompute:
-        return fn
-    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
-
-
-FIRE_FEW = 1 << 14  # MLP inputs up to which its hidden units are kept (16,384 x 32 floats: 2 MiB)
-
-
-def fire_mlp(mlp: Callable, x, w1, b1, w2, few: bool = False):
-    """FIRE's f(x) (model.FIRE.mlp, one hidden unit at a time), computed the fastest exact way. Few inputs (a block's
-    distances, a decode step's row), or compiled with a gradient: one broadcast expression, whose hidden units are
-    few, or which inductor fuses without storing them. Eager with a gradient: ScalarMLP, which keeps x alone."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
-    if few or (grad and torch.compiler.is_compiling()):
-        return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
-    return ScalarMLP.apply(mlp, x, w1, b1, w2) if grad else mlp(x, w1, b1, w2)
-
-
-class ScalarMLP(torch.autograd.Function):
-    """mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes the 32 hidden units one at a time in the
-    backward (autograd would keep 32 bias-sized pre-activations)."""
-
-    @staticmethod
-    def forward(ctx, mlp, x, w1, b1, w2):
-        ctx.save_for_backward(x, w1, b1, w2)
-        return mlp(x, w1, b1, w2)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        for u in range(w1.size(-1)):
-            a = x * w1[..., u] + b1[..., u]
-            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
-            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
-            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
-            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
-            gx = gx + ga * w1[..., u]
-        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
-
-
-def fire_matrix(fire, first: int, n_head: int, chunk, recompute: bool = False) -> torch.Tensor:
-    """One layer's (nh, Tq, Tk) FIRE bias (fire: model.FIRE), its x and hidden units computed once for the layer's
-    heads. Where the queries are their own keys at consecutive positions, a query within the threshold L has x of
-    i - j alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
-    per pair."""
-    layer, pos = first // n_head, chunk.pos
-    c, threshold = fire.c[layer].abs(), (fire.L_multiplier[layer] * fire.init_L).abs()
-    w1, b1, w2 = fire.w1[layer], fire.b1[layer], fire.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
-    operands = (c, threshold, w1, b1, w2)
-
-    def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
-        few = len(queries) * len(chunk.keys) <= FIRE_FEW  # little to keep for the backward: nothing to recompute
-
-        def f(c, threshold, w1, b1, w2):
-            return fire_mlp(fire.mlp, fire.input(c, threshold, queries[:, None], chunk.keys), w1, b1, w2, few=few)
-
-        return recomputed(f, recompute and not few)
-
-    if chunk.cached or not chunk.consecutive or len(pos) < 2:
-        return pairs(pos)(*operands)
-    T = len(pos)
-    rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
-
-    def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
-        d = torch.arange(T, device=pos.device)
-        x = fire.input(c, threshold, d, 0)
-        table = fire_mlp(fire.mlp, x, w1, b1, w2[:, 0], few=T <= FIRE_FEW)  # (nh, T): L >= d
-        return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
-
-    past = pos > threshold  # (T,): True on a suffix
-    if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
-        R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
-
-        def few_past(*operands):
-            table = by_distance(*operands)  # (nh, T, T)
-            tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
-            return torch.cat([table[:, : T - R], tail], dim=1)
-
-        def some_past(*operands):
-            return torch.cond(past.sum() <= R, few_past, pairs(pos), operands)
-
-        return torch.cond(past.any(), some_past, by_distance, operands)
-    n = int(past.sum())
-    if n == 0 or n == T:
-        return (by_distance if n == 0 else pairs(pos))(*operands)
-    return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
+KERNELS = ("flex_band", "flex", "bias_attention")  # kernel()'s answers, each a path of fast_attention
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,50 +312,44 @@ def compiler_failure(e: BaseException | None) -> bool:
     return False
 
 
-def fall_back(model, error: BaseException) -> str | None:
-    """Where error is the compiler failing on the fused kernel the default options chose, move model.attention_options
-    to the next fallback and say what changed (one line); None where there is nothing to fall back from or to."""
-    options = model.attention_options
-    if not (model.encoding.has_score_bias and options.fused is None and compiler_failure(error)):
+def fall_back(options: AttentionOptions, error: BaseException) -> tuple[AttentionOptions, str] | None:
+    """Where error is the compiler failing on the fused kernel the default options chose, the next fallback's options
+    and what changed (one line); None where there is nothing to fall back from or to."""
+    if not (options.fused is None and compiler_failure(error)):
         return None
     for what, settings in KERNEL_FALLBACKS:
         if any(getattr(options, k) != v for k, v in settings.items()):
-            model.attention_options = replace(options, **settings)
             first_line = next((ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__)[:200]
-            return f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}"
+            note = f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}"
+            return replace(options, **settings), note
     return None
 
 
-def with_kernel_fallbacks(model, step: Callable, before_retry: Callable | None = None, log=print):
+def with_kernel_fallbacks(
+    step: Callable, options: AttentionOptions | None, retry: Callable[[AttentionOptions], None], log=print
+):
     """step(), and where the fused kernel cannot be compiled, step() again after each fallback in turn (one log line
-    each). before_retry() puts back what the failed step changed and re-wraps the model. A fallback stays."""
+    each). options: the model's attention options (None: it has no score bias, so no fused kernel to fall back from);
+    retry(options) gives the model the fallback's options and puts back what the failed step changed. A fallback
+    stays."""
     while True:
         try:
             return step()
         except Exception as e:
-            note = fall_back(model, e)
-            if note is None:
+            fallback = None if options is None else fall_back(options, e)
+            if fallback is None:
                 raise
+            options, note = fallback
             log(f"note: {note}")
-            if before_retry is not None:
-                before_retry()
+            retry(options)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# RoPE's rotation, and the compiled decode step
-
-
-def fast_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """model.apply_rotary eagerly as one complex multiply, (x1 + i·x2)(cos + i·sin): one kernel where the real
-    arithmetic takes six. None when compiling: inductor has no complex codegen, and fuses the real arithmetic."""
-    if torch.compiler.is_compiling():
-        return None
-    pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hs/2, 2)
-    return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).type_as(x)
+# The compiled decode step
 
 
 def compiled_step(step: Callable, owner, device_type: str) -> Callable:
-    """step (a function of owner and tensors, e.g. model.Engine.step) compiled for owner: on CUDA one graph replayed
+    """step (a function of owner and tensors, e.g. generate.decode_step) compiled for owner: on CUDA one graph replayed
     over the static cache; on a CPU, batch-1 matmuls as fused multiply-reductions (faster than MKL's GEMV). Dynamo
     keeps its graphs, and its limit of 8 recompiles, per code object: each owner compiles a copy of step's code, so a
     process that compiles many models never reaches the limit, which fullgraph=True makes an error."""

@@ -21,9 +21,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py
-    from .fast_paths import AttentionOptions, fast_attention, fast_rotary, fire_matrix
+    from .fast_paths import AttentionOptions, fast_attention
 except ImportError:
-    from fast_paths import AttentionOptions, fast_attention, fast_rotary, fire_matrix
+    from fast_paths import AttentionOptions, fast_attention
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
@@ -415,8 +415,6 @@ class RoPE(PositionalEncoding):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x1, x2) of x (B, nh, T, hs) to (x1·cos - x2·sin, x1·sin + x2·cos), cos and sin
     (T, hs/2), in float32."""
-    if (rotated := fast_rotary(x, cos, sin)) is not None:
-        return rotated
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, nh, T, hs/2) each
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
@@ -496,9 +494,95 @@ class FIRE(PositionalEncoding):
             out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
         return out
 
+    def run_mlp(self, x: torch.Tensor, w1, b1, w2, few: bool = False) -> torch.Tensor:
+        """mlp(x, w1, b1, w2) computed the fastest exact way. Few inputs (a block's distances, a decode step's row), or
+        compiled with a gradient: one broadcast expression, whose hidden units are few, or which inductor fuses
+        without storing them. Eager with a gradient: UnitByUnit, which keeps x alone."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
+        if few or (grad and torch.compiler.is_compiling()):
+            return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
+        return UnitByUnit.apply(self.mlp, x, w1, b1, w2) if grad else self.mlp(x, w1, b1, w2)
+
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-        # the same values as score_bias at every pair, its MLP run once per distance where it can
-        return fire_matrix(self, first, n_head, chunk, recompute)
+        """score_bias at every pair, for one layer's heads, its x and hidden units computed once for the layer. Where
+        the queries are their own keys at consecutive positions, a query within the threshold L has x of i - j
+        alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
+        per pair."""
+        layer, pos = first // n_head, chunk.pos
+        c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
+        w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
+        operands = (c, threshold, w1, b1, w2)
+
+        def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
+            few = len(queries) * len(chunk.keys) <= FIRE_FEW  # little to keep for the backward: nothing to recompute
+
+            def f(c, threshold, w1, b1, w2):
+                return self.run_mlp(self.input(c, threshold, queries[:, None], chunk.keys), w1, b1, w2, few=few)
+
+            return recomputed(f, recompute and not few)
+
+        if chunk.cached or not chunk.consecutive or len(pos) < 2:
+            return pairs(pos)(*operands)
+        T = len(pos)
+        rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
+
+        def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
+            d = torch.arange(T, device=pos.device)
+            x = self.input(c, threshold, d, 0)
+            table = self.run_mlp(x, w1, b1, w2[:, 0], few=T <= FIRE_FEW)  # (nh, T): L >= d
+            return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
+
+        past = pos > threshold  # (T,): True on a suffix
+        if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
+            R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
+
+            def few_past(*operands):
+                table = by_distance(*operands)  # (nh, T, T)
+                tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
+                return torch.cat([table[:, : T - R], tail], dim=1)
+
+            def some_past(*operands):
+                return torch.cond(past.sum() <= R, few_past, pairs(pos), operands)
+
+            return torch.cond(past.any(), some_past, by_distance, operands)
+        n = int(past.sum())
+        if n == 0 or n == T:
+            return (by_distance if n == 0 else pairs(pos))(*operands)
+        return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
+
+
+FIRE_FEW = 1 << 14  # MLP inputs up to which its hidden units are kept (16,384 x 32 floats: 2 MiB)
+
+
+def recomputed(fn: Callable, recompute: bool) -> Callable:
+    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
+    backward instead of kept."""
+    if not recompute:
+        return fn
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
+
+
+class UnitByUnit(torch.autograd.Function):
+    """FIRE's mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes the 32 hidden units one at a time
+    in the backward (autograd would keep 32 bias-sized pre-activations)."""
+
+    @staticmethod
+    def forward(ctx, mlp, x, w1, b1, w2):
+        ctx.save_for_backward(x, w1, b1, w2)
+        return mlp(x, w1, b1, w2)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, w2 = ctx.saved_tensors
+        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for u in range(w1.size(-1)):
+            a = x * w1[..., u] + b1[..., u]
+            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
+            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
+            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
+            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
+            gx = gx + ga * w1[..., u]
+        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
 
 
 POS_ENCODINGS = {
@@ -654,36 +738,6 @@ class KVCache:
 # ----------------------------------------------------------------------------------------------------------------
 # Attention: the reference is SDPA, causal over the chunk's own keys, or under a mask that compares query and key
 # positions, with the score bias in it where the encoding has one. fast_attention may offer a faster path.
-
-
-# eq=False: hashed by identity. Dynamo (torch 2.11) hashes an object it calls, and a field-wise hash of one built
-# while tracing fails: its fields are not on the object yet
-@dataclass(frozen=True, eq=False)
-class ScoreBias:
-    """The encoding's score bias as one layer adds it: ScoreBias(h, i, j) for the layer's heads h = 0 … nh - 1."""
-
-    encoding: PositionalEncoding
-    n_head: int
-    first: int  # the layer's first head in encoding.score_bias: layer·n_head for a per-layer bias, else 0
-    trainable: bool  # autograd records the encoding's parameters
-
-    def __call__(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        return self.encoding.score_bias(h + self.first, i, j)
-
-    def matrix(self, chunk: Chunk) -> torch.Tensor:
-        """(nh, Tq, Tk) float32 over the chunk's queries and keys, -inf where a query does not see a key."""
-        allowed = chunk.sees(chunk.pos[:, None] - chunk.keys[None, :])
-        scores = self.encoding.score_bias_matrix(self.first, self.n_head, chunk, recompute=self.trainable)
-        return scores.masked_fill(~allowed, float("-inf"))
-
-
-def reference_attention(chunk: Chunk, score_bias: ScoreBias | None, dropout_p: float) -> Callable:
-    """Attention (q, k, v) -> y for the chunk: causal SDPA (flash) where the keys are the queries' own and there is
-    no score bias, else SDPA under the bool mask (Tq, Tk) or the score bias matrix."""
-    if score_bias is None and chunk.window is None and not chunk.cached:
-        return lambda q, k, v: attend(q, k, v, None, dropout_p)
-    mask = chunk.sees(chunk.pos[:, None] - chunk.keys[None, :]) if score_bias is None else score_bias.matrix(chunk)
-    return lambda q, k, v: attend(q, k, v, mask, dropout_p)
 
 
 def attend(
@@ -931,16 +985,41 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def attention(self, chunk: Chunk, layer: int = 0) -> Callable:
-        """Attention (q, k, v) -> y for this forward: a faster kernel where fast_paths.py has one, else the reference.
-        layer picks a per-layer score bias's heads."""
+        """Attention (q, k, v) -> y for this forward: SDPA, causal where the keys are the queries' own and there is no
+        score bias, else under the mask of what each query sees, or under the score bias (layer picks a per-layer
+        bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
         pe, cfg = self.encoding, self.config
-        score_bias = None
-        if pe.has_score_bias:
-            trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
-            score_bias = ScoreBias(pe, cfg.n_head, layer * cfg.n_head if pe.per_layer else 0, trainable)
         dropout_p = cfg.dropout if self.training else 0.0
-        fast = fast_attention(self.attention_options, chunk, score_bias, cfg.n_embd // cfg.n_head, dropout_p)
-        return fast or reference_attention(chunk, score_bias, dropout_p)
+        if not pe.has_score_bias:
+            mask = None if chunk.window is None and not chunk.cached else chunk.sees(chunk.pos[:, None] - chunk.keys)
+            return lambda q, k, v: attend(q, k, v, mask, dropout_p)
+        first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+
+        def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
+            allowed = chunk.sees(chunk.pos[:, None] - chunk.keys[None, :])
+            scores = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
+            return scores.masked_fill(~allowed, float("-inf"))
+
+        matrix = bias_matrix() if chunk.pos.device.type == "cpu" else None  # every path on a CPU reads it
+        fast = fast_attention(
+            self.attention_options,
+            lambda h, i, j: pe.score_bias(h + first, i, j),
+            pos=chunk.pos,
+            keys=chunk.keys,
+            window=chunk.window,
+            own_keys=chunk.consecutive and not chunk.cached,
+            far_distance=pe.far_distance,
+            trainable=trainable,
+            n_head=cfg.n_head,
+            head_dim=cfg.n_embd // cfg.n_head,
+            dropout_p=dropout_p,
+            scores=matrix,
+        )
+        if fast is not None:
+            return fast
+        matrix = bias_matrix() if matrix is None else matrix
+        return lambda q, k, v: attend(q, k, v, matrix, dropout_p)
 
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
         """Switch RoPE's scaling at inference, no weight changes (yarn, factor 4: read 4x the training length).

@@ -474,17 +474,19 @@ def format_duration(seconds: float) -> str:
 
 
 def with_fallback(run: Run, step):
-    """step(), falling back to another attention kernel where the fused one cannot be compiled (model.py's
+    """step(), falling back to another attention kernel where the fused one cannot be compiled (fast_paths.py's
     KERNEL_FALLBACKS, one log line each). The training sampler and the gradients are put back first, so the retried
     step is the step that failed."""
     sampler = run.data_rng.get_state()
 
-    def before_retry():
+    def retry(options):
+        run.model.attention_options = options
         run.optimizer.zero_grad(set_to_none=True)
         run.data_rng.set_state(sampler)
         run.net = run.strategy.wrap(run.model, run.cfg["compile"])
 
-    return with_kernel_fallbacks(run.model, step, before_retry, run.procs.log)
+    options = run.model.attention_options if run.model.encoding.has_score_bias else None
+    return with_kernel_fallbacks(step, options, retry, run.procs.log)
 
 
 # -----------------------------------------------------------------------------------------------------------------

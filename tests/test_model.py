@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import inspect
 import itertools
 import math
 from dataclasses import fields, replace
@@ -309,8 +310,8 @@ def test_attention_path_follows_its_table(fused, facts, path):
 
 
 def test_every_kernel_of_the_table_has_its_builder():
-    """Over every combination of facts, fast_paths.kernel answers only kernels that have a builder (the builders' names
-    are the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
+    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention builds (KERNELS,
+    the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
     names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
@@ -319,24 +320,25 @@ def test_every_kernel_of_the_table_has_its_builder():
         for bits in itertools.product((False, True), repeat=len(names))
     }
     assert answers == set(KERNELS) | {None}
-    assert all(KERNELS[name].__name__ == name for name in KERNELS)
+    assert all(f'name == "{name}"' in inspect.getsource(fast_paths.fast_attention) for name in KERNELS)
 
 
 def taken_paths(monkeypatch) -> list[str]:
     """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for the reference."""
-    import model as model_module
+    got, answers = [], []
+    table, attention = fast_paths.kernel, GPT.attention
+    monkeypatch.setattr(fast_paths, "kernel", lambda *a, **k: answers.append(table(*a, **k)) or answers[-1])
 
-    got = []
-    for name, build in list(KERNELS.items()):
-        monkeypatch.setitem(KERNELS, name, lambda *a, _build=build, _name=name: got.append(_name) or _build(*a))
-    reference = model_module.reference_attention
+    def recording(self, chunk, layer=0):
+        answers.clear()
+        built = attention(self, chunk, layer)
+        if self.encoding.has_score_bias:
+            got.append(answers[-1] or "sdpa_mask")
+        else:
+            got.append("sdpa_causal" if chunk.window is None and not chunk.cached else "sdpa_mask")
+        return built
 
-    def recording(chunk, score_bias, dropout_p):
-        causal = score_bias is None and chunk.window is None and not chunk.cached
-        got.append("sdpa_causal" if causal else "sdpa_mask")
-        return reference(chunk, score_bias, dropout_p)
-
-    monkeypatch.setattr(model_module, "reference_attention", recording)
+    monkeypatch.setattr(GPT, "attention", recording)
     return got
 
 
@@ -1008,11 +1010,13 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     assert not calls
     compiled, notes = [torch.compile(model)], []
 
-    def recompile():
+    def recompile(options):
+        model.attention_options = options
         calls.clear()
         compiled[0] = torch.compile(model)
 
-    logits, fused_grads = with_kernel_fallbacks(model, lambda: grads(compiled[0], idx), recompile, notes.append)
+    step = lambda: grads(compiled[0], idx)  # noqa: E731
+    logits, fused_grads = with_kernel_fallbacks(step, model.attention_options, recompile, notes.append)
     print(pe, head_dim, notes or "no fallback")
     assert head_dim > 64 or not notes, notes
     wpe = model.encoding
@@ -1035,23 +1039,24 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
 
 
 def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
-    """fall_back: a compiler failure (Triton's, under the error torch raises) moves a bias model to one pipeline
-    stage, then to the materialized bias, then has nothing left; a model's own error, or a model without a bias, has
-    nothing to fall back from. with_kernel_fallbacks retries the step after each, logging one line."""
+    """fall_back: a compiler failure (Triton's, under the error torch raises) moves a bias model's options to one
+    pipeline stage, then to the materialized bias, then has nothing left; a model's own error, or a model without a
+    bias (no options), has nothing to fall back from. with_kernel_fallbacks retries the step after each, logging one
+    line, with the fallback's options."""
     from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
 
     from fast_paths import fall_back
 
     failure = RuntimeError("the compiled step failed")
     failure.__cause__ = NoTritonConfigsError("out of resource: Required: 245760 Hardware limit: 232448")
-    model = tiny("alibi")
-    assert fall_back(model, ValueError("a bug")) is None and model.attention_options == AttentionOptions()
-    assert "num_stages=1" in fall_back(model, failure)
-    assert model.attention_options == AttentionOptions(flex_kernel_options={"num_stages": 1})
-    assert "materialized bias" in fall_back(model, failure) and model.attention_options.fused is False
-    assert fall_back(model, failure) is None
-    assert fall_back(tiny("rope"), failure) is None
-    tries, notes = [], []
+    options = tiny("alibi").attention_options
+    assert options == AttentionOptions() and fall_back(options, ValueError("a bug")) is None
+    options, note = fall_back(options, failure)
+    assert "num_stages=1" in note and options == AttentionOptions(flex_kernel_options={"num_stages": 1})
+    options, note = fall_back(options, failure)
+    assert "materialized bias" in note and options.fused is False
+    assert fall_back(options, failure) is None
+    tries, notes, retried = [], [], []
 
     def step():
         tries.append(1)
@@ -1059,9 +1064,14 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
             raise failure
         return "done"
 
-    model = tiny("bias_rpe")
-    assert with_kernel_fallbacks(model, step, log=notes.append) == "done"
+    assert with_kernel_fallbacks(step, AttentionOptions(), retried.append, log=notes.append) == "done"
     assert len(tries) == 3 and len(notes) == 2 and all("(the compiled step failed)" in n for n in notes)
+    stage = {"num_stages": 1}
+    assert retried == [AttentionOptions(flex_kernel_options=stage), AttentionOptions(False, flex_kernel_options=stage)]
+    tries.clear()
+    with pytest.raises(RuntimeError, match="the compiled step failed"):  # no score bias: nothing to fall back from
+        with_kernel_fallbacks(step, None, retried.append, log=notes.append)
+    assert len(tries) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
@@ -1104,15 +1114,15 @@ def test_training_keeps_about_one_bias_per_layer(pe):
 def test_scalar_mlp_gradients_equal_autograd():
     """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's gradients for x and every
     weight, with the weights broadcast per head against x (heads, queries, keys), in float64."""
-    from fast_paths import ScalarMLP
+    from model import UnitByUnit
 
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
     w1, b1, w2 = (torch.randn(3, 1, 1, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
     mlp = POS_ENCODINGS["fire"].mlp
-    torch.autograd.gradcheck(lambda *t: ScalarMLP.apply(mlp, *t), (x, w1, b1, w2))
+    torch.autograd.gradcheck(lambda *t: UnitByUnit.apply(mlp, *t), (x, w1, b1, w2))
     plain = sum(torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u] for u in range(4))
-    torch.testing.assert_close(ScalarMLP.apply(mlp, x, w1, b1, w2), plain)
+    torch.testing.assert_close(UnitByUnit.apply(mlp, x, w1, b1, w2), plain)
 
 
 def test_fire_bias_keeps_few_tensors_for_its_gradient():
@@ -1319,9 +1329,11 @@ def test_fire_equals_the_papers_formula(multiplier, regime, monkeypatch):
         (logits**2).mean().backward()
         return logits, {n: p.grad for n, p in m.named_parameters()}
 
-    shapes, fire_mlp = [], fast_paths.fire_mlp
+    shapes, run_mlp = [], POS_ENCODINGS["fire"].run_mlp
     monkeypatch.setattr(
-        fast_paths, "fire_mlp", lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or fire_mlp(f, x, *w, **few)
+        POS_ENCODINGS["fire"],
+        "run_mlp",
+        lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or run_mlp(f, x, *w, **few),
     )
     (a, grads_a), (b, grads_b) = run(model), run(ref)
     # the MLP ran on the 24 distances, and pair by pair only on the queries past L (all 24 only when all are); in a
