@@ -154,17 +154,17 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
     activations (recomputed there with checkpointing, and the gradients of a block's activations). The peak is the
     larger of the backward's and AdamW's step (gradients and moments, the activations freed)."""
     n = sum(p.numel() for p in model.parameters())
-    modes = [block.recompute for block in model.transformer.h]
+    modes = [block.checkpointing for block in model.transformer.h]
     kept, bias = activation_bytes(model, B, T, device, dtype)
     every, every_bias = kept, bias  # what the forward keeps without checkpointing
     if modes[0] != "none":
         for block in model.transformer.h:
-            block.recompute = "none"
+            block.checkpointing = "none"
         try:
             every, every_bias = activation_bytes(model, B, T, device, dtype)
         finally:
             for block, mode in zip(model.transformer.h, modes, strict=True):
-                block.recompute = mode
+                block.checkpointing = mode
         # the score bias matrices stay alive for the recompute, whether or not they are saved, and the backward
         # recomputes one with its gradient where the bias is trained (ALiBi's is not)
         one = every_bias // (model.config.n_layer if model.encoding.per_layer else 1)

@@ -102,13 +102,13 @@ def fast_attention(
     n_head: int,
     head_dim: int,
     dropout_p: float,
-    scores: torch.Tensor | None,
+    matrix: torch.Tensor | None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
     reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query position
     i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
     window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
-    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters; scores: the
+    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters; matrix: the
     bias at every pair (nh, Tq, Tk), -inf where a query does not see a key (model.py computes it on a CPU, where every
     path reads it)."""
     device = pos.device.type
@@ -125,7 +125,7 @@ def fast_attention(
     if name is None:
         return None
     if name == "bias_attention":
-        return bias_attention(scores, own_keys)
+        return bias_attention(matrix, own_keys)
     visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     block_mask = create_block_mask(lambda b, h, i, j: visible(i, j), None, None, len(pos), len(keys), device=pos.device)
     if name == "flex_band":
@@ -155,11 +155,11 @@ def flex_band(bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_o
     frozen = table.detach()  # (nh, R + 1)
     score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - keys[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
 
-    def attend(q, k, v):
+    def attention(q, k, v):
         y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
         return BandBiasGrad.apply(y, lse, q, k, v, table, window)
 
-    return attend
+    return attention
 
 
 def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
@@ -222,10 +222,11 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> tor
 # BiasAttention: a trainable score bias on a CPU, through SDPA's flash kernel (which gives a bias no gradient)
 
 
-def bias_attention(scores: torch.Tensor, own_keys: bool) -> Callable:
-    """Attention under scores (nh, Tq, Tk; -inf where a query does not see a key), whose gradient reaches the bias."""
+def bias_attention(matrix: torch.Tensor, own_keys: bool) -> Callable:
+    """Attention with the bias matrix (nh, Tq, Tk; -inf where a query does not see a key), its gradient reaching
+    the bias."""
     function = OwnKeysBiasAttention if own_keys else BiasAttention  # own keys: query i sees keys 0 … i at most
-    return lambda q, k, v: function.apply(q, k, v, scores.to(q.dtype))
+    return lambda q, k, v: function.apply(q, k, v, matrix.to(q.dtype))
 
 
 BIAS_ATTENTION_BLOCK = 64  # queries per block of BiasAttention's backward
@@ -348,14 +349,14 @@ def with_kernel_fallbacks(
 # The compiled decode step
 
 
-def compiled_step(step: Callable, owner, device_type: str) -> Callable:
-    """step (a function of owner and tensors, e.g. generate.decode_step) compiled for owner: on CUDA one graph replayed
-    over the static cache; on a CPU, batch-1 matmuls as fused multiply-reductions (faster than MKL's GEMV). Dynamo
-    keeps its graphs, and its limit of 8 recompiles, per code object: each owner compiles a copy of step's code, so a
-    process that compiles many models never reaches the limit, which fullgraph=True makes an error."""
+def compiled_step(fn: Callable, owner, device_type: str) -> Callable:
+    """fn (a function of owner and tensors: generate.decode_step) compiled for owner: on CUDA one graph replayed over
+    the static cache; on a CPU, batch-1 matmuls as fused multiply-reductions (faster than MKL's GEMV). Dynamo keeps
+    its graphs, and its limit of 8 recompiles, per code object: each owner compiles a copy of fn's code, so a process
+    that compiles many models never reaches the limit, which fullgraph=True makes an error."""
     if device_type == "cuda":
         kw = dict(mode="reduce-overhead")
     else:
         kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
-    code = step.__code__.replace()
-    return torch.compile(types.MethodType(types.FunctionType(code, step.__globals__), owner), fullgraph=True, **kw)
+    code = fn.__code__.replace()
+    return torch.compile(types.MethodType(types.FunctionType(code, fn.__globals__), owner), fullgraph=True, **kw)

@@ -41,10 +41,10 @@ def generate(
     restart at position 0 (nanoGPT's way), the others roll their cache, keys keeping their positions.
     use_cache=False re-runs the window every token; compile=True compiles the decode step."""
     W = context_window(model, max_context)
-    step = compiled(model, idx.device.type) if compile and use_cache else decode_step
+    decode = compiled(model, idx.device.type) if compile and use_cache else decode_step
     cache, new = None, idx  # new: the tokens the model has not seen yet
     for _ in range(max_new_tokens):
-        logits, started = next_logits(model, idx, new, cache, W, use_cache, step)  # cache None without one
+        logits, started = next_logits(model, idx, new, cache, W, use_cache, decode)  # cache None without one
         if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
             for t in [started.pos, *started.k, *started.v]:
                 torch._dynamo.mark_static_address(t)
@@ -60,10 +60,10 @@ def next_logits(
     cache: KVCache | None,
     W: int,
     use_cache: bool = True,
-    step: Callable | None = None,
+    decode: Callable | None = None,
 ) -> tuple[torch.Tensor, KVCache | None]:
     """Logits (B, vocab_size) of the token after idx (B, T), whose last tokens `new` the cache has not read,
-    attending to at most W tokens; and the cache to pass next time."""
+    attending to at most W tokens; and the cache to pass next time. decode: the decode step (compiled or not)."""
     pe = model.encoding
     T = idx.size(1)
     if not use_cache or not pe.cache_exact(min(T, W)):  # the whole window again
@@ -76,7 +76,7 @@ def next_logits(
         tokens = new if pe.rolling else idx[:, -W:]
         return model.lm_head(model.features(tokens, cache=cache, window=window)[:, -1]), cache
     # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
-    return (step or decode_step)(model, new, model.chunk(1, None, cache, window, idx.device), cache), cache
+    return (decode or decode_step)(model, new, model.chunk(1, None, cache, window, idx.device), cache), cache
 
 
 def decode_step(model: GPT, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
@@ -91,11 +91,11 @@ COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def compiled(model: GPT, device_type: str) -> Callable:
     """decode_step compiled for this model and its encoding: once, then reused by every generate() call."""
-    encoding, step = COMPILED.get(model, (None, None))
+    encoding, decode = COMPILED.get(model, (None, None))
     if encoding is not model.encoding:
-        step = compiled_step(decode_step, model, device_type)
-        COMPILED[model] = (model.encoding, step)
-    return lambda model, idx, chunk, cache: step(idx, chunk, cache)
+        decode = compiled_step(decode_step, model, device_type)
+        COMPILED[model] = (model.encoding, decode)
+    return lambda model, idx, chunk, cache: decode(idx, chunk, cache)
 
 
 def cache_size(encoding: PositionalEncoding, window: int, prompt: int) -> int:

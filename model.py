@@ -458,23 +458,24 @@ class FIRE(PositionalEncoding):
     relative = False  # the query's position matters (its rolling cache is exact against a forward at its positions)
     has_score_bias = True
     per_layer = True
-    hidden = 32
+    units = 32  # f's hidden units
     eps = 1e-6  # keeps L = 0 finite at position 0
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        L, nh, n = config.n_layer, config.n_head, self.hidden
+        layers, nh, n = config.n_layer, config.n_head, self.units
         self.n_head = nh
-        self.c = nn.Parameter(torch.full((L,), 0.1))  # (L,) used as |c|
-        self.L_multiplier = nn.Parameter(torch.ones(L))  # (L,) m: Adam moves L by a fraction of itself, not by tokens
+        self.c = nn.Parameter(torch.full((layers,), 0.1))  # (layers,) used as |c|
+        self.L_multiplier = nn.Parameter(torch.ones(layers))  # (layers,) m: Adam moves L by a fraction of itself
         self.register_buffer("init_L", torch.tensor(float(config.block_size)))  # L0, fixed
-        self.w1, self.b1 = nn.Parameter(torch.randn(L, n)), nn.Parameter(torch.rand(L, n) * 2 - 1)  # (L, 32)
-        self.w2 = nn.Parameter(torch.randn(L, nh, n) * 0.02)  # (L, nh, 32): starts small, near NoPE; no output bias
+        self.w1 = nn.Parameter(torch.randn(layers, n))  # (layers, 32)
+        self.b1 = nn.Parameter(torch.rand(layers, n) * 2 - 1)  # (layers, 32)
+        self.w2 = nn.Parameter(torch.randn(layers, nh, n) * 0.02)  # (layers, nh, 32): starts small, near NoPE
 
     def score_bias(self, h, i, j):
         # each parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
         # of a row read by several heads at once (h // n_head)
-        per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (L, ...) -> (L·nh, ...)
+        per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (layers, ...) -> (layers·nh, ...)
         c, threshold = per_head(self.c).abs()[h], (per_head(self.L_multiplier) * self.init_L).abs()[h]
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
         return self.mlp(self.input(c, threshold, i, j), w1, b1, w2)
@@ -741,18 +742,25 @@ class KVCache:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal (mask None), or under a bool mask or float bias
-    (nh or 1, Tq, Tk)."""
-    if mask is None:
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where neither is given, else under mask (Tq, Tk),
+    True where a query sees a key, or with bias (nh, Tq, Tk) float32 added to the scores (-inf where it does not)."""
+    if mask is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if mask.dtype == torch.bool or q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], dropout_p=dropout_p)
+    if bias is None or q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(mask if bias is None else bias)[None], dropout_p=dropout_p
+        )
     # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
     # while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
     with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None], dropout_p=dropout_p)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias[None], dropout_p=dropout_p)
     return y.to(q.dtype)
 
 
@@ -803,16 +811,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
-        self.recompute = "none"  # activation checkpointing, a training setting (set_activation_checkpointing)
+        self.checkpointing = "none"  # activation checkpointing, a training setting (set_activation_checkpointing)
 
     def forward(self, x, rope, attention, cache=None, slots=None):
-        attend = lambda x: x + self.attn(self.ln_1(x), rope, attention, cache, slots)  # noqa: E731
-        mlp = lambda x: x + self.mlp(self.ln_2(x))  # noqa: E731
-        if cache is not None or not torch.is_grad_enabled() or self.recompute == "none":
-            return mlp(attend(x))
+        attention_sublayer = lambda x: x + self.attn(self.ln_1(x), rope, attention, cache, slots)  # noqa: E731
+        mlp_sublayer = lambda x: x + self.mlp(self.ln_2(x))  # noqa: E731
+        if cache is not None or not torch.is_grad_enabled() or self.checkpointing == "none":
+            return mlp_sublayer(attention_sublayer(x))
         # activation checkpointing: what a sublayer computes is not kept for the backward but computed again there
-        x = checkpoint(attend, x, use_reentrant=False)  # "selective": the attention, where (T, T) tensors live
-        return checkpoint(mlp, x, use_reentrant=False) if self.recompute == "full" else mlp(x)
+        x = checkpoint(attention_sublayer, x, use_reentrant=False)  # "selective": where (T, T) tensors live
+        return checkpoint(mlp_sublayer, x, use_reentrant=False) if self.checkpointing == "full" else mlp_sublayer(x)
 
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -824,7 +832,7 @@ def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={mode!r}: choose {', '.join(ACTIVATION_CHECKPOINTING)}")
     for block in model.transformer.h:
-        block.recompute = mode
+        block.checkpointing = mode
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -891,12 +899,12 @@ class GPT(nn.Module):
     ) -> torch.optim.AdamW:
         """AdamW, decaying matrices and embeddings only (not biases, norms, or a score bias's parameters). pe_lr_scale
         puts the encoding's parameters in groups whose "lr_scale" multiplies the rate (train.py applies it)."""
-        score_biases = {id(p) for p in self.encoding.no_decay()}
+        no_decay = {id(p) for p in self.encoding.no_decay()}
         encoding = {id(p) for p in self.encoding.parameters()} if pe_lr_scale != 1.0 else set()
         groups = {}
         for p in self.parameters():
             if p.requires_grad:
-                decay, scaled = p.dim() >= 2 and id(p) not in score_biases, id(p) in encoding
+                decay, scaled = p.dim() >= 2 and id(p) not in no_decay, id(p) in encoding
                 groups.setdefault((decay, scaled), []).append(p)
         ordered = sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))  # decayed first
         params = [
@@ -935,8 +943,8 @@ class GPT(nn.Module):
         continuing the cache. With a window W, query i sees only keys j with i - j < W. wrap_attention(fn) -> fn,
         if given, wraps each forward's attention (probe.py reads its probabilities)."""
         T = idx.size(1)
-        if cache is not None and T > (step := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
-            chunks = [(idx[:, i : i + step], None if pos is None else pos[i : i + step]) for i in range(0, T, step)]
+        if cache is not None and T > (most := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
+            chunks = [(idx[:, i : i + most], None if pos is None else pos[i : i + most]) for i in range(0, T, most)]
             return torch.cat([self.features(x, p, cache, window, wrap_attention) for x, p in chunks], dim=1)
         return self.hidden(idx, self.chunk(T, pos, cache, window, idx.device), cache, wrap_attention)
 
@@ -992,14 +1000,14 @@ class GPT(nn.Module):
         dropout_p = cfg.dropout if self.training else 0.0
         if not pe.has_score_bias:
             mask = None if chunk.window is None and not chunk.cached else chunk.sees(chunk.pos[:, None] - chunk.keys)
-            return lambda q, k, v: attend(q, k, v, mask, dropout_p)
+            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
 
         def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
             allowed = chunk.sees(chunk.pos[:, None] - chunk.keys[None, :])
-            scores = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
-            return scores.masked_fill(~allowed, float("-inf"))
+            bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
+            return bias.masked_fill(~allowed, float("-inf"))
 
         matrix = bias_matrix() if chunk.pos.device.type == "cpu" else None  # every path on a CPU reads it
         fast = fast_attention(
@@ -1014,12 +1022,12 @@ class GPT(nn.Module):
             n_head=cfg.n_head,
             head_dim=cfg.n_embd // cfg.n_head,
             dropout_p=dropout_p,
-            scores=matrix,
+            matrix=matrix,
         )
         if fast is not None:
             return fast
         matrix = bias_matrix() if matrix is None else matrix
-        return lambda q, k, v: attend(q, k, v, matrix, dropout_p)
+        return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
 
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
         """Switch RoPE's scaling at inference, no weight changes (yarn, factor 4: read 4x the training length).

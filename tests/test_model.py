@@ -1187,7 +1187,7 @@ def test_reference_attention_adds_a_float32_bias_to_half_precision():
     seen = (rel >= 3000) & (rel <= 3100)
     bias = (-rel.float() / 256).masked_fill(~seen, float("-inf"))[None, None]  # (nh=1, Tq=1, Tk)
     exact = torch.softmax(bias.double(), -1) @ v.double()
-    got = attend(q, k, v, bias)
+    got = attend(q, k, v, bias=bias)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=2**-8, atol=0)
 
