@@ -318,7 +318,7 @@ def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
         tok = tokenizer_from_meta(ckpt["tokenizer"])
         try:
             out["runs"][r.dir] = tasks.evaluate_checkpoint(
-                model, tok, lengths, depths, args.task_trials, 0, list(tasks.TASKS), 8, device
+                model, tok, lengths, depths, args.task_trials, 0, list(tasks.TEXT_TASKS), 8, device
             )
         except tasks.TaskError as e:
             sys.exit(f"[sweep] {r.dir}: {e}")
@@ -811,7 +811,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         "--synthetic",
         nargs="*",
         default=None,
-        choices=list(synthetic.TASKS),
+        choices=list(synthetic.SYNTHETIC_TASKS),
         help="run the synthetic suite: these tasks (none named: "
         + ", ".join(synthetic.SUITE)
         + "), config/<task>.py each; --size, --rope_scaling, --eval_tokens and --task_depths are the text sweep's",
@@ -843,7 +843,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     p.add_argument(
         "--extend_task",
         default=None,
-        choices=[*synthetic.TASKS, "none"],
+        choices=[*synthetic.SYNTHETIC_TASKS, "none"],
         help="--extend: the synthetic task fine-tuned and scored after extension (passkey)",
     )
     p.add_argument(

@@ -1,7 +1,8 @@
 """
-Synthetic token-level tasks: retrieval a small model can learn on a CPU, and how far past its training length each
-encoding still does it. train.py trains on them (`python train.py config/rope.py config/passkey.py`), this file
-scores checkpoints at longer lengths, and `sweep.py --synthetic` runs the whole suite.
+Synthetic token-level tasks (SYNTHETIC_TASKS): retrieval a small model can learn on a CPU, and how far past its
+training length each encoding still does it. train.py trains on them alone (task=..., e.g. `python train.py
+config/rope.py config/passkey.py`), this file scores checkpoints at longer lengths, and `sweep.py --synthetic` runs the
+whole suite. (tasks.py's TEXT_TASKS are retrieval written in a text dataset's tokens, mixed into text runs.)
 
     python synthetic.py out-rope-passkey out-alibi-passkey            # 1x to 16x the training length
 
@@ -185,7 +186,7 @@ def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_)
 
 
 OFFSETS = 4  # offset asks for the 1st to the 4th token after the marker
-TASKS = {"needle": needle, "passkey": passkey, "mqar": mqar, "copy": copy, "offset": offset}
+SYNTHETIC_TASKS = {"needle": needle, "passkey": passkey, "mqar": mqar, "copy": copy, "offset": offset}
 # sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this size, at 32 and 64 dims)
 SUITE = ("needle", "passkey", "mqar", "offset")
 
@@ -207,8 +208,8 @@ def check(
 ) -> None:
     """Raise SyntheticError, naming the fix, where the task cannot be made at this length with this vocabulary. knob
     is the fix for a length too short: training's block size, or an evaluation's lengths."""
-    if task not in TASKS:
-        raise SyntheticError(f"task={task!r} is not a synthetic task; choose one of {', '.join(TASKS)}")
+    if task not in SYNTHETIC_TASKS:
+        raise SyntheticError(f"task={task!r} is not a synthetic task; choose one of {', '.join(SYNTHETIC_TASKS)}")
     if task == "mqar" and layout not in MQAR_LAYOUTS:
         raise SyntheticError(f"task_layout={layout!r}: choose {' or '.join(MQAR_LAYOUTS)}")
     if task == "mqar" and pairs < 1:
@@ -235,7 +236,7 @@ def check(
 
 def sequence(task: str, vocab: int, length: int, rng: np.random.Generator, train: bool = False, **kw):
     """One sequence of the task: inputs x (length,) and targets y (length,), -1 except at the answers."""
-    return TASKS[task](Vocab(vocab), length, rng, train=train, **kw)
+    return SYNTHETIC_TASKS[task](Vocab(vocab), length, rng, train=train, **kw)
 
 
 def batch(
@@ -275,7 +276,7 @@ def task_options(cfg: dict) -> dict:
 
 def eval_rng(seed: int, task: str, length: int) -> np.random.Generator:
     """The sequences of one (task, length) cell: the same for every checkpoint with the same seed."""
-    return np.random.default_rng([seed, list(TASKS).index(task), length])
+    return np.random.default_rng([seed, list(SYNTHETIC_TASKS).index(task), length])
 
 
 @torch.no_grad()
@@ -480,7 +481,9 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"error: {e}")
         cfg = run.ckpt.get("config", {})
         if not cfg.get("task"):
-            sys.exit(f"error: {d} was not trained on a synthetic task (train with task= one of {', '.join(TASKS)})")
+            sys.exit(
+                f"error: {d} was not trained on a synthetic task (train with task= one of {', '.join(SYNTHETIC_TASKS)})"
+            )
         lengths = args.lengths or [cfg["block_size"] * k for k in (1, 2, 4, 8, 16)]
         try:
             for L in lengths:

@@ -1,5 +1,7 @@
 """
-Retrieval tasks, trained on and evaluated: does an encoding *use* a long context, not only keep its perplexity?
+Retrieval tasks in text (TEXT_TASKS), trained on and evaluated: does an encoding *use* a long context, not only keep
+its perplexity? They are written in the dataset's own tokens, and train.py's task_fraction mixes them into a text
+run's training rows; synthetic.py's SYNTHETIC_TASKS (train.py's task=...) are token-level sequences without text.
 
     python tasks.py --out_dir out-rope out-alibi --lengths 256 512 1024 4096 --trials 5
 
@@ -90,7 +92,7 @@ def too_short(task: str, length: int, fixed: int) -> TaskError:
     return TaskError(f"the {task} task needs a length of at least {fixed} tokens (its phrases alone), got {length}")
 
 
-def passkey(
+def text_passkey(
     tok, length: int, rng: np.random.Generator, depth: float | None = None, n_digits: int = 5
 ) -> tuple[np.ndarray, np.ndarray]:
     """Filler with "The pass key is <key>. Remember it. " at depth (the fraction of the filler before it; default
@@ -118,7 +120,7 @@ def passkey(
     return assemble(pieces, length, "passkey")
 
 
-def recall(
+def text_recall(
     tok, length: int, rng: np.random.Generator, n_pairs: int = 8, n_queries: int = 4, n_digits: int = 2
 ) -> tuple[np.ndarray, np.ndarray]:
     """n_pairs "ab:12 " pairs (distinct two-letter keys), filler, then n_queries of the keys in random order, each
@@ -138,7 +140,7 @@ def recall(
     return assemble([(pairs, False), (filler(tok, n_fill, "recall"), False), *queries], length, "recall")
 
 
-def copy(
+def text_copy(
     tok, length: int, rng: np.random.Generator, n_chars: int | None = None, vary: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """A random string of n_chars letters (default: as long as fits twice; vary: a uniform draw from 1 to that), the
@@ -154,16 +156,16 @@ def copy(
     return assemble([(pad, False), (s, False), (sep, False), (s, True)], length, "copy")
 
 
-TASKS = {"passkey": passkey, "recall": recall, "copy": copy}
+TEXT_TASKS = {"passkey": text_passkey, "recall": text_recall, "copy": text_copy}
 # in training, copies of every length: at one length the copy is always the same distance back, which a head can
 # learn by position alone (at 128 tokens: 99% of characters right, and 4% at 256); at many it must match content
 TRAINING_KW = {"copy": {"vary": True}}
 
 
-def check_tasks(tok, length: int, names=tuple(TASKS)) -> None:
+def check_tasks(tok, length: int, names=tuple(TEXT_TASKS)) -> None:
     """Raise TaskError if a task cannot be made at this length with this tokenizer (before any training)."""
     for name in names:
-        TASKS[name](tok, length, np.random.default_rng(0))
+        TEXT_TASKS[name](tok, length, np.random.default_rng(0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def check_tasks(tok, length: int, names=tuple(TASKS)) -> None:
 
 
 def mix_tasks(
-    x: torch.Tensor, y: torch.Tensor, fraction: float, tok, seed: tuple[int, ...], names=tuple(TASKS)
+    x: torch.Tensor, y: torch.Tensor, fraction: float, tok, seed: tuple[int, ...], names=tuple(TEXT_TASKS)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace fraction of the rows of a training batch x, y (B, T) by task sequences (in expectation: floor(f·B)
     rows, one more with probability frac(f·B)), each task equally likely. Targets are -1 (ignored) except at the
@@ -186,7 +188,7 @@ def mix_tasks(
     x, y = x.clone(), y.clone()
     for row in rng.choice(B, n, replace=False):
         name = names[rng.integers(len(names))]
-        tokens, answer = TASKS[name](tok, T, rng, **TRAINING_KW.get(name, {}))
+        tokens, answer = TEXT_TASKS[name](tok, T, rng, **TRAINING_KW.get(name, {}))
         targets = np.where(answer[1:], tokens[1:], -1)
         x[row] = torch.from_numpy(tokens[:-1]).to(x.device)
         y[row] = torch.from_numpy(targets).to(y.device)
@@ -199,9 +201,9 @@ def mix_tasks(
 
 def trials(tok, task: str, length: int, n_trials: int, seed: int = 0, **kw) -> list[tuple[np.ndarray, np.ndarray]]:
     """The n_trials sequences of one cell, the same for every checkpoint: seeded by (seed, task, length, kw)."""
-    cell = [seed, list(TASKS).index(task), length, *(round(float(v) * 1000) for v in kw.values())]
+    cell = [seed, list(TEXT_TASKS).index(task), length, *(round(float(v) * 1000) for v in kw.values())]
     rng = np.random.default_rng(cell)
-    return [TASKS[task](tok, length, rng, **kw) for _ in range(n_trials)]
+    return [TEXT_TASKS[task](tok, length, rng, **kw) for _ in range(n_trials)]
 
 
 def answer_logits(model, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1")
     p.add_argument("--trials", type=int, default=5, help="sequences per cell")
-    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    p.add_argument("--tasks", nargs="+", choices=list(TEXT_TASKS), default=list(TEXT_TASKS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ from tokenizer import IdsTokenizer, tokenizer_from_meta
 
 V = 128
 VOCAB = S.Vocab(V)
-TASKS = list(S.TASKS)
+TASKS = list(S.SYNTHETIC_TASKS)
 
 
 def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:

@@ -26,7 +26,7 @@ TOKENIZERS = {"char": lambda: CHAR, "gpt2": GPT2Tokenizer}
 
 
 def make(task: str, tok=CHAR, length: int = 200, seed: int = 0, **kw) -> tuple[np.ndarray, np.ndarray]:
-    return tasks.TASKS[task](tok, length, np.random.default_rng(seed), **kw)
+    return tasks.TEXT_TASKS[task](tok, length, np.random.default_rng(seed), **kw)
 
 
 def spans(answer: np.ndarray) -> list[tuple[int, int]]:
@@ -93,7 +93,7 @@ def test_training_copies_vary_in_length():
     assert len(lengths) >= 20 and max(lengths) <= longest and min(lengths) >= 1
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.TEXT_TASKS)
 def test_generators_are_reproducible_and_seeds_differ(task):
     """The same seed gives the same sequence; another seed another one."""
     x1, a1 = make(task, seed=3)
@@ -118,7 +118,7 @@ def test_tasks_explain_what_they_cannot_do():
     no_digits = CharTokenizer("".join(c for c in SHAKESPEARE_CHARS if not c.isdigit()))
     with pytest.raises(tasks.TaskError, match=r"passkey task writes characters .* lacks \('0', '1', .*'9'\)"):
         make("passkey", no_digits)
-    for task in tasks.TASKS:
+    for task in tasks.TEXT_TASKS:
         with pytest.raises(tasks.TaskError, match=f"the {task} task needs a length of at least"):
             make(task, CHAR, 5)
     with pytest.raises(tasks.TaskError, match="depth"):
@@ -155,7 +155,7 @@ class Blind(nn.Module):
         return nn.functional.one_hot(pick, self.vocab).float(), None
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.TEXT_TASKS)
 def test_oracle_scores_100_percent(task):
     """A model that always predicts the true next token answers every trial."""
     seqs = [x for x, _ in tasks.trials(CHAR, task, 120, 6, seed=5)]
@@ -179,7 +179,7 @@ def test_random_gpt_retrieves_nothing_and_learned_positions_stop_at_block_size()
     cfg = dict(vocab_size=len(SHAKESPEARE_CHARS), n_layer=1, n_head=2, n_embd=16, block_size=96)
     rope, learned = GPT(GPTConfig(**cfg, pos_encoding="rope")).eval(), GPT(GPTConfig(**cfg, pos_encoding="learned"))
     assert tasks.evaluate_task(rope, CHAR, "passkey", 192, 20)["accuracy"] <= 0.05
-    r = tasks.evaluate_checkpoint(learned.eval(), CHAR, [96, 192], [0.0, 1.0], 2, 0, list(tasks.TASKS), 8, "cpu")
+    r = tasks.evaluate_checkpoint(learned.eval(), CHAR, [96, 192], [0.0, 1.0], 2, 0, list(tasks.TEXT_TASKS), 8, "cpu")
     assert r["passkey_grid"][192] is None and r["recall"][192] is None and r["copy"][192] is None
     assert len(r["passkey_grid"][96]) == 2 and r["copy"][96] is not None
 
