@@ -6,6 +6,7 @@ Tokenized datasets in nanoGPT's layout: data/<name>/{train,val}.bin (uint16 toke
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,35 @@ def prepare_hf(
     meta = {"vocab_size": tok.vocab_size, "tokenizer": tok.meta, "tokens": counts}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return counts
+
+
+def hf_recipe(folder: Path, split: Callable, eot: bool = True) -> Callable:
+    """A Hugging Face dataset recipe's prepare(dataset, out_dir=None, num_proc=None): split(dataset) -> {"train",
+    "val"}, tokenized and written to out_dir (by default the recipe's folder) by prepare_hf."""
+
+    def prepare(dataset, out_dir: Path | None = None, num_proc: int | None = None) -> dict[str, int]:
+        """Tokenize a loaded DatasetDict and write train.bin, val.bin and meta.json."""
+        return prepare_hf(split(dataset), out_dir or folder, eot=eot, num_proc=num_proc)
+
+    return prepare
+
+
+def run_hf_recipe(doc: str, prepare: Callable, load: Callable) -> None:
+    """A recipe's command (python data/<name>/prepare.py [--num_proc 8]): load(load_dataset, num_proc) downloads the
+    dataset from the Hugging Face hub, prepare writes it; without the datasets package, a one-line error first."""
+    import argparse
+    import sys
+
+    from devices import missing
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_proc", type=int, default=None)
+    args = parser.parse_args()
+    if problem := missing("datasets", "this dataset (read from the Hugging Face hub)"):
+        sys.exit(f"error: {problem}")
+    from datasets import load_dataset
+
+    prepare(load(load_dataset, args.num_proc), num_proc=args.num_proc)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,12 +20,10 @@ Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a pl
 """
 
 import argparse
-import io
 import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +35,7 @@ from configurator import ConfigError
 from datafiles import DataError, validation_tokens
 from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
 from model import GPT, ROPE_SCALINGS
-from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
+from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 from runs import load_run
 
 MODES = ("nonoverlapping", "sliding")
@@ -356,10 +354,7 @@ def plot(report: dict, path: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
-    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=110)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

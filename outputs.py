@@ -75,6 +75,19 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[BinaryIO], None
     fsync_dir(path.parent)
 
 
+def save_figure(fig, path: str | Path, **savefig: object) -> None:
+    """A matplotlib figure written whole to path (in the format its suffix names; savefig's options, e.g. dpi), then
+    closed: drawn into memory first, then write_atomic, so a killed run leaves the old plot or the new, never half."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix[1:].lower(), **savefig)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
 def fsync_dir(path: Path) -> None:
     """Make the names in a folder durable (a rename, a new entry), as fsync does a file's bytes."""
     dir_fd = os.open(path, os.O_RDONLY)

@@ -15,7 +15,6 @@ Writes a markdown table (stdout), the numbers (--out_json) and a plot (--plot).
 """
 
 import argparse
-import io
 import json
 import sys
 from dataclasses import replace
@@ -29,7 +28,7 @@ from configurator import ConfigError
 from datafiles import DataError, validation_tokens
 from devices import check_device, device_memory, forward_bytes, gb
 from model import GPT
-from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
+from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 from runs import load_run
 
 
@@ -152,10 +151,7 @@ def plot(report: dict, path: str) -> None:
         ax_a.set_xticks(range(share.shape[1]))
         ax_a.set_yticks(range(share.shape[0]))
     fig.colorbar(im, ax=axes[:, 1].tolist(), label="share of attention")
-    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
-    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=110)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,7 +26,7 @@ import eval_length
 import synthetic
 import tasks
 from model import POS_ENCODINGS
-from outputs import write_atomic
+from outputs import save_figure, write_atomic
 
 ROOT = Path(__file__).resolve().parent
 
@@ -307,8 +307,7 @@ def plot_lengths(agg: dict, report: dict, out_dir: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "length.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out_dir / "length.png", dpi=110)
     first = report["runs"][0]["out_dir"].rsplit("-seed", 1)[1]  # loss by position: the first seed's runs
     runs = [r for r in report["runs"] if r["out_dir"].endswith(f"-seed{first}")]
     eval_length.plot(dict(report, runs=runs), str(out_dir / "position.png"))
@@ -447,8 +446,7 @@ def plot_tasks(cells: dict[str, list[Cell]], floors: dict, lengths: list[int], t
         ax.legend(fontsize=6.5, title="encoding (seeds learned)", title_fontsize=7)
     axes[0][0].set_ylabel("accuracy (%), mean over every seed")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -845,5 +843,4 @@ def plot_extension(
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6.5)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

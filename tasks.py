@@ -25,7 +25,6 @@ iff every teacher-forced argmax in it is right. Learned positions have no positi
 """
 
 import argparse
-import io
 import json
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from outputs import PLOT_FORMATS, OutputError, check_output, write_atomic
+from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DIGITS = "0123456789"
@@ -308,10 +307,7 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
     axes[0][0].set_ylabel("depth of the key")
     fig.colorbar(im, ax=axes[0].tolist(), label="exact-match accuracy")
-    buf = io.BytesIO()  # then written whole: a killed run leaves no half a plot
-    fig.savefig(buf, format=Path(path).suffix[1:].lower(), dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
 def main(argv: list[str] | None = None) -> dict:
