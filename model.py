@@ -34,12 +34,14 @@ except ImportError:
 @dataclass(frozen=True)
 class Option:
     """One setting of an encoding, a field of GPTConfig and a key of train.py: its default, a one-line help, and a
-    check that says what is wrong with a value, or None. derive fills a default of None from the rest of the config."""
+    check that says what is wrong with a value, or None. derive fills a default of None from the rest of the config;
+    idle says why a value the user gives does nothing with the rest of the options (train.py's, a dict), or None."""
 
     default: Any
     help: str
     check: Callable[[Any], str | None] = lambda value: None
     derive: Callable[[Any], Any] | None = None
+    idle: Callable[[dict], str | None] = lambda options: None
 
 
 def number(v: Any) -> bool:
@@ -313,6 +315,7 @@ ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 # the published constants, which export.py also writes into GPT-NeoX's rope_parameters
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Peng et al. 2023, recommended for LLaMA)
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high frequency factors (its rope_scaling, Meta 2024)
+WITHOUT_SCALING = "does nothing without a RoPE scaling: add --rope_scaling (linear, ntk, yarn, llama3 or dynamic_ntk)"
 
 
 class RoPE(PositionalEncoding):
@@ -339,10 +342,16 @@ class RoPE(PositionalEncoding):
             ),
         ),
         "rope_factor": Option(
-            1.0, "rope_scaling's s: the context is stretched s times", greater(1.0, "must be a number >= 1", equal=True)
+            1.0,
+            "rope_scaling's s: the context is stretched s times",
+            greater(1.0, "must be a number >= 1", equal=True),
+            idle=lambda options: None if options["rope_scaling"] != "none" else WITHOUT_SCALING,
         ),
         "rope_original_max_len": Option(
-            None, "rope_scaling's L0, the original training length (None: block_size)", optional(positive_int)
+            None,
+            "rope_scaling's L0, the original training length (None: block_size)",
+            optional(positive_int),
+            idle=lambda options: None if options["rope_scaling"] != "none" else WITHOUT_SCALING,
         ),
     }
 

@@ -80,7 +80,7 @@ def resolve(
         problem := missing("transformers", f"init_from={cfg['init_from']!r}")
     ):
         raise ConfigError(problem)
-    check_rope_scaling(cfg, explicit)
+    check_idle_options(cfg, explicit)
     check_ranges(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group starts
     if cfg["gradient_accumulation_steps"] % world_size:
@@ -131,16 +131,12 @@ def check_init_from(init: str, source: Source | None) -> bool:
     return True
 
 
-def check_rope_scaling(cfg: dict, explicit: set[str] | frozenset[str]) -> None:
-    """RoPE's factor and original length only act through a scaling: one given without rope_scaling does nothing."""
-    if cfg["rope_scaling"] != "none" or cfg["pos_encoding"] != "rope":
-        return
-    for name in ("rope_factor", "rope_original_max_len"):
-        if name in explicit and cfg[name] not in (1.0, None):
-            raise ConfigError(
-                f"{name}={cfg[name]!r} does nothing without a RoPE scaling: add --rope_scaling (linear, ntk, yarn, "
-                f"llama3 or dynamic_ntk), or drop --{name}"
-            )
+def check_idle_options(cfg: dict, explicit: set[str] | frozenset[str]) -> None:
+    """An option of the chosen encoding that the user gave and that does nothing with the rest (RoPE's factor without
+    a scaling: the encoding's Option.idle says so) is an error."""
+    for name, (owner, opt) in ENCODING_OPTIONS.items():
+        if owner == cfg["pos_encoding"] and name in explicit and cfg[name] != opt.default and (why := opt.idle(cfg)):
+            raise ConfigError(f"{name}={cfg[name]!r} {why}, or drop --{name}")
 
 
 def check_encoding_options(cfg: dict, defaults: dict, extension: bool = False) -> None:
