@@ -189,9 +189,11 @@ def asked_config(arguments: list[str]) -> dict:
 
 
 def trained_differently(ckpt: dict, asked: dict) -> str | None:
-    """How the run saved in ckpt was trained otherwise than asked ('key=value, and this study asks key=value'), from
-    its options; None where it was trained as asked."""
+    """How the run saved in ckpt was trained otherwise than asked ('key=value and key=value, and this study asks
+    key=value and key=value'), from its options, every one that differs, the task first (it says what the run is);
+    None where it was trained as asked."""
     trained = ckpt.get("config") or {}
+    differ = []
     for key, value in asked.items():
         old = trained.get(key, value)
         if key in NOT_TRAINING or (key == "init_from" and "resume" in (old, value)):
@@ -199,8 +201,16 @@ def trained_differently(ckpt: dict, asked: dict) -> str | None:
         if key == "init_from" and Path(old).is_dir() and Path(value).is_dir():
             old, value = Path(old).resolve(), Path(value).resolve()  # the source, however its path is written
         if old != value:
-            return f"{key}={trained.get(key)!r}, and this study asks {key}={asked[key]!r}"
-    return None
+            differ.append(key)
+    if not differ:
+        return None
+    differ.sort(key=lambda key: key != "task")
+
+    def listed(config: dict) -> str:
+        pairs = [f"{key}={config.get(key)!r}" for key in differ]
+        return pairs[0] if len(pairs) == 1 else ", ".join(pairs[:-1]) + " and " + pairs[-1]
+
+    return f"{listed(trained)}, and this study asks {listed(asked)}"
 
 
 def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str] | None:
@@ -745,14 +755,26 @@ def main(argv: list[str]) -> None:
         sys.exit("[sweep] interrupted; run the same command again to resume (finished runs are kept)")
 
 
+# train.py options that say what a study compares, which each run's config sets (config/<encoding>.py, and a synthetic
+# run's config/<task>.py): given to every run by --train, they would train other runs than the folders and the report
+# name (a passkey run filed as needle)
+COMPARED = {"pos_encoding": "the encodings (--encodings)", "task": "the tasks (--synthetic; a text study: none)"}
+
+
 def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
     """--train's options go to every run; one the sweep sets per run itself would make the runs copies of each
-    other (every seed trained with one --seed)."""
+    other (every seed trained with one --seed), and one that says what the study compares would train other runs
+    than it files and reports."""
     for opt in options:
         key = opt[2:].split("=", 1)[0] if opt.startswith("--") else None
         if key in SET_BY_SWEEP:
             p.error(
                 f"--train {opt}: the sweep sets {key} for each run itself (--seeds, --out_dir, --wandb_log); drop it "
+                "from the options after --train"
+            )
+        if key in COMPARED:
+            p.error(
+                f"--train {opt}: each run's config sets {key}, which the study compares ({COMPARED[key]}); drop it "
                 "from the options after --train"
             )
 
@@ -859,6 +881,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     cut = argv.index("--train") if "--train" in argv else len(argv)
     args = p.parse_args(argv[:cut])
     args.train = argv[cut + 1 :]
+    if args.extend:  # options the extension study, as asked, never reads
+        idle = {"task_depths": "it scores no passkey depths (the text sweep's)"}
+        if args.extend_task == "none":
+            idle |= dict.fromkeys(("task_seeds", "task_sources", "task_trials"), "--extend_task none extends no task")
+        for name, why in idle.items():
+            if getattr(args, name) is not None:
+                p.error(f"--{name}: {why}; drop it")
     extend_only = {"factor": 4, "steps": 150, "sources": None, "task_sources": None, "extend_task": "passkey"}
     extend_only |= {"task_seeds": args.seeds}
     for name, default in extend_only.items():

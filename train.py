@@ -26,14 +26,24 @@ import runs
 import synthetic
 from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from configurator import ConfigError, configure, script_usage
-from datafiles import SPLITS, DataError, dataset_dir, get_batch, load_meta, other_data, task_meta
+from datafiles import (
+    SPLITS,
+    DataError,
+    data_name,
+    dataset_dir,
+    get_batch,
+    load_meta,
+    other_data,
+    task_meta,
+    tokenizer_difference,
+)
 from devices import autocast, default_device, device_memory, gb, peak_flops, training_bytes
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
 from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from tasks import TaskError, check_tasks, mix_tasks
-from tokenizer import tokenizer_from_meta
+from tokenizer import GPT2Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
 # Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
@@ -192,6 +202,12 @@ def build_model(
     elif source is not None:
         model = runs.extended_model(source, cfg, data.meta["tokenizer"], log)
     else:
+        if problem := tokenizer_difference(data.meta["tokenizer"], GPT2Tokenizer.meta):  # before any weights load
+            raise TrainError(
+                f"init_from={cfg['init_from']!r} is GPT-2's weights, and this run's data ({data_name(cfg)}) {problem}: "
+                "its token ids mean other things; fine-tune GPT-2 on data in its BPE (e.g. --dataset=shakespeare), or "
+                "train from scratch (--init_from=scratch)"
+            )
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
         except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers

@@ -188,6 +188,13 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
             "--train --learning_rate=0.01: the recipes differ in learning_rate (the grid compares them)",
         ),
         (["--extend", "--rope_scaling", "dynamic_ntk"], "--rope_scaling dynamic_ntk: the extension study compares"),
+        (["--synthetic", "needle", "--train", "--task=passkey"], "--train --task=passkey: each run's config sets task"),
+        (["--train", "--task=needle"], "--train --task=needle: each run's config sets task, which the study compares"),
+        (["--train", "--pos_encoding=alibi"], "--train --pos_encoding=alibi: each run's config sets pos_encoding"),
+        (["--extend", "--extend_task", "none", "--task_seeds", "2"], "--task_seeds: --extend_task none extends no"),
+        (["--extend", "--extend_task", "none", "--task_trials", "5"], "--task_trials: --extend_task none extends"),
+        (["--extend", "--extend_task", "none", "--task_sources", "x"], "--task_sources: --extend_task none extends"),
+        (["--extend", "--task_depths", "3"], "--task_depths: it scores no passkey depths (the text sweep's)"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, message):
@@ -203,10 +210,21 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, me
 
 
 def test_options_after_train_are_train_pys():
-    """Everything after --train goes to train.py, also an option that abbreviates one of the sweep's own (--task is
-    the start of --task_trials and --task_depths): no "ambiguous option"."""
-    args, _ = sweep.parse_args(["--synthetic", "needle", "--train", "--task=needle", "--task_mix=0.1", "--seeds=3"])
-    assert args.train == ["--task=needle", "--task_mix=0.1", "--seeds=3"] and args.seeds == [1337]
+    """Everything after --train goes to train.py, also an option that abbreviates one of the sweep's own (--task_s is
+    the start of --task_seeds and --task_sources) or is named as one: no "ambiguous option"."""
+    args, _ = sweep.parse_args(["--synthetic", "needle", "--train", "--task_s=1", "--task_mix=0.1", "--seeds=3"])
+    assert args.train == ["--task_s=1", "--task_mix=0.1", "--seeds=3"] and args.seeds == [1337]
+
+
+def test_a_reused_runs_refusal_names_every_difference_task_first():
+    """A run trained otherwise than a study asks is refused naming every option that differs, the task first (a
+    needle run in a passkey suite's folder differs in its task_seed too, and is a needle run above all)."""
+    trained = {"task": "needle", "task_seed": 1, "max_iters": 4, "out_dir": "a"}
+    asked = {"max_iters": 8, "task_seed": 2, "task": "passkey", "out_dir": "b"}
+    assert sweep.trained_differently({"config": trained}, asked) == (
+        "task='needle', max_iters=4 and task_seed=1, and this study asks task='passkey', max_iters=8 and task_seed=2"
+    )
+    assert sweep.trained_differently({"config": trained}, trained | {"out_dir": "c"}) is None
 
 
 @pytest.mark.parametrize(

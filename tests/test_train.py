@@ -441,17 +441,29 @@ def test_wandb_offline_logs_the_run(tiny_data, tmp_path):
 
 
 def test_init_from_local_gpt2_folder(tiny_data, tmp_path):
-    """init_from a (local) GPT-2 folder fine-tunes it, cropping learned positions to block_size."""
+    """init_from a (local) GPT-2 folder fine-tunes it on data in GPT-2's BPE, cropping learned positions to
+    block_size; on a character-level dataset (ids that mean other things) it is a one-line error before any weights
+    load, as for a run's folder on another tokenizer's data."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_positions=64, vocab_size=128, n_layer=1, n_head=2, n_embd=16)
+        transformers.GPT2Config(n_positions=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
     )
     hf.save_pretrained(tmp_path / "hf")
-    train_here(f"--dataset={tiny_data}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2", f"--out_dir={tmp_path}")
-    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    bpe = tmp_path / "bpe"
+    prepare_text(read_embedded_corpus()[:20_000], bpe, "gpt2")
+    train_here(f"--dataset={bpe}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2", f"--out_dir={tmp_path / 'ok'}")
+    ckpt = load_checkpoint(tmp_path / "ok" / "ckpt.pt")
     assert ckpt["model_args"]["pos_encoding"] == "learned" and ckpt["model_args"]["block_size"] == 32
     assert ckpt["model"]["transformer.wpe.weight"].shape == (32, 16)
+    import train as train_py
+
+    r = run_cli(
+        train_py.cli, [*TINY, f"--dataset={tiny_data}", f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path}"]
+    )
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "GPT-2's BPE" in r.stderr and "character vocabulary" in r.stderr and "--init_from=scratch" in r.stderr
+    assert not (tmp_path / "ckpt.pt").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
