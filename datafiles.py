@@ -6,13 +6,17 @@ Tokenized datasets in nanoGPT's layout: data/<name>/{train,val}.bin (uint16 toke
 import functools
 import json
 import os
+import runpy
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
+from configurator import ConfigError
+from tasks import TaskError, check_tasks
+from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 EMBEDDED_CORPUS = DATA_DIR / "shakespeare_complete_works.txt.xz"
@@ -325,3 +329,40 @@ def get_batch(
     if device.startswith("cuda"):  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a training run's data
+
+EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
+
+
+@dataclass
+class Data:
+    dir: Path | None  # None for a synthetic task, whose sequences are generated
+    meta: dict  # meta.json: the dataset's vocab_size and tokenizer
+    vocab_size: int  # the model's: GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls), a char one as is
+    task_tok: object | None  # the tokenizer that writes the task sequences (task_fraction > 0)
+
+
+def load_data(cfg: dict, procs) -> Data:
+    """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
+    training; the tasks checked against its vocabulary and the block size. A synthetic task has no files."""
+    if cfg["task"]:
+        V = cfg["task_vocab"]
+        return Data(None, task_meta(V), V, None)
+    data_dir = dataset_dir(cfg["dataset"])
+    if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
+        if procs.master:
+            procs.log(f"preparing the {cfg['dataset']} dataset (first run only)")
+            runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
+        procs.barrier()
+    meta = load_meta(data_dir, block_size=cfg["block_size"])
+    n = meta["vocab_size"]
+    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None
+    if task_tok is not None:
+        try:
+            check_tasks(task_tok, cfg["block_size"])
+        except TaskError as e:
+            raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
+    return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)

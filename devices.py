@@ -177,3 +177,36 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
     step = parts["gradients"] + parts["AdamW"] + 4 * n // shards  # AdamW's foreach step makes a copy's worth
     parts["peak"] = parts["weights"] + max(backward, step)
     return parts
+
+
+def check_memory(model, cfg: dict, procs, shards: int) -> None:
+    """Log the step's estimated peak memory per process (devices.training_bytes); where it exceeds the device's, stop
+    before any work, naming the options that bring it under and what each would need."""
+    B, T, dev = cfg["batch_size"], cfg["block_size"], procs.device
+
+    def peak(B: int, T: int) -> str:
+        return gb(training_bytes(model, B, T, dev, cfg["dtype"], shards)["peak"])
+
+    parts = training_bytes(model, B, T, dev, cfg["dtype"], shards)
+    mib = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in parts.items() if k != "peak")
+    procs.log(f"memory: about {gb(parts['peak'])} per process at the step's peak ({mib})")
+    memory = device_memory(dev)
+    if not memory or parts["peak"] <= memory:
+        return
+    fixes = []
+    mode = cfg["activation_checkpointing"]
+    if mode != "full":
+        from model import set_activation_checkpointing
+
+        set_activation_checkpointing(model, "full")
+        fixes.append(f"--activation_checkpointing=full ({peak(B, T)})")
+        set_activation_checkpointing(model, mode)
+    if B > 1:
+        accum = f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps'] * 2}"
+        fixes.append(f"--batch_size={B // 2} {accum} ({peak(B // 2, T)})")
+    if T > 1:
+        fixes.append(f"--block_size={T // 2} ({peak(B, T // 2)})")
+    raise ConfigError(
+        f"a training step of this run needs about {gb(parts['peak'])} per process, more than the {gb(memory)} of "
+        f"{dev}: try {', or '.join(fixes)}"
+    )

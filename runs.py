@@ -156,3 +156,20 @@ def extended_model(src: Source, cfg: dict, tokenizer: dict | None, log=print) ->
         + (", its position table interpolated" if interpolated else "")
     )
     return model
+
+
+def check_resumed_data(checkpoint, cfg: dict, tokenizer: dict) -> None:
+    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same.
+    Another text dataset of the same tokenizer is fine-tuning, and goes ahead (restore notes its other validation)."""
+    old = checkpoint.config
+    if not (problem := other_data(old, checkpoint.meta.get("tokenizer"), cfg, tokenizer, same_task=True)):
+        return
+    if old.get("task") and old["task"] != cfg["task"]:
+        fix = f"resume with its task's config, config/{old['task']}.py"
+    elif old.get("task"):
+        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
+    elif cfg["task"]:
+        fix = "drop the task's config (--task)"
+    else:
+        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
+    raise CheckpointError(f"{cfg['out_dir']} {problem}: {fix}, or train on this in another --out_dir")

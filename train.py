@@ -13,11 +13,9 @@ Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; 
 
 import math
 import os
-import runpy
 import sys
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,24 +24,14 @@ import runs
 import synthetic
 from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from configurator import ConfigError, configure, script_usage
-from datafiles import (
-    SPLITS,
-    DataError,
-    data_name,
-    dataset_dir,
-    get_batch,
-    load_meta,
-    other_data,
-    task_meta,
-    tokenizer_difference,
-)
-from devices import autocast, default_device, device_memory, gb, peak_flops, training_bytes
+from datafiles import SPLITS, Data, DataError, data_name, get_batch, load_data, tokenizer_difference
+from devices import autocast, check_memory, default_device, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
 from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
-from tasks import TaskError, check_tasks, mix_tasks
-from tokenizer import GPT2Tokenizer, tokenizer_from_meta
+from tasks import mix_tasks
+from tokenizer import GPT2Tokenizer
 
 # -----------------------------------------------------------------------------------------------------------------
 # Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
@@ -119,7 +107,6 @@ defaults = dict(
     seed=1337,
 )
 defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # each encoding's: rpe_max_distance, ...
-EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
@@ -143,38 +130,110 @@ def usage() -> str:
 
 
 # -----------------------------------------------------------------------------------------------------------------
+# main: the options checked, the run set up, then nanoGPT's loop; the helpers follow in the order it calls them
+
+
+def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
+    explicit: set[str] = set()
+    options = configure(defaults, argv, explicit)
+    source = runs.source(options["init_from"])  # the run an extension starts from, read once: its options, its weights
+    cfg = resolve(options, defaults, explicit, source)
+    master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
+    checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
+    try:
+        if master:
+            if cfg["init_from"] == "resume" and cfg["eval_only"]:  # prepare() checks it for a training run
+                checkpointer.check_resumable()
+            if not cfg["eval_only"]:  # eval_only writes nothing
+                for line in checkpointer.prepare(cfg["init_from"], cfg["overwrite"]):
+                    print(line)
+            for note in odd_values(cfg):
+                print(f"note: {note}")
+        train(cfg, checkpointer, source)
+    finally:
+        checkpointer.release()  # a second main() in this process, or another run, may use the folder now
+
+
+def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = None) -> None:
+    """Set up the processes, the data, the model and the run's state; then the loop: evaluate and save every
+    eval_interval, train one iteration, log; a signal saves and stops."""
+    procs = start_processes(cfg["device"], cfg["backend"], cfg["seed"])
+    parallel = strategy(cfg["parallel"], procs)
+    log = procs.log
+    data = load_data(cfg, procs)
+    resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
+    shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
+    model = build_model(cfg, data, resumed, source, log, shards=shards)
+    del source  # its checkpoint, in memory until now
+    set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
+    model.to(procs.device)
+    if not cfg["eval_only"]:
+        check_memory(model, cfg, procs, shards)
+    parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
+    run = Run(
+        cfg=cfg,
+        tokenizer=data.meta["tokenizer"],
+        model=model,
+        optimizer=new_optimizer(model, cfg, procs.device_type),
+        scaler=torch.amp.GradScaler(procs.device_type, enabled=cfg["dtype"] == "float16"),
+        data_rng=torch.Generator().manual_seed(cfg["seed"]),
+        procs=procs,
+        strategy=parallel,
+        checkpointer=checkpointer,
+        data=data,
+    )
+    if resumed is not None:
+        checkpointer.restore(run, resumed, procs)
+        # the run is saved with how it started (scratch, its source...), not with this process's "resume"
+        cfg["init_from"] = resumed.config.get("init_from", "resume")
+        del resumed  # a ckpt.pt's states, in memory until now
+    if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
+        log(
+            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
+            "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
+        )
+        parallel.finish()
+        return
+    start_iter = run.iter_num
+    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
+    log_start(run)
+    run.net = parallel.wrap(model, cfg["compile"])
+    wandb = start_wandb(run)
+    progress = Progress(run)
+    if cfg["compile"] and not cfg["eval_only"]:
+        log("compiling the model (the first iterations; once per run) ...")
+    while True:
+        if parallel.any(stop).item():  # a signal on any process: every process stops at this iteration
+            checkpointer.save(run, procs, best=False)
+            log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={cfg['out_dir']}")
+            break
+        lr = get_lr(run.iter_num, cfg)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        if run.iter_num % cfg["eval_interval"] == 0 or run.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
+            seconds = evaluate_and_save(run, stop, wandb, lr)
+            if seconds is None:  # stopped mid-evaluation: the top of the loop saves
+                continue
+            progress.evaluated(seconds)
+            if cfg["eval_only"]:
+                break
+        if run.iter_num >= cfg["max_iters"]:
+            break
+
+        loss = with_fallback(run, lambda: train_step(run))
+        progress.stepped(loss, lr, wandb)
+        run.iter_num += 1
+
+    if wandb:
+        wandb.finish()
+    parallel.finish()
+
+
+# -----------------------------------------------------------------------------------------------------------------
 # Setup: the data, the model, the run's state
-
-
-@dataclass
-class Data:
-    dir: Path | None  # None for a synthetic task, whose sequences are generated
-    meta: dict  # meta.json: the dataset's vocab_size and tokenizer
-    vocab_size: int  # the model's: GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls), a char one as is
-    task_tok: object | None  # the tokenizer that writes the task sequences (task_fraction > 0)
-
-
-def load_data(cfg: dict, procs: Processes) -> Data:
-    """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
-    training; the tasks checked against its vocabulary and the block size. A synthetic task has no files."""
-    if cfg["task"]:
-        V = cfg["task_vocab"]
-        return Data(None, task_meta(V), V, None)
-    data_dir = dataset_dir(cfg["dataset"])
-    if cfg["dataset"] in EMBEDDED_DATASETS and not (data_dir / "meta.json").is_file():
-        if procs.master:
-            procs.log(f"preparing the {cfg['dataset']} dataset (first run only)")
-            runpy.run_path(str(data_dir / "prepare.py"), run_name="__main__")
-        procs.barrier()
-    meta = load_meta(data_dir, block_size=cfg["block_size"])
-    n = meta["vocab_size"]
-    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None
-    if task_tok is not None:
-        try:
-            check_tasks(task_tok, cfg["block_size"])
-        except TaskError as e:
-            raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
-    return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 
 def build_model(
@@ -197,7 +256,7 @@ def build_model(
         check_fits(config, cfg, shards, defaults)
         model = GPT(config)
     elif resumed is not None:
-        check_resumed_data(resumed, cfg, data.meta["tokenizer"])
+        runs.check_resumed_data(resumed, cfg, data.meta["tokenizer"])
         model = GPT(resumed.model_config)
     elif source is not None:
         model = runs.extended_model(source, cfg, data.meta["tokenizer"], log)
@@ -228,54 +287,6 @@ def build_model(
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
     return model
-
-
-def check_resumed_data(checkpoint: Checkpoint, cfg: dict, tokenizer: dict) -> None:
-    """A resume trains on the data its checkpoint did: the same task (or text), in token ids that mean the same.
-    Another text dataset of the same tokenizer is fine-tuning, and goes ahead (restore notes its other validation)."""
-    old = checkpoint.config
-    if not (problem := other_data(old, checkpoint.meta.get("tokenizer"), cfg, tokenizer, same_task=True)):
-        return
-    if old.get("task") and old["task"] != cfg["task"]:
-        fix = f"resume with its task's config, config/{old['task']}.py"
-    elif old.get("task"):
-        fix = f"resume with its --task_vocab={old.get('task_vocab')}"
-    elif cfg["task"]:
-        fix = "drop the task's config (--task)"
-    else:
-        fix = f"resume on its dataset (--dataset={old.get('dataset')})"
-    raise CheckpointError(f"{cfg['out_dir']} {problem}: {fix}, or train on this in another --out_dir")
-
-
-def check_memory(model: GPT, cfg: dict, procs: Processes, shards: int) -> None:
-    """Log the step's estimated peak memory per process (devices.training_bytes); where it exceeds the device's, stop
-    before any work, naming the options that bring it under and what each would need."""
-    B, T, dev = cfg["batch_size"], cfg["block_size"], procs.device
-
-    def peak(B: int, T: int) -> str:
-        return gb(training_bytes(model, B, T, dev, cfg["dtype"], shards)["peak"])
-
-    parts = training_bytes(model, B, T, dev, cfg["dtype"], shards)
-    mib = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in parts.items() if k != "peak")
-    procs.log(f"memory: about {gb(parts['peak'])} per process at the step's peak ({mib})")
-    memory = device_memory(dev)
-    if not memory or parts["peak"] <= memory:
-        return
-    fixes = []
-    mode = cfg["activation_checkpointing"]
-    if mode != "full":
-        set_activation_checkpointing(model, "full")
-        fixes.append(f"--activation_checkpointing=full ({peak(B, T)})")
-        set_activation_checkpointing(model, mode)
-    if B > 1:
-        accum = f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps'] * 2}"
-        fixes.append(f"--batch_size={B // 2} {accum} ({peak(B // 2, T)})")
-    if T > 1:
-        fixes.append(f"--block_size={T // 2} ({peak(B, T // 2)})")
-    raise TrainError(
-        f"a training step of this run needs about {gb(parts['peak'])} per process, more than the {gb(memory)} of "
-        f"{dev}: try {', or '.join(fixes)}"
-    )
 
 
 def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
@@ -558,107 +569,6 @@ def log_start(run: Run) -> None:
             f"note: a GPU-sized run on a CPU: each iteration takes seconds here. For a CPU-sized run (minutes), add "
             f"config/cpu.py: python train.py config/{cfg['pos_encoding']}.py config/cpu.py"
         )
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# main: set up, then the loop
-
-
-def main(argv: list[str]) -> None:
-    if "--help" in argv or "-h" in argv:
-        print(usage())
-        return
-    explicit: set[str] = set()
-    options = configure(defaults, argv, explicit)
-    source = runs.source(options["init_from"])  # the run an extension starts from, read once: its options, its weights
-    cfg = resolve(options, defaults, explicit, source)
-    master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
-    checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
-    try:
-        if master:
-            if cfg["init_from"] == "resume" and cfg["eval_only"]:  # prepare() checks it for a training run
-                checkpointer.check_resumable()
-            if not cfg["eval_only"]:  # eval_only writes nothing
-                for line in checkpointer.prepare(cfg["init_from"], cfg["overwrite"]):
-                    print(line)
-            for note in odd_values(cfg):
-                print(f"note: {note}")
-        train(cfg, checkpointer, source)
-    finally:
-        checkpointer.release()  # a second main() in this process, or another run, may use the folder now
-
-
-def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = None) -> None:
-    procs = start_processes(cfg["device"], cfg["backend"], cfg["seed"])
-    parallel = strategy(cfg["parallel"], procs)
-    log = procs.log
-    data = load_data(cfg, procs)
-    resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
-    shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
-    model = build_model(cfg, data, resumed, source, log, shards=shards)
-    del source  # its checkpoint, in memory until now
-    set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
-    model.to(procs.device)
-    if not cfg["eval_only"]:
-        check_memory(model, cfg, procs, shards)
-    parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
-    run = Run(
-        cfg=cfg,
-        tokenizer=data.meta["tokenizer"],
-        model=model,
-        optimizer=new_optimizer(model, cfg, procs.device_type),
-        scaler=torch.amp.GradScaler(procs.device_type, enabled=cfg["dtype"] == "float16"),
-        data_rng=torch.Generator().manual_seed(cfg["seed"]),
-        procs=procs,
-        strategy=parallel,
-        checkpointer=checkpointer,
-        data=data,
-    )
-    if resumed is not None:
-        checkpointer.restore(run, resumed, procs)
-        # the run is saved with how it started (scratch, its source...), not with this process's "resume"
-        cfg["init_from"] = resumed.config.get("init_from", "resume")
-        del resumed  # a ckpt.pt's states, in memory until now
-    if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
-        log(
-            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
-            "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
-        )
-        parallel.finish()
-        return
-    start_iter = run.iter_num
-    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
-    log_start(run)
-    run.net = parallel.wrap(model, cfg["compile"])
-    wandb = start_wandb(run)
-    progress = Progress(run)
-    if cfg["compile"] and not cfg["eval_only"]:
-        log("compiling the model (the first iterations; once per run) ...")
-    while True:
-        if parallel.any(stop).item():  # a signal on any process: every process stops at this iteration
-            checkpointer.save(run, procs, best=False)
-            log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={cfg['out_dir']}")
-            break
-        lr = get_lr(run.iter_num, cfg)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        if run.iter_num % cfg["eval_interval"] == 0 or run.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
-            seconds = evaluate_and_save(run, stop, wandb, lr)
-            if seconds is None:  # stopped mid-evaluation: the top of the loop saves
-                continue
-            progress.evaluated(seconds)
-            if cfg["eval_only"]:
-                break
-        if run.iter_num >= cfg["max_iters"]:
-            break
-
-        loss = with_fallback(run, lambda: train_step(run))
-        progress.stepped(loss, lr, wandb)
-        run.iter_num += 1
-
-    if wandb:
-        wandb.finish()
-    parallel.finish()
 
 
 def cli(argv: list[str]) -> None:

@@ -584,6 +584,7 @@ def test_a_step_past_the_devices_memory_is_refused_with_what_fits(tiny_data, tmp
     """train.py logs the step's estimated peak memory; where it exceeds the device's, it stops before training, in one
     line naming activation checkpointing, a smaller batch (with more accumulation) and a shorter block, with what each
     would need; nothing is written."""
+    import devices
     import train as train_py
 
     peak = {}
@@ -591,7 +592,7 @@ def test_a_step_past_the_devices_memory_is_refused_with_what_fits(tiny_data, tmp
     def memory(device):  # between the estimate with full checkpointing and the estimate without
         return peak.get("limit")
 
-    monkeypatch.setattr(train_py, "device_memory", memory)
+    monkeypatch.setattr(devices, "device_memory", memory)
     argv = [*TINY, f"--dataset={tiny_data}", "--max_iters=2", "--pos_encoding=alibi", f"--out_dir={tmp_path / 'ok'}"]
     r = run_cli(train_py.cli, argv)
     assert r.returncode == 0 and "memory: about " in r.stdout and "at the step's peak (weights " in r.stdout
