@@ -139,7 +139,7 @@ def fast_attention(
 
 
 def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one (model.Chunk.sees)."""
+    """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one (model.py's rule)."""
     return rel >= 0 if window is None else (rel >= 0) & (rel < window)
 
 

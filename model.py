@@ -114,7 +114,7 @@ class PositionalEncoding(nn.Module):
         return None  # (T,) -> (T, C)
 
     def rotary(self, pos: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # (T,) -> cos, sin, each (T, hs/2) float32
+        return None  # (T,) -> cos, sin, each (T, hs/2) float32, by which attention rotates q and k (apply_rotary)
 
     def score_bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
@@ -420,12 +420,15 @@ class RoPE(PositionalEncoding):
         scale = torch.where(turning, self.mscale, 1.0)  # (hs/2,)
         return angle.cos() * scale, angle.sin() * scale
 
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate adjacent pairs (x1, x2) of x (B, nh, T, hs) to (x1·cos - x2·sin, x1·sin + x2·cos), cos and sin
+        (T, hs/2), in float32: (x1 + i·x2)(cos + i·sin)."""
+        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, nh, T, hs/2) each
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x1, x2) of x (B, nh, T, hs) to (x1·cos - x2·sin, x1·sin + x2·cos), cos and sin
-    (T, hs/2), in float32."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, nh, T, hs/2) each
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+apply_rotary = RoPE.rotate  # attention rotates q and k by what `rotary` gives (cos, sin), with RoPE's rotation
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -688,10 +691,6 @@ class Chunk:
     def cached(self) -> bool:
         """The keys come from a KV cache (they are not the queries' own)."""
         return self.slots is not None
-
-    def sees(self, rel: torch.Tensor) -> torch.Tensor:
-        """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one."""
-        return rel >= 0 if self.window is None else (rel >= 0) & (rel < self.window)
 
 
 class KVCache:
@@ -1007,16 +1006,18 @@ class GPT(nn.Module):
         bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
         pe, cfg = self.encoding, self.config
         dropout_p = cfg.dropout if self.training else 0.0
+        if not pe.has_score_bias and chunk.window is None and not chunk.cached:
+            return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
+        rel = chunk.pos[:, None] - chunk.keys  # (Tq, Tk): i - j
+        sees = rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)  # causal, inside the window
         if not pe.has_score_bias:
-            mask = None if chunk.window is None and not chunk.cached else chunk.sees(chunk.pos[:, None] - chunk.keys)
-            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
+            return lambda q, k, v: attend(q, k, v, mask=sees, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
 
         def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
-            allowed = chunk.sees(chunk.pos[:, None] - chunk.keys[None, :])
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
-            return bias.masked_fill(~allowed, float("-inf"))
+            return bias.masked_fill(~sees, float("-inf"))
 
         matrix = bias_matrix() if chunk.pos.device.type == "cpu" else None  # every path on a CPU reads it
         fast = fast_attention(
