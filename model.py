@@ -4,8 +4,9 @@ POS_ENCODINGS, or none, and a KV cache whose decoding equals the model's own ful
 
 It reads top to bottom: the positional encodings (each a small class: its formula as a few hooks, its options), the
 config, a chunk's positions and the KV cache, attention (the reference: SDPA under a mask or the score bias), the
-transformer, the GPT, and generation. Positions travel as one tensor of absolute positions `pos` (T,); everything
-positional derives from it once per forward, as one Chunk. fast_paths.py holds faster paths to the same numbers.
+transformer, and the GPT. Positions travel as one tensor of absolute positions `pos` (T,); everything positional
+derives from it once per forward, as one Chunk. generate.py generates with the model; fast_paths.py holds faster
+paths to the same attention, which GPT.attention asks for in one place.
 """
 
 from __future__ import annotations
@@ -371,6 +372,12 @@ class RoPE(PositionalEncoding):
         self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
         if self.high == self.low:
             self.high += 0.001  # a step, not a division by zero
+
+    @staticmethod
+    def scaled(config: GPTConfig, scaling: str, factor: float, original_max_len: int | None) -> GPTConfig:
+        """config with another scaling (GPT.set_rope_scaling, at inference); L0 by default the config's."""
+        L0 = original_max_len or config.rope_original_max_len
+        return replace(config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
 
     @staticmethod
     def default_factor(scaling: str, length: int, train_len: int) -> float:
@@ -1044,9 +1051,8 @@ class GPT(nn.Module):
         original_max_len (L0) defaults to the config's, else block_size."""
         if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
-        L0 = original_max_len or self.config.rope_original_max_len
-        self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
-        self.transformer.wpe = type(self.encoding)(self.config)  # RoPE holds no weights: nothing is lost
+        self.config = self.encoding.scaled(self.config, scaling, factor, original_max_len)
+        self.transformer.wpe = type(self.encoding)(self.config)  # it holds no weights: nothing is lost
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """nanoGPT's call: extend idx (B, T) by max_new_tokens sampled tokens, with generate.py's generate (which
