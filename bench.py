@@ -204,6 +204,9 @@ def bench_encodings(args, device: str) -> None:
                 print(f"  {enc}: {times[enc][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
                 if device == "cuda":  # beyond what the models and optimizers hold: activations and temporaries
                     memory[enc] = peak_above(base, device)
+        for enc in args.profile_encodings or []:
+            if enc in steps:
+                profile(steps[enc][1], device, f"{enc}, one training step ({how}, block {cfg['block_size']})")
         tokens = cfg["batch_size"] * cfg["block_size"]
         rows = {enc: statistics.median(ts) for enc, ts in times.items()}
         fastest, rope = min(rows.values()), rows.get("rope")
@@ -219,6 +222,24 @@ def bench_encodings(args, device: str) -> None:
                 f"| {kernel} |"
             )
         del steps
+
+
+def profile(fn, device: str, label: str, rows: int = 12) -> None:
+    """Print the kernels fn spends its time in (torch.profiler, one call of fn after the warm-up calls already made):
+    the top rows by self device time on a GPU, by self CPU time on a CPU, and how many kernels ran."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profiler(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") if device == "cuda" else None
+    print(f"\n#### Profile: {label}" + (f" ({kernels} GPU kernels)" if kernels is not None else "") + "\n")
+    print("```\n" + events.table(sort_by=key, row_limit=rows, max_name_column_width=70) + "\n```")
 
 
 def fallback_name(options: AttentionOptions) -> str:
@@ -262,6 +283,11 @@ def bench_decode(args, device: str, nanogpt) -> None:
         skipped = counters["inductor"]["cudagraph_skips"] - skips
         rows.append([enc, rate(gen), compiled, rate(lambda: gen(use_cache=False)), first - n / compiled, skipped])
         print(f"  {enc}: {rows[-1][1:]}", file=sys.stderr, flush=True)
+        if enc in (args.profile_encodings or []):  # 16 tokens each way: the kernels a token takes
+            ways = {"compiled step": dict(compile=True), "eager cache": {}, "no cache": dict(use_cache=False)}
+            for label, kw in ways.items():
+                tokens16 = lambda kw=kw, model=model: generate(model, prompt, 16, temperature=0, **kw)  # noqa: E731
+                profile(tokens16, device, f"{enc}, 16 tokens, {label}")
     ng = None
     if nanogpt is not None:
         torch.manual_seed(0)
@@ -341,31 +367,34 @@ def bench_attention(args, device: str) -> None:
             print(f"| {enc} | {T} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |", flush=True)
 
 
-def memory_cell(enc: str, T: int, mode: str, B: int, steps: int, n_layer: int = 6) -> tuple[float, float, float]:
+def memory_cell(
+    enc: str, T: int, mode: str, B: int, steps: int, n_layer: int = 6, device: str = "cpu"
+) -> tuple[float, float, float]:
     """One training step of the comparison model (config/<enc>.py's shape, float32, eager) at B rows of T tokens with
-    activation checkpointing `mode`, in a fresh process: its measured peak (the resident high-water mark above the
-    model's setup, MiB), its time (ms, the median of `steps`) and devices.training_bytes's estimate (MiB)."""
+    activation checkpointing `mode`, in a fresh process: its measured peak above the model's setup (MiB: the resident
+    high-water mark on a CPU, torch.cuda.max_memory_allocated on a GPU), its time (ms, the median of `steps`) and
+    devices.training_bytes's estimate (MiB)."""
     from devices import training_bytes
     from model import set_activation_checkpointing
 
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=T, vocab_size=65, n_layer=n_layer, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
-    model = GPT(cfg).train()
+    model = GPT(cfg).train().to(device)
     set_activation_checkpointing(model, mode)
-    estimate = training_bytes(model, B, T, "cpu")
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
-    x = torch.randint(0, 65, (B, T))
+    estimate = training_bytes(model, B, T, device)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), device)
+    x = torch.randint(0, 65, (B, T), device=device)
 
     def step():
         model(x, x)[1].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    reset_memory("cpu")
-    base = memory_now("cpu")
+    reset_memory(device)
+    base = memory_now(device)
     step()
-    peak = float(peak_above(base, "cpu").split()[0].replace(",", ""))
-    t = timed(step, "cpu", steps, 0)
+    peak = float(peak_above(base, device).split()[0].replace(",", ""))
+    t = timed(step, device, steps, 0)
     return peak, t * 1e3, (estimate["peak"] - estimate["weights"]) / 2**20
 
 
@@ -402,7 +431,7 @@ def bench_memory(args, device: str) -> None:
         for T in args.memory_blocks:
             cells = []
             for mode in ("none", "full", "selective"):
-                peak, ms, est = in_a_fresh_process(memory_cell, enc, T, mode, B, args.memory_steps, L)
+                peak, ms, est = in_a_fresh_process(memory_cell, enc, T, mode, B, args.memory_steps, L, device)
                 cells += [f"{peak:,.0f} ({est:,.0f})", f"{ms:,.0f}"]
             print(f"| {enc} | {T} | " + " | ".join(cells) + " |", flush=True)
     budget = args.memory_budget_gb * 2**30
@@ -494,6 +523,13 @@ def main(argv: list[str] | None = None) -> None:
         "--encoding_blocks", type=int, nargs="+", default=None, help="--only=encodings: these block sizes only"
     )
     p.add_argument("--step_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS, help="--only=encodings: which")
+    p.add_argument(
+        "--profile_encodings",
+        nargs="*",
+        default=None,
+        choices=ENCODINGS,
+        help="--only=encodings and decode: print where these encodings' step (and 16 decoded tokens) spend their time",
+    )
     p.add_argument("--decode_tokens", type=int, default=512)
     p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
     p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
