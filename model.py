@@ -506,21 +506,24 @@ class FIRE(PositionalEncoding):
         return psi((i - j).clamp(min=0).to(dtype)) / (psi(torch.maximum(threshold, i.to(dtype))) + self.eps)
 
     @staticmethod
-    def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, together: bool = False):
         """f(x) = Σ_u relu(x·w1_u + b1_u)·w2_u over the hidden units u (the last dim of w1, b1, w2, whose other dims
-        broadcast against x's), a unit at a time: the memory of one output, not one per unit."""
+        broadcast against x's): a unit at a time, the memory of one output, not one per unit; or with together, every
+        unit at once (one broadcast expression: few inputs, or compiled, where inductor fuses it without storing the
+        units)."""
+        if together:
+            return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
         out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
         for u in range(1, w1.size(-1)):
             out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
         return out
 
     def run_mlp(self, x: torch.Tensor, w1, b1, w2, few: bool = False) -> torch.Tensor:
-        """mlp(x, w1, b1, w2) computed the fastest exact way. Few inputs (a block's distances, a decode step's row), or
-        compiled with a gradient: one broadcast expression, whose hidden units are few, or which inductor fuses
-        without storing them. Eager with a gradient: UnitByUnit, which keeps x alone."""
+        """mlp(x, w1, b1, w2) the fastest exact way: its units together for few inputs (a block's distances, a decode
+        step's row) or compiled with a gradient; eager with a gradient, UnitByUnit, which keeps x alone."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
         if few or (grad and torch.compiler.is_compiling()):
-            return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
+            return self.mlp(x, w1, b1, w2, together=True)
         return UnitByUnit.apply(self.mlp, x, w1, b1, w2) if grad else self.mlp(x, w1, b1, w2)
 
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
