@@ -67,24 +67,30 @@ def kernel(
     compiling: bool,
     dropout: bool,
     fits: bool,
+    table: bool = False,
 ) -> str | None:
     """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row that matches.
 
-    | fused     | the bias's gradient                   | device, compile      | dropout | kernel         |
-    |-----------|---------------------------------------|----------------------|---------|----------------|
-    | yes, fits | yes: a band bias, own keys            | ·                    | no      | flex_band      |
-    | yes, fits | none                                  | ·                    | no      | flex           |
-    | not False | yes                                   | CPU: eager, or own keys | no   | bias_attention |
+    | fused     | the bias                              | device, compile         | dropout | kernel         |
+    |-----------|---------------------------------------|-------------------------|---------|----------------|
+    | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
+    | yes, fits | not trained                           | ·                       | no      | flex           |
+    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
+    | not False | trained                               | CPU: eager, or own keys | no      | bias_attention |
 
     fused is options.fused, where None: compiling on CUDA. own_keys: the keys are the queries' own, in order (no
-    cache). band: the bias depends on i - j alone, one constant from some distance on (far_distance)."""
+    cache). band: the bias depends on i - j alone, one constant from some distance on (far_distance). table: the
+    bias comes as its table over distances (a bias of i - j alone, on a CPU), else as its matrix."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
     if flex and trainable and band and own_keys:
         return "flex_band"
     if flex and not trainable:
         return "flex"
-    if trainable and device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False:
+    cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
+    if cpu and table:
+        return "bias_table"
+    if cpu and trainable:
         return "bias_attention"
     return None
 
@@ -102,15 +108,17 @@ def fast_attention(
     n_head: int,
     head_dim: int,
     dropout_p: float,
-    matrix: torch.Tensor | None,
+    table: torch.Tensor | None = None,
+    matrix: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
     reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query position
     i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
     window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
-    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters; matrix: the
-    bias at every pair (nh, Tq, Tk), -inf where a query does not see a key (model.py computes it on a CPU, where every
-    path reads it)."""
+    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters. On a CPU
+    model.py hands the bias as a tensor: table, its values at distances 0 … D - 1 (nh, D), the last for every longer
+    distance (a bias of i - j alone), else matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not
+    see a key."""
     device = pos.device.type
     name = kernel(
         options,
@@ -121,9 +129,13 @@ def fast_attention(
         compiling=torch.compiler.is_compiling(),
         dropout=dropout_p > 0,
         fits=flex_fits(head_dim, device),
+        table=table is not None,
     )
     if name is None:
         return None
+    if name == "bias_table":
+        other_keys = None if own_keys else keys  # Dynamo traces no Function given one tensor twice
+        return lambda q, k, v: TableBiasAttention.apply(q, k, v, table, pos, other_keys, window)
     if name == "bias_attention":
         return bias_attention(matrix, own_keys)
     visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
@@ -226,7 +238,21 @@ def bias_attention(matrix: torch.Tensor, own_keys: bool) -> Callable:
     """Attention with the bias matrix (nh, Tq, Tk; -inf where a query does not see a key), its gradient reaching
     the bias."""
     function = OwnKeysBiasAttention if own_keys else BiasAttention  # own keys: query i sees keys 0 … i at most
-    return lambda q, k, v: function.apply(q, k, v, matrix.to(q.dtype))
+    return lambda q, k, v: function.apply(q, k, v, matrix)
+
+
+def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk): y (q's dtype) and the log-sum-exp (B, nh, Tq). With
+    bf16 or fp16 q, in float32, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps
+    of 1/16), as the reference does."""
+    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v, bias = q.to(work), k.to(work), v.to(work), bias[None].to(work)
+    if v.size(-1) != q.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
+        s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5 + bias
+        lse = s.logsumexp(-1)
+        return ((s - lse[..., None]).exp() @ v).to(dtype), lse
+    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+    return y.to(dtype), lse
 
 
 BIAS_ATTENTION_BLOCK = 64  # queries per block of BiasAttention's backward
@@ -239,7 +265,7 @@ class BiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias):
-        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias[None])
+        y, lse = flash_cpu(q, k, v, bias)
         ctx.save_for_backward(q, k, v, bias, y, lse)
         return y
 
@@ -283,7 +309,69 @@ def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
-KERNELS = ("flex_band", "flex", "bias_attention")  # kernel()'s answers, each a path of fast_attention
+class TableBiasAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√hs + bias)·v for a bias of i - j alone, read from its table (nh, D) a block of queries at a time
+    (the last entry for every distance from D - 1 on), on a CPU: no (nh, Tq, Tk) tensor, forward or backward. The
+    forward is SDPA's flash kernel per block; the backward recomputes each block's probabilities from the log-sum-exp
+    and adds the bias's gradient into the table's entries, in order (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, pos, keys, window):
+        own_keys, keys = keys is None, pos if keys is None else keys  # None: the queries' own
+        B, nh, Tq, hs = q.shape
+        y = q.new_empty(B, nh, Tq, v.size(-1))
+        lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
+        for i0, i1, j1 in table_blocks(Tq, k.size(2), own_keys):
+            bias = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
+            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], bias)
+        ctx.save_for_backward(q, k, v, table, pos, keys, y, lse)
+        ctx.window, ctx.own_keys = window, own_keys
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, table, pos, keys, y, lse = ctx.saved_tensors
+        dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 in, float32 arithmetic
+        q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
+        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
+        dq, dk, dv, dtable = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(table)
+        for i0, i1, j1 in table_blocks(q.size(2), k.size(2), ctx.own_keys):
+            index = distance_index(pos[i0:i1], keys[:j1], table.size(1))  # (bq, j1)
+            bias = table_block(table, pos[i0:i1], keys[:j1], ctx.window)
+            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
+            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
+            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
+            dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
+            ds.mul_(scale)
+            dq[:, :, i0:i1] = ds @ kb
+            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None
+
+
+TABLE_BLOCK = 64  # queries per block of TableBiasAttention
+
+
+def table_blocks(Tq: int, Tk: int, own_keys: bool):
+    """(first query, end, keys read) of each block: where the keys are the queries' own, a block reads none past its
+    last query (they are in its future)."""
+    for i0 in range(0, Tq, TABLE_BLOCK):
+        i1 = min(i0 + TABLE_BLOCK, Tq)
+        yield i0, i1, i1 if own_keys else Tk
+
+
+def distance_index(pos: torch.Tensor, keys: torch.Tensor, D: int) -> torch.Tensor:
+    """The table entry of each (query, key) pair: i - j, from 0 (the future, masked anyway) to D - 1."""
+    return (pos[:, None] - keys[None, :]).clamp(0, D - 1)
+
+
+def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The bias (nh, bq, Tk) float32 of queries at pos over keys, -inf where a query does not see a key."""
+    bias = table[:, distance_index(pos, keys, table.size(1))].to(torch.promote_types(table.dtype, torch.float32))
+    return bias.masked_fill(~sees(pos[:, None] - keys[None, :], window), float("-inf"))
+
+
+KERNELS = ("flex_band", "flex", "bias_table", "bias_attention")  # kernel()'s answers, each a path of fast_attention
 
 
 # ----------------------------------------------------------------------------------------------------------------

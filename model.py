@@ -772,9 +772,9 @@ def attend(
     if mask is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if bias is None or q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=(mask if bias is None else bias)[None], dropout_p=dropout_p
-        )
+        # a float32 bias with float64 q: as float64 (the CPU flash kernel reads its mask as q's dtype)
+        attn_mask = mask if bias is None else bias.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[None], dropout_p=dropout_p)
     # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
     # while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
     with torch.autocast(q.device.type, enabled=False):
@@ -1018,30 +1018,45 @@ class GPT(nn.Module):
         dropout_p = cfg.dropout if self.training else 0.0
         if not pe.has_score_bias and chunk.window is None and not chunk.cached:
             return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
-        rel = chunk.pos[:, None] - chunk.keys  # (Tq, Tk): i - j
-        sees = rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)  # causal, inside the window
+
+        def sees() -> torch.Tensor:  # (Tq, Tk): whether query i sees key j, causal and inside the window
+            rel = chunk.pos[:, None] - chunk.keys  # i - j
+            return rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)
+
         if not pe.has_score_bias:
-            return lambda q, k, v: attend(q, k, v, mask=sees, dropout_p=dropout_p)
+            mask = sees()
+            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+        own_keys = chunk.consecutive and not chunk.cached
 
         def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
-            return bias.masked_fill(~sees, float("-inf"))
+            return bias.masked_fill(~sees(), float("-inf"))
 
-        matrix = bias_matrix() if chunk.pos.device.type == "cpu" else None  # every path on a CPU reads it
+        # on a CPU every path reads the bias as a tensor: a bias of i - j alone as its table over the distances 0 …
+        # D - 1 a query sees (D - 1: the far one, or the most distant), else as its matrix
+        table = matrix = None
+        D = pe.far_distance + 1 if pe.far_distance is not None else len(chunk.pos) if own_keys else None
+        if chunk.pos.device.type == "cpu" and pe.relative and D is not None:
+            D = D if chunk.window is None else min(D, chunk.window)
+            heads, distances = torch.arange(cfg.n_head, device=chunk.pos.device)[:, None], torch.arange(D)
+            table = pe.score_bias(heads + first, distances.to(chunk.pos.device)[None], 0)  # (nh, D)
+        elif chunk.pos.device.type == "cpu":
+            matrix = bias_matrix()
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),
             pos=chunk.pos,
             keys=chunk.keys,
             window=chunk.window,
-            own_keys=chunk.consecutive and not chunk.cached,
+            own_keys=own_keys,
             far_distance=pe.far_distance,
             trainable=trainable,
             n_head=cfg.n_head,
             head_dim=cfg.n_embd // cfg.n_head,
             dropout_p=dropout_p,
+            table=table,
             matrix=matrix,
         )
         if fast is not None:

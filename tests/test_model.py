@@ -237,8 +237,8 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # Attention paths and the encodings against their formulas
 
-# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly: each row of the table below changes what
-# it needs
+# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly, handed as its matrix: each row of the
+# table below changes what it needs
 FACTS = dict(
     bias=True,
     band=True,
@@ -299,6 +299,15 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (None, dict(compiling=True, consecutive=False), "sdpa_mask"),
         (None, dict(dropout=True), "sdpa_mask"),
         (None, dict(bias=False, band=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
+        # bias_table: a bias of i - j alone handed as its table (on a CPU), trained or not, eager or with own keys
+        (None, dict(table=True), "bias_table"),
+        (None, dict(table=True, trainable=False, cached=True, window=True), "bias_table"),
+        (None, dict(table=True, compiling=True), "bias_table"),
+        (True, dict(table=True, trainable=False), "flex"),
+        (False, dict(table=True), "sdpa_mask"),
+        (None, dict(table=True, dropout=True), "sdpa_mask"),
+        (None, dict(table=True, compiling=True, cached=True), "sdpa_mask"),
+        (None, dict(table=True, trainable=False, device="cuda"), "sdpa_mask"),
     ],
 )
 def test_attention_path_follows_its_table(fused, facts, path):
@@ -312,7 +321,7 @@ def test_attention_path_follows_its_table(fused, facts, path):
 def test_every_kernel_of_the_table_has_its_builder():
     """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention builds (KERNELS,
     the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
-    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits"]
+    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits", "table"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
@@ -348,11 +357,14 @@ def taken_paths(monkeypatch) -> list[str]:
         ("rope", None, True, dict(), {"sdpa_causal"}),
         ("rope", None, False, dict(window=5), {"sdpa_mask"}),
         ("alibi", True, False, dict(window=5), {"flex"}),
-        ("bias_rpe", None, True, dict(), {"bias_attention"}),
+        ("bias_rpe", None, True, dict(), {"bias_table"}),
+        ("alibi", None, False, dict(), {"bias_table"}),
+        ("kerple", None, True, dict(pos=2 * torch.arange(16)), {"bias_attention"}),  # no table: distances unknown
         ("bias_rpe", False, True, dict(), {"sdpa_mask"}),
         ("bias_rpe", True, True, dict(), {"flex_band"}),
-        ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_attention"}),
-        ("kerple", True, True, dict(), {"bias_attention"}),
+        ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_table"}),
+        ("kerple", True, True, dict(), {"bias_table"}),
+        ("fire", True, True, dict(), {"bias_attention"}),
         ("fire", None, False, dict(), {"sdpa_mask"}),
     ],
 )
@@ -799,62 +811,135 @@ def test_fused_attention_equals_reference(pe, window):
 
 
 @pytest.mark.parametrize(
-    "T, window, block, dtype, step",
+    "pe, T, window, block, dtype, step, path",
     [
-        (150, None, 64, torch.float32, 1),
-        (40, None, 16, torch.float32, 1),
-        (40, 9, 16, torch.float32, 1),
-        (40, 9, 16, torch.float32, 2),  # positions 0, 2, 4, …: the blocks' keys read from the mask
-        (150, None, 64, torch.bfloat16, 1),
+        ("bias_rpe", 150, None, 64, torch.float32, 1, "bias_table"),
+        ("bias_rpe", 40, None, 16, torch.float32, 1, "bias_table"),
+        ("bias_rpe", 40, 9, 16, torch.float32, 1, "bias_table"),
+        ("bias_rpe", 40, 9, 16, torch.float32, 2, "bias_table"),  # positions 0, 2, 4, …: every key read
+        ("bias_rpe", 150, None, 64, torch.bfloat16, 1, "bias_table"),
+        ("kerple", 40, 9, 16, torch.float32, 1, "bias_table"),
+        ("kerple", 40, 9, 16, torch.float32, 2, "bias_attention"),  # the blocks' keys read from the mask
+        ("fire", 40, None, 16, torch.float32, 1, "bias_attention"),
+        ("fire", 150, None, 64, torch.float32, 1, "bias_attention"),
     ],
 )
-def test_cpu_bias_attention_gradients_equal_reference(T, window, block, dtype, step, monkeypatch):
-    """On a CPU, a trainable bias (bias-RPE) trains through BiasAttention: the flash forward, and a backward by blocks
-    of queries that skips the keys none of them sees (known from the positions where they step by one, else read from
-    the mask). Logits and every gradient, the bias table's included, equal the reference path's (SDPA's math path),
-    with ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
+def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype, step, path, monkeypatch):
+    """On a CPU, a trainable bias trains through a kernel of its own: TableBiasAttention for a bias of i - j alone
+    (its table read a block of queries at a time, no (nh, T, T) tensor), else BiasAttention (the flash forward, and a
+    backward by blocks of queries that skips the keys none of them sees, known from the positions where they step by
+    one, else read from the mask). Logits and every gradient equal the reference path's (SDPA's math path on the
+    materialized bias), with ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
 
-    calls = []
+    calls, paths = [], taken_paths(monkeypatch)
     backward = fast_paths.bias_attention_backward
     monkeypatch.setattr(fast_paths, "bias_attention_backward", lambda *a, **k: calls.append(k) or backward(*a, **k))
     monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", block)
-    model = tiny("bias_rpe", block_size=T).train()
+    monkeypatch.setattr(fast_paths, "TABLE_BLOCK", block)
+    model = tiny(pe, block_size=T).train()
     idx, kw = tokens(3, T), dict(window=window, pos=step * torch.arange(T) if step > 1 else None)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with autocast:
         model.attention_options = replace(model.attention_options, fused=False)
         ref_logits, ref_grads = grads(model, idx, **kw)
-        assert not calls
+        assert not calls and set(paths) == {"sdpa_mask"}
+        paths.clear()
         model.attention_options = replace(model.attention_options, fused=None)  # the default
         logits, fused_grads = grads(model, idx, **kw)
-    assert calls, "the default path did not take BiasAttention"
-    assert all(c == {"own_keys": step == 1} for c in calls), calls  # the blocks' keys from the positions or the mask
+    assert set(paths) == {path}, paths
+    if path == "bias_attention":  # the blocks' keys from the positions or the mask
+        assert calls and all(c == {"own_keys": step == 1} for c in calls), calls
     assert ref_grads.keys() == fused_grads.keys()
     if dtype == torch.float32:
         for got, want in [(logits, ref_logits)] + [(fused_grads[n], ref_grads[n]) for n in ref_grads]:
             close(got, want, tol=1e-5)
-    else:  # the two kernels round differently in bf16: BiasAttention must be as close to float32 as the reference
+    else:  # the two kernels round differently in bf16: each must be as close to float32 as the reference
         exact_logits, exact = grads(model, idx, **kw)
         error = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
         assert error(logits, exact_logits) <= 2 * error(ref_logits, exact_logits) + 1e-3
         for n in exact:
             assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
-    assert ref_grads["transformer.wpe.weight"].abs().sum() > 0
+    assert all(p.grad is None or p.grad.abs().sum() > 0 for p in model.encoding.parameters())
+    assert all(ref_grads[n].abs().sum() > 0 for n, _ in model.encoding.named_parameters(prefix="transformer.wpe"))
 
 
-@pytest.mark.parametrize("pe, window", [("bias_rpe", None), ("fire", None), ("kerple", 9)])
-def test_compiled_cpu_bias_attention_is_one_graph_and_equals_reference(pe, window, monkeypatch):
-    """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through BiasAttention as
-    eager does: its backward's blocks have sizes known before the data, so the whole forward and backward is one graph
-    (fullgraph), and its logits and gradients equal SDPA's math path (the reference) to 1e-5 in float32."""
+@pytest.mark.parametrize("pe", BIASED)
+def test_a_float64_model_attends_in_float64(pe):
+    """A float64 model's reference attention adds its float32 score bias as float64: without a gradient (SDPA's CPU
+    flash kernel, which reads a mask as q's dtype) its logits equal those with one (the math kernel)."""
+    model = tiny(pe).double()
+    model.attention_options = replace(model.attention_options, fused=False)
+    idx = tokens(2, 16)
+    with torch.no_grad():
+        flash = model(idx)[0]
+    close(flash, model(idx)[0].detach(), tol=1e-10)
+
+
+def largest_square(fn) -> tuple[int, int]:
+    """The largest trailing (rows, columns) of any tensor the ops run by fn() create, forward and backward, with
+    rows == columns: a (.., T, T) tensor shows as (T, T)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    largest = [(0, 0)]
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.size(-1) == t.size(-2) > largest[0][0]:
+                    largest[0] = (t.size(-2), t.size(-1))
+            return out
+
+    with Shapes():
+        fn()
+    return largest[0]
+
+
+@pytest.mark.parametrize("pe", ["bias_rpe", "t5", "kerple", "alibi"])
+@pytest.mark.parametrize("train", [True, False])
+def test_a_bias_of_distance_makes_no_square_tensor_on_a_cpu(pe, train):
+    """On a CPU, an encoding whose bias is a function of i - j alone trains and evaluates with no (.., T, T) tensor,
+    forward or backward: its table over distances, read a block of queries at a time (the reference path, by
+    contrast, makes one); and the table's gradient is the same in two runs, bit for bit."""
+    model = tiny(pe, block_size=256, n_layer=1).train(train)
+    idx = tokens(2, 256)
+
+    def step():
+        with contextlib.nullcontext() if train else torch.no_grad():
+            logits, loss = model(idx, targets=torch.roll(idx, -1, 1))
+            if train:
+                loss.backward()
+
+    assert largest_square(step)[0] < 256
+    if train and pe != "alibi":  # ALiBi's slopes are fixed: nothing to train
+        first = [p.grad.clone() for p in model.encoding.parameters() if p.grad is not None]
+        model.zero_grad()
+        step()
+        again = [p.grad for p in model.encoding.parameters() if p.grad is not None]
+        assert first and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    model.attention_options = replace(model.attention_options, fused=False)  # the reference materializes it
+    assert largest_square(step) == (256, 256)
+
+
+@pytest.mark.parametrize(
+    "pe, window, path",
+    [("bias_rpe", None, "bias_table"), ("fire", None, "bias_attention"), ("kerple", 9, "bias_table")],
+)
+def test_compiled_cpu_bias_attention_is_one_graph_and_equals_reference(pe, window, path, monkeypatch):
+    """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through the kernel eager
+    takes (TableBiasAttention for a bias of i - j alone, else BiasAttention): its blocks have sizes known before the
+    data, so the whole forward and backward is one graph (fullgraph), and its logits and gradients equal SDPA's math
+    path (the reference) to 1e-5 in float32."""
     paths = taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", 16)  # ragged: 40 queries in blocks of 16
+    monkeypatch.setattr(fast_paths, "TABLE_BLOCK", 16)
     torch.manual_seed(0)
     model = tiny(pe, block_size=40, n_layer=1).train()  # a second layer would compile the same code again
     idx = tokens(3, 40)
     counter = CompileCounterWithBackend("aot_eager")
     logits, got = grads(torch.compile(model, backend=counter, fullgraph=True), idx, window=window)
-    assert counter.frame_count >= 1 and set(paths) == {"bias_attention"}, paths
+    assert counter.frame_count >= 1 and set(paths) == {path}, paths
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref = grads(model, idx, window=window)
     close(logits, ref_logits, tol=1e-5)
