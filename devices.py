@@ -130,21 +130,23 @@ def saved_bytes(model, B: int, T: int, device: str, dtype: str = "float32") -> i
 
 
 def activation_bytes(model, B: int, T: int, device: str, dtype: str = "float32") -> tuple[int, int]:
-    """saved_bytes at B rows of T tokens, from four small forwards: what grows with the rows (per token, and per pair
-    of a row, as attention's probabilities) and what the rows share (per position, and per pair, as a score bias), each
-    fitted as x·n + y·n² over two lengths n; and of it, the rows' shared pairs (the score bias matrices)."""
+    """saved_bytes at B rows of T tokens, from six small forwards: what grows with the rows (per token, and per pair
+    of a row, as attention's probabilities) and what the rows share (a table of the bias, per position, and per pair,
+    as a score bias matrix), each fitted as a + x·n + y·n² over three lengths n; and of it, the rows' shared pairs (the
+    score bias matrices)."""
     n1 = max(2, min(32, model.config.block_size // 4, T // 4))
-    n2 = 4 * n1
+    lengths = (n1, 2 * n1, 4 * n1)
+    powers = torch.tensor([[1.0, n, n * n] for n in lengths], dtype=torch.float64)
 
-    def fit(f1: float, f2: float, n: int, square_only: bool = False) -> float:  # x·n + y·n² through two points
-        y = (f2 / n2 - f1 / n1) / (n2 - n1)
-        return y * n * n if square_only else (f1 / n1 - y * n1) * n + y * n * n
+    def fit(f: list[float], n: int, square_only: bool = False) -> float:  # a + x·n + y·n² through three points
+        a, x, y = torch.linalg.solve(powers, torch.tensor(f, dtype=torch.float64)).tolist()
+        return y * n * n if square_only else a + x * n + y * n * n
 
-    one = [saved_bytes(model, 1, n, device, dtype) for n in (n1, n2)]
-    three = [saved_bytes(model, 3, n, device, dtype) for n in (n1, n2)]
+    one = [saved_bytes(model, 1, n, device, dtype) for n in lengths]
+    three = [saved_bytes(model, 3, n, device, dtype) for n in lengths]
     per_row = [(s3 - s1) / 2 for s1, s3 in zip(one, three, strict=True)]
     shared = [s1 - r for s1, r in zip(one, per_row, strict=True)]
-    return max(0, round(B * fit(*per_row, T) + fit(*shared, T))), max(0, round(fit(*shared, T, square_only=True)))
+    return max(0, round(B * fit(per_row, T) + fit(shared, T))), max(0, round(fit(shared, T, square_only=True)))
 
 
 def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", shards: int = 1) -> dict[str, int]:

@@ -77,6 +77,7 @@ def kernel(
     | yes, fits | not trained                           | ·                       | no      | flex           |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
     | not False | trained                               | CPU: eager, or own keys | no      | bias_attention |
+    | not False | not trained                           | CPU: eager, or own keys | no      | bias_blocks    |
 
     fused is options.fused, where None: compiling on CUDA. own_keys: the keys are the queries' own, in order (no
     cache). band: the bias depends on i - j alone, one constant from some distance on (far_distance). table: the
@@ -92,6 +93,8 @@ def kernel(
         return "bias_table"
     if cpu and trainable:
         return "bias_attention"
+    if cpu:
+        return "bias_blocks"
     return None
 
 
@@ -116,9 +119,9 @@ def fast_attention(
     i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
     window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
     constant from this distance on (None: it is not); trainable: autograd records the bias's parameters. On a CPU
-    model.py hands the bias as a tensor: table, its values at distances 0 … D - 1 (nh, D), the last for every longer
-    distance (a bias of i - j alone), else matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not
-    see a key."""
+    model.py hands a bias of i - j alone as its table too, its values at distances 0 … D - 1 (nh, D), the last for
+    every longer distance, and another trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where
+    a query does not see a key."""
     device = pos.device.type
     name = kernel(
         options,
@@ -138,6 +141,8 @@ def fast_attention(
         return lambda q, k, v: TableBiasAttention.apply(q, k, v, table, pos, other_keys, window)
     if name == "bias_attention":
         return bias_attention(matrix, own_keys)
+    if name == "bias_blocks":
+        return bias_blocks(bias, n_head, pos, keys, window, own_keys)
     visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     block_mask = create_block_mask(lambda b, h, i, j: visible(i, j), None, None, len(pos), len(keys), device=pos.device)
     if name == "flex_band":
@@ -349,7 +354,24 @@ class TableBiasAttention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None
 
 
-TABLE_BLOCK = 64  # queries per block of TableBiasAttention
+def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool) -> Callable:
+    """Attention with a bias that takes no gradient (evaluation, generation), on a CPU: the bias of a block of queries
+    at a time, bias(h, i, j) at each of its pairs, then SDPA's flash kernel: no (nh, Tq, Tk) tensor."""
+    heads = torch.arange(n_head, device=pos.device)[:, None, None]
+
+    def attention(q, k, v):
+        y = q.new_empty(*q.shape[:3], v.size(-1))
+        for i0, i1, j1 in table_blocks(q.size(2), k.size(2), own_keys):
+            queries = pos[i0:i1, None]
+            block = bias(heads, queries, keys[:j1]).float()  # (nh, bq, j1)
+            block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
+            y[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], block)[0]
+        return y
+
+    return attention
+
+
+TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
 
 
 def table_blocks(Tq: int, Tk: int, own_keys: bool):
@@ -371,7 +393,13 @@ def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, wind
     return bias.masked_fill(~sees(pos[:, None] - keys[None, :], window), float("-inf"))
 
 
-KERNELS = ("flex_band", "flex", "bias_table", "bias_attention")  # kernel()'s answers, each a path of fast_attention
+KERNELS = (
+    "flex_band",
+    "flex",
+    "bias_table",
+    "bias_attention",
+    "bias_blocks",
+)  # kernel()'s answers, each a path of fast_attention
 
 
 # ----------------------------------------------------------------------------------------------------------------

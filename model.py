@@ -1034,15 +1034,15 @@ class GPT(nn.Module):
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
             return bias.masked_fill(~sees(), float("-inf"))
 
-        # on a CPU every path reads the bias as a tensor: a bias of i - j alone as its table over the distances 0 …
-        # D - 1 a query sees (D - 1: the far one, or the most distant), else as its matrix
+        # on a CPU a bias of i - j alone comes as its table over the distances 0 … D - 1 a query sees (D - 1: the far
+        # one, or the most distant), another trained bias as its matrix
         table = matrix = None
         D = pe.far_distance + 1 if pe.far_distance is not None else len(chunk.pos) if own_keys else None
         if chunk.pos.device.type == "cpu" and pe.relative and D is not None:
             D = D if chunk.window is None else min(D, chunk.window)
             heads, distances = torch.arange(cfg.n_head, device=chunk.pos.device)[:, None], torch.arange(D)
             table = pe.score_bias(heads + first, distances.to(chunk.pos.device)[None], 0)  # (nh, D)
-        elif chunk.pos.device.type == "cpu":
+        elif chunk.pos.device.type == "cpu" and trainable:
             matrix = bias_matrix()
         fast = fast_attention(
             self.attention_options,
