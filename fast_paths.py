@@ -289,8 +289,9 @@ class OwnKeysBiasAttention(BiasAttention):
 
 
 def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
-    q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32
-    dtype, (q, k, v, dy, y) = q.dtype, (t.float() for t in (q, k, v, dy, y))
+    q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32 (float64 for a float64 model)
+    dtype, bias_dtype, work = q.dtype, bias.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16: in float32
+    q, k, v, dy, y, bias = (t.to(work) for t in (q, k, v, dy, y, bias))
     scale, Tq, Tk, block = q.size(-1) ** -0.5, q.size(2), k.size(2), BIAS_ATTENTION_BLOCK
     # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys. Every
     # head has the same mask: read it from head 0, or where the keys are the queries' own, last[i] <= i + 1.
@@ -311,7 +312,7 @@ def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
         ds.mul_(scale)
         dq[:, :, i0:i1] = ds @ kb
         dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias.to(bias_dtype)
 
 
 class TableBiasAttention(torch.autograd.Function):

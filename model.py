@@ -128,6 +128,18 @@ class PositionalEncoding(nn.Module):
             return checkpoint(self.score_bias, heads, chunk.pos[:, None], chunk.keys, use_reentrant=False)
         return self.score_bias(heads, chunk.pos[:, None], chunk.keys)
 
+    def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
+        """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry
+        read for every longer distance, where every query's bias is a function of i - j alone and D is known without
+        reading the positions (the far distance, or the keys the queries' own); else None."""
+        own_keys = chunk.consecutive and not chunk.cached
+        D = self.far_distance + 1 if self.far_distance is not None else len(chunk.pos) if own_keys else None
+        if not self.relative or D is None:
+            return None
+        D = D if chunk.window is None else min(D, chunk.window)
+        heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + first
+        return self.score_bias(heads, torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
+
     def no_decay(self) -> list[nn.Parameter]:
         """Parameters AdamW must not decay: a score bias's (a decayed bias is pulled toward "no preference")."""
         return list(self.parameters()) if self.has_score_bias else []
@@ -525,6 +537,18 @@ class FIRE(PositionalEncoding):
         if few or (grad and torch.compiler.is_compiling()):
             return self.mlp(x, w1, b1, w2, together=True)
         return UnitByUnit.apply(self.mlp, x, w1, b1, w2) if grad else self.mlp(x, w1, b1, w2)
+
+    def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
+        # every query within the threshold L (the keys its own, eager: whether all are reads the data): x of i - j
+        if chunk.cached or not chunk.consecutive or torch.compiler.is_compiling():
+            return None
+        layer = first // n_head
+        c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
+        if bool(chunk.pos[-1] > threshold):
+            return None
+        x = self.input(c, threshold, torch.arange(len(chunk.pos), device=chunk.pos.device), 0)
+        w2 = self.w2[layer]  # (nh, 32)
+        return self.run_mlp(x, self.w1[layer], self.b1[layer], w2[:, None], few=len(chunk.pos) <= FIRE_FEW)
 
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
         """score_bias at every pair, for one layer's heads, its x and hidden units computed once for the layer. Where
@@ -1034,16 +1058,9 @@ class GPT(nn.Module):
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
             return bias.masked_fill(~sees(), float("-inf"))
 
-        # on a CPU a bias of i - j alone comes as its table over the distances 0 … D - 1 a query sees (D - 1: the far
-        # one, or the most distant), another trained bias as its matrix
-        table = matrix = None
-        D = pe.far_distance + 1 if pe.far_distance is not None else len(chunk.pos) if own_keys else None
-        if chunk.pos.device.type == "cpu" and pe.relative and D is not None:
-            D = D if chunk.window is None else min(D, chunk.window)
-            heads, distances = torch.arange(cfg.n_head, device=chunk.pos.device)[:, None], torch.arange(D)
-            table = pe.score_bias(heads + first, distances.to(chunk.pos.device)[None], 0)  # (nh, D)
-        elif chunk.pos.device.type == "cpu" and trainable:
-            matrix = bias_matrix()
+        # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
+        table = pe.distance_table(first, cfg.n_head, chunk) if chunk.pos.device.type == "cpu" else None
+        matrix = bias_matrix() if chunk.pos.device.type == "cpu" and table is None and trainable else None
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),

@@ -366,8 +366,10 @@ def taken_paths(monkeypatch) -> list[str]:
         ("bias_rpe", True, True, dict(), {"flex_band"}),
         ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_table"}),
         ("kerple", True, True, dict(), {"bias_table"}),
-        ("fire", True, True, dict(), {"bias_attention"}),
-        ("fire", None, False, dict(), {"bias_blocks"}),
+        ("fire", True, True, dict(), {"bias_table"}),  # every query within its threshold: x of i - j alone
+        ("fire", True, True, dict(pos=torch.arange(16) + 64), {"bias_attention"}),  # past it
+        ("fire", None, False, dict(), {"bias_table"}),
+        ("fire", None, False, dict(pos=torch.arange(16) + 64), {"bias_blocks"}),
         ("fire", False, False, dict(), {"sdpa_mask"}),
     ],
 )
@@ -823,8 +825,9 @@ def test_fused_attention_equals_reference(pe, window):
         ("bias_rpe", 150, None, 64, torch.bfloat16, 1, "bias_table"),
         ("kerple", 40, 9, 16, torch.float32, 1, "bias_table"),
         ("kerple", 40, 9, 16, torch.float32, 2, "bias_attention"),  # the blocks' keys read from the mask
-        ("fire", 40, None, 16, torch.float32, 1, "bias_attention"),
-        ("fire", 150, None, 64, torch.float32, 1, "bias_attention"),
+        ("fire", 40, None, 16, torch.float32, 1, "bias_table"),  # within its threshold: x of i - j alone
+        ("fire", 40, None, 16, torch.float32, -1, "bias_attention"),  # positions 40 … 79, past it
+        ("fire", 150, None, 64, torch.float32, -1, "bias_attention"),
     ],
 )
 def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype, step, path, monkeypatch):
@@ -840,7 +843,10 @@ def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype,
     monkeypatch.setattr(fast_paths, "BIAS_ATTENTION_BLOCK", block)
     monkeypatch.setattr(fast_paths, "TABLE_BLOCK", block)
     model = tiny(pe, block_size=T).train()
-    idx, kw = tokens(3, T), dict(window=window, pos=step * torch.arange(T) if step > 1 else None)
+    if pe == "fire":  # every layer's threshold L at 1.5 T: positions 0 … T - 1 within it, T … 2T - 1 past it
+        model.encoding.L_multiplier.data.fill_(1.5 if step == 1 else 0.9)
+    pos = {1: None, 2: 2 * torch.arange(T), -1: T + torch.arange(T)}[step]
+    idx, kw = tokens(3, T), dict(window=window, pos=pos)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with autocast:
         model.attention_options = replace(model.attention_options, fused=False)
@@ -851,7 +857,7 @@ def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype,
         logits, fused_grads = grads(model, idx, **kw)
     assert set(paths) == {path}, paths
     if path == "bias_attention":  # the blocks' keys from the positions or the mask
-        assert calls and all(c == {"own_keys": step == 1} for c in calls), calls
+        assert calls and all(c == {"own_keys": step != 2} for c in calls), calls
     assert ref_grads.keys() == fused_grads.keys()
     if dtype == torch.float32:
         for got, want in [(logits, ref_logits)] + [(fused_grads[n], ref_grads[n]) for n in ref_grads]:
@@ -862,8 +868,10 @@ def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype,
         assert error(logits, exact_logits) <= 2 * error(ref_logits, exact_logits) + 1e-3
         for n in exact:
             assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
-    assert all(p.grad is None or p.grad.abs().sum() > 0 for p in model.encoding.parameters())
-    assert all(ref_grads[n].abs().sum() > 0 for n, _ in model.encoding.named_parameters(prefix="transformer.wpe"))
+    zero = {"transformer.wpe.L_multiplier"} if step == -1 else set()  # every query past L: x does not read L
+    assert all(
+        ref_grads[n].abs().sum() > 0 for n, _ in model.encoding.named_parameters("transformer.wpe") if n not in zero
+    )
 
 
 @pytest.mark.parametrize("pe", BIASED)
@@ -901,14 +909,16 @@ def largest_square(fn) -> tuple[int, int]:
 
 @pytest.mark.parametrize(
     "pe, train",
-    [(pe, train) for pe in ["bias_rpe", "t5", "kerple", "alibi"] for train in (True, False)] + [("fire", False)],
+    [(pe, train) for pe in ["bias_rpe", "t5", "kerple", "alibi", "fire"] for train in (True, False)],
 )
 def test_a_bias_makes_no_square_tensor_on_a_cpu(pe, train):
     """On a CPU, an encoding whose bias is a function of i - j alone trains and evaluates with no (.., T, T) tensor,
     forward or backward: its table over distances, read a block of queries at a time (the reference path, by
     contrast, makes one); and the table's gradient is the same in two runs, bit for bit. Any bias evaluates so (FIRE:
-    its bias a block of queries at a time)."""
+    its bias a block of queries at a time), and FIRE trains so while its queries are within its threshold."""
     model = tiny(pe, block_size=256, n_layer=1).train(train)
+    if pe == "fire":  # its threshold L at 1.5 times the block: every query within it
+        model.encoding.L_multiplier.data.fill_(1.5)
     idx = tokens(2, 256)
 
     def step():
