@@ -324,11 +324,13 @@ class TableBiasAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, table, pos, keys, window):
         own_keys, keys = keys is None, pos if keys is None else keys  # None: the queries' own
-        B, nh, Tq, hs = q.shape
+        (B, nh, Tq, _), Tk = q.shape, k.size(2)
         y = q.new_empty(B, nh, Tq, v.size(-1))
         lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
-        for i0, i1, j1 in table_blocks(Tq, k.size(2), own_keys):
-            bias = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
+        for i0 in range(0, Tq, TABLE_BLOCK):
+            i1 = min(i0 + TABLE_BLOCK, Tq)
+            j1 = i1 if own_keys else Tk  # own keys: none past the block's last query (its future)
+            bias, _ = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
             y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], bias)
         ctx.save_for_backward(q, k, v, table, pos, keys, y, lse)
         ctx.window, ctx.own_keys = window, own_keys
@@ -341,9 +343,11 @@ class TableBiasAttention(torch.autograd.Function):
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
         scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
         dq, dk, dv, dtable = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(table)
-        for i0, i1, j1 in table_blocks(q.size(2), k.size(2), ctx.own_keys):
-            index = distance_index(pos[i0:i1], keys[:j1], table.size(1))  # (bq, j1)
-            bias = table_block(table, pos[i0:i1], keys[:j1], ctx.window)
+        Tq, Tk = q.size(2), k.size(2)
+        for i0 in range(0, Tq, TABLE_BLOCK):
+            i1 = min(i0 + TABLE_BLOCK, Tq)
+            j1 = i1 if ctx.own_keys else Tk
+            bias, index = table_block(table, pos[i0:i1], keys[:j1], ctx.window)  # (nh, bq, j1), (bq, j1)
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
             dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
@@ -355,14 +359,28 @@ class TableBiasAttention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None
 
 
+TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
+
+
+def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> tuple:
+    """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys (Tk,), -inf where a query does not see a key,
+    and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1."""
+    rel = pos[:, None] - keys[None, :]
+    index = rel.clamp(0, table.size(1) - 1)
+    bias = table[:, index].to(torch.promote_types(table.dtype, torch.float32))
+    return bias.masked_fill(~sees(rel, window), float("-inf")), index
+
+
 def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool) -> Callable:
     """Attention with a bias that takes no gradient (evaluation, generation), on a CPU: the bias of a block of queries
     at a time, bias(h, i, j) at each of its pairs, then SDPA's flash kernel: no (nh, Tq, Tk) tensor."""
     heads = torch.arange(n_head, device=pos.device)[:, None, None]
 
     def attention(q, k, v):
-        y = q.new_empty(*q.shape[:3], v.size(-1))
-        for i0, i1, j1 in table_blocks(q.size(2), k.size(2), own_keys):
+        y, (Tq, Tk) = q.new_empty(*q.shape[:3], v.size(-1)), (q.size(2), k.size(2))
+        for i0 in range(0, Tq, TABLE_BLOCK):
+            i1 = min(i0 + TABLE_BLOCK, Tq)
+            j1 = i1 if own_keys else Tk
             queries = pos[i0:i1, None]
             block = bias(heads, queries, keys[:j1]).float()  # (nh, bq, j1)
             block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
@@ -370,28 +388,6 @@ def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_
         return y
 
     return attention
-
-
-TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
-
-
-def table_blocks(Tq: int, Tk: int, own_keys: bool):
-    """(first query, end, keys read) of each block: where the keys are the queries' own, a block reads none past its
-    last query (they are in its future)."""
-    for i0 in range(0, Tq, TABLE_BLOCK):
-        i1 = min(i0 + TABLE_BLOCK, Tq)
-        yield i0, i1, i1 if own_keys else Tk
-
-
-def distance_index(pos: torch.Tensor, keys: torch.Tensor, D: int) -> torch.Tensor:
-    """The table entry of each (query, key) pair: i - j, from 0 (the future, masked anyway) to D - 1."""
-    return (pos[:, None] - keys[None, :]).clamp(0, D - 1)
-
-
-def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """The bias (nh, bq, Tk) float32 of queries at pos over keys, -inf where a query does not see a key."""
-    bias = table[:, distance_index(pos, keys, table.size(1))].to(torch.promote_types(table.dtype, torch.float32))
-    return bias.masked_fill(~sees(pos[:, None] - keys[None, :], window), float("-inf"))
 
 
 KERNELS = (
