@@ -886,6 +886,29 @@ def test_a_float64_model_attends_in_float64(pe):
     close(flash, model(idx)[0].detach(), tol=1e-10)
 
 
+@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("kw", [{}, dict(window=5), dict(pos=torch.arange(7, 31))])
+def test_cpu_bias_kernels_equal_the_reference_in_float64(pe, kw):
+    """In float64 the CPU kernels of a score bias (its table a block of queries at a time, FIRE's within its
+    threshold too; BiasAttention) give the materialized reference's logits and every gradient to 1e-10 relative: the
+    same sums in another order, so float64 leaves only rounding; with a window and explicit positions. bias-RPE's and
+    T5's tables stay float32 in a float64 model (their bias is a float32 gather), so their gradient is summed in
+    float32 on both paths: 1e-6 there. (In float32 the tests above hold them to 1e-5, in bf16 to the reference's own
+    error.)"""
+    model = tiny(pe, block_size=32).double().train()
+    if pe == "fire":
+        model.encoding.L_multiplier.data.fill_(1.5)  # every position within its threshold: its table
+    idx = tokens(2, 24)
+    logits, got = grads(model, idx, **kw)
+    model.attention_options = replace(model.attention_options, fused=False)
+    ref_logits, ref = grads(model, idx, **kw)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-12)
+    float32_table = pe in ("bias_rpe", "t5")
+    for n in ref:
+        tol = 1e-6 if float32_table and n.startswith("transformer.wpe") else 1e-10
+        torch.testing.assert_close(got[n], ref[n], rtol=tol, atol=tol * ref[n].abs().max().item(), msg=n)
+
+
 def largest_square(fn) -> tuple[int, int]:
     """The largest trailing (rows, columns) of any tensor the ops run by fn() create, forward and backward, with
     rows == columns: a (.., T, T) tensor shows as (T, T)."""
