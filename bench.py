@@ -15,6 +15,7 @@ GPT-2 124M at block 1024, bf16, compiled.
 
 import argparse
 import importlib.util
+import json
 import multiprocessing
 import re
 import resource
@@ -194,6 +195,8 @@ def bench_encodings(args, device: str) -> None:
         for enc in args.step_encodings:
             torch.manual_seed(0)
             model = GPT(GPTConfig(**model_args(cfg), pos_encoding=enc)).to(device)
+            if args.flex_options is not None:  # FlexAttention's Triton options (block sizes, stages) to try
+                model.attention_options = AttentionOptions(flex_kernel_options=args.flex_options)
             steps[enc] = (model, train_step_fn(model, cfg, args, device))
         for _ in range(args.rounds):
             for enc, (_, step) in steps.items():
@@ -243,7 +246,8 @@ def profile(fn, device: str, label: str, rows: int = 12) -> None:
 
 
 def fallback_name(options: AttentionOptions) -> str:
-    """Which kernel a model's step ended on: the default, or a fallback after the fused kernel failed to compile."""
+    """Which kernel a model's step ended on: the default, or a fallback after the fused kernel failed to compile (or
+    the options --flex_options gave)."""
     if options.fused is False:
         return "materialized bias (fallback)"
     if options.flex_kernel_options:
@@ -529,6 +533,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         choices=ENCODINGS,
         help="--only=encodings and decode: print where these encodings' step (and 16 decoded tokens) spend their time",
+    )
+    p.add_argument(
+        "--flex_options",
+        type=json.loads,
+        default=None,
+        help="--only=encodings: FlexAttention's kernel options to try, JSON, e.g. "
+        + """'{"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}' (the kernel column then names them)""",
     )
     p.add_argument("--decode_tokens", type=int, default=512)
     p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
