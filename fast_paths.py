@@ -68,14 +68,11 @@ def kernel(
     dropout: bool,
     fits: bool,
     table: bool = False,
-    biased: bool = True,
 ) -> str | None:
-    """The fast kernel for a forward with a score bias, or with a mask alone (a window, or a cache's keys), or None
-    for model.py's reference: the first row that matches.
+    """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row that matches.
 
     | fused     | the bias                              | device, compile         | dropout | kernel         |
     |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | none: a mask alone                    | ·                       | no      | flex_mask      |
     | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
     | yes, fits | not trained                           | ·                       | no      | flex           |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
@@ -84,12 +81,9 @@ def kernel(
 
     fused is options.fused, where None: compiling on CUDA. own_keys: the keys are the queries' own, in order (no
     cache). band: the bias depends on i - j alone, one constant from some distance on (far_distance). table: the
-    bias comes as its table over distances (a bias of i - j alone, on a CPU), else as its matrix. biased: there is a
-    score bias (else a mask alone, as a decode step's over its cache: SDPA takes one query's mask on few blocks)."""
+    bias comes as its table over distances (a bias of i - j alone, on a CPU), else as its matrix."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
-    if not biased:
-        return "flex_mask" if flex else None
     if flex and trainable and band and own_keys:
         return "flex_band"
     if flex and not trainable:
@@ -106,7 +100,7 @@ def kernel(
 
 def fast_attention(
     options: AttentionOptions,
-    bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     pos: torch.Tensor,
     keys: torch.Tensor,
@@ -121,11 +115,10 @@ def fast_attention(
     matrix: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
-    reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query
-    position i, key position j (pos (Tq,) and keys (Tk,) hold them), or None (a mask alone); query i sees key j where
-    0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order; far_distance: the bias is
-    a function of i - j alone, constant from this distance on (None: it is not); trainable: autograd records the
-    bias's parameters. On a CPU
+    reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query position
+    i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
+    window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
+    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters. On a CPU
     model.py hands a bias of i - j alone as its table too, its values at distances 0 … D - 1 (nh, D), the last for
     every longer distance, and another trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where
     a query does not see a key."""
@@ -140,7 +133,6 @@ def fast_attention(
         dropout=dropout_p > 0,
         fits=flex_fits(head_dim, device),
         table=table is not None,
-        biased=bias is not None,
     )
     if name is None:
         return None
@@ -153,10 +145,6 @@ def fast_attention(
         return bias_blocks(bias, n_head, pos, keys, window, own_keys)
     visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     block_mask = create_block_mask(lambda b, h, i, j: visible(i, j), None, None, len(pos), len(keys), device=pos.device)
-    if name == "flex_mask":
-        return lambda q, k, v: flex_attention(
-            q, k, v, block_mask=block_mask, kernel_options=options.flex_kernel_options
-        )
     if name == "flex_band":
         return flex_band(bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options)
     if name == "flex":
@@ -406,7 +394,6 @@ def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_
 
 
 KERNELS = (
-    "flex_mask",
     "flex_band",
     "flex",
     "bias_table",

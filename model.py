@@ -1047,25 +1047,27 @@ class GPT(nn.Module):
             rel = chunk.pos[:, None] - chunk.keys  # i - j
             return rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)
 
+        if not pe.has_score_bias:
+            mask = sees()
+            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
-        bias = (lambda h, i, j: pe.score_bias(h + first, i, j)) if pe.has_score_bias else None
-        trainable = bias is not None and torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+        own_keys = chunk.consecutive and not chunk.cached
 
         def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
-            matrix = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
-            return matrix.masked_fill(~sees(), float("-inf"))
+            bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
+            return bias.masked_fill(~sees(), float("-inf"))
 
         # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
-        cpu = chunk.pos.device.type == "cpu" and bias is not None
-        table = pe.distance_table(first, cfg.n_head, chunk) if cpu else None
-        matrix = bias_matrix() if cpu and table is None and trainable else None
+        table = pe.distance_table(first, cfg.n_head, chunk) if chunk.pos.device.type == "cpu" else None
+        matrix = bias_matrix() if chunk.pos.device.type == "cpu" and table is None and trainable else None
         fast = fast_attention(
             self.attention_options,
-            bias,
+            lambda h, i, j: pe.score_bias(h + first, i, j),
             pos=chunk.pos,
             keys=chunk.keys,
             window=chunk.window,
-            own_keys=chunk.consecutive and not chunk.cached,
+            own_keys=own_keys,
             far_distance=pe.far_distance,
             trainable=trainable,
             n_head=cfg.n_head,
@@ -1076,9 +1078,6 @@ class GPT(nn.Module):
         )
         if fast is not None:
             return fast
-        if bias is None:
-            mask = sees()
-            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
         matrix = bias_matrix() if matrix is None else matrix
         return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
 

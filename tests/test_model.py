@@ -257,9 +257,9 @@ CUDA_COMPILED = dict(device="cuda", compiling=True)
 def attention_path(options: AttentionOptions, bias, window, cached, consecutive, **facts) -> str:
     """The path a forward takes: model.py's reference (SDPA, causal where it can) where the encoding has no score
     bias or fast_paths.kernel has no row for it, else that kernel."""
-    if not bias and not window and not cached:
-        return "sdpa_causal"
-    return kernel(options, own_keys=consecutive and not cached, biased=bias, **facts) or "sdpa_mask"
+    if not bias:
+        return "sdpa_causal" if not window and not cached else "sdpa_mask"
+    return kernel(options, own_keys=consecutive and not cached, **facts) or "sdpa_mask"
 
 
 @pytest.mark.parametrize(
@@ -270,11 +270,6 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (True, dict(bias=False, band=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
         (None, dict(bias=False, band=False, window=True), "sdpa_mask"),
         (None, dict(bias=False, band=False, cached=True, trainable=False), "sdpa_mask"),
-        # flex_mask: no bias, a window or a cache's keys (a decode step), fused
-        (None, dict(bias=False, band=False, cached=True, trainable=False, **CUDA_COMPILED), "flex_mask"),
-        (True, dict(bias=False, band=False, window=True), "flex_mask"),
-        (True, dict(bias=False, band=False, window=True, dropout=True), "sdpa_mask"),
-        (None, dict(bias=False, band=False, window=True, device="cuda"), "sdpa_mask"),
         # flex_band: a trainable band bias, fused (by default: compiled on CUDA), consecutive, no cache
         (None, CUDA_COMPILED, "flex_band"),
         (True, dict(), "flex_band"),
@@ -328,7 +323,7 @@ def test_attention_path_follows_its_table(fused, facts, path):
 def test_every_kernel_of_the_table_has_its_builder():
     """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention builds (KERNELS,
     the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
-    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits", "table", "biased"]
+    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits", "table"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
@@ -348,10 +343,10 @@ def taken_paths(monkeypatch) -> list[str]:
     def recording(self, chunk, layer=0):
         answers.clear()
         built = attention(self, chunk, layer)
-        if answers:  # the fast paths were asked: a bias, or a mask alone
+        if self.encoding.has_score_bias:
             got.append(answers[-1] or "sdpa_mask")
         else:
-            got.append("sdpa_causal")
+            got.append("sdpa_causal" if chunk.window is None and not chunk.cached else "sdpa_mask")
         return built
 
     monkeypatch.setattr(GPT, "attention", recording)
@@ -818,23 +813,6 @@ def test_fused_attention_equals_reference(pe, window):
     model.attention_options = replace(model.attention_options, fused=True)
     with torch.no_grad():
         close(model(idx, window=window)[0], expected)
-
-
-@pytest.mark.parametrize("pe", [e for e in ENCODINGS if e not in BIASED])
-def test_fused_mask_equals_reference(pe, monkeypatch):
-    """Without a score bias, a window or a cache's keys (a decode step) go to FlexAttention with the mask alone where
-    fused (flex_mask: SDPA takes one query's mask on few blocks of a GPU): the reference's logits, through a window
-    and through the cache token by token."""
-    paths = taken_paths(monkeypatch)
-    model = tiny(pe)
-    idx = tokens(2, 16)
-    expected, cached = model(idx, window=5)[0], cached_logits(model, idx, [9, 1, 1, 5])
-    model.attention_options = replace(model.attention_options, fused=True)
-    paths.clear()
-    with torch.no_grad():
-        close(model(idx, window=5)[0], expected)
-        close(cached_logits(model, idx, [9, 1, 1, 5]), cached)
-    assert set(paths) == {"flex_mask"}, paths
 
 
 @pytest.mark.parametrize(
