@@ -1,18 +1,17 @@
 """
 The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py asks
-`fast_attention()` once per forward and layer, handing it tensors (the positions, the bias matrix on a CPU) and the
-layer's score bias as a pure function of (head, query position, key position); where the answer is None it takes its
-reference attention. Nothing here imports the project's code or reads a model object: train.py and bench.py hand the
-kernel fallbacks the options, and generate.py compiles its decode step with `compiled_step`.
+`fast_attention()` once per forward (once per layer for a bias of each layer's own), handing it tensors (the positions,
+on a CPU the bias's table of distances or its matrix) and the layer's score bias as a function of (head, query
+position, key position); where the answer is None it takes its reference attention. Nothing here imports the
+project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the options.
 
-Sections: the options and the table that picks a kernel, FlexAttention's paths, BiasAttention (a CPU bias with a
-gradient), the fallbacks when the compiler cannot build a kernel, the compiled decode step.
-docs/development.md ("How attention is computed") explains each path and why it is there.
+Sections: the options and the table that picks a kernel, FlexAttention's paths, the CPU's kernels (a bias with a
+gradient from its table or its matrix, and one without, a block of queries at a time), the fallbacks when the
+compiler cannot build a kernel. docs/development.md ("How attention is computed") explains each path and why.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -236,7 +235,8 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> tor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# BiasAttention: a trainable score bias on a CPU, through SDPA's flash kernel (which gives a bias no gradient)
+# A score bias on a CPU, through SDPA's flash kernel (which gives a bias no gradient): BiasAttention (a trained bias's
+# matrix), TableBiasAttention (a bias of i - j alone, from its table), bias_blocks (a bias without a gradient)
 
 
 def bias_attention(matrix: torch.Tensor, own_keys: bool) -> Callable:
@@ -264,9 +264,9 @@ BIAS_ATTENTION_BLOCK = 64  # queries per block of BiasAttention's backward
 
 
 class BiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where masked): the flash kernel
-    forward, and a backward that recomputes the probabilities from its log-sum-exp a block of queries at a time,
-    skipping the keys no query of the block sees (which, it reads from the mask)."""
+    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where a query does not see a key):
+    the flash kernel forward, and a backward that recomputes the probabilities from its log-sum-exp a block of queries
+    at a time, skipping the keys no query of the block sees (which, it reads from the bias's -inf)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias):
@@ -459,20 +459,3 @@ def with_kernel_fallbacks(
             options, note = fallback
             log(f"note: {note}")
             retry(options)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The compiled decode step
-
-
-def compiled_step(fn: Callable, owner, device_type: str) -> Callable:
-    """fn (a function of owner and tensors: generate.decode_step) compiled for owner: on CUDA one graph replayed over
-    the static cache; on a CPU, batch-1 matmuls as fused multiply-reductions (faster than MKL's GEMV). Dynamo keeps
-    its graphs, and its limit of 8 recompiles, per code object: each owner compiles a copy of fn's code, so a process
-    that compiles many models never reaches the limit, which fullgraph=True makes an error."""
-    if device_type == "cuda":
-        kw = dict(mode="reduce-overhead")
-    else:
-        kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
-    code = fn.__code__.replace()
-    return torch.compile(types.MethodType(types.FunctionType(code, fn.__globals__), owner), fullgraph=True, **kw)

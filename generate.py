@@ -1,14 +1,15 @@
 """
 Generation (nanochat's engine.py, gpt-fast's generate.py): the loop that feeds a model.GPT one token at a time through
-its KV cache, and sampling. The model neither builds nor holds any of it: sample.py, bench.py and the Hugging Face
-export call `generate(model, idx, ...)` (GPT.generate, nanoGPT's call, too).
+its KV cache, and sampling. The model neither builds nor holds any of it: sample.py and bench.py call
+`generate(model, idx, ...)` (as GPT.generate, nanoGPT's call, does), the Hugging Face export `next_logits`.
 
-Each step is a prefill that starts a cache, one token through the decode step (compiled on request), or the whole
-window again where no cache can be exact.
+Each new token takes a prefill that starts a cache, one token through the decode step (compiled on request), or the
+whole window again where no cache can be exact.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 
@@ -16,10 +17,8 @@ import torch
 from torch.nn import functional as F
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside model.py
-    from .fast_paths import compiled_step
     from .model import GPT, Chunk, KVCache, PositionalEncoding
 except ImportError:
-    from fast_paths import compiled_step
     from model import GPT, Chunk, KVCache, PositionalEncoding
 
 
@@ -44,11 +43,11 @@ def generate(
     decode = compiled(model, idx.device.type) if compile and use_cache else decode_step
     cache, new = None, idx  # new: the tokens the model has not seen yet
     for _ in range(max_new_tokens):
-        logits, started = next_logits(model, idx, new, cache, W, use_cache, decode)  # cache None without one
-        if compile and started is not cache:  # the cache's tensors keep their addresses: CUDA graphs need no copy
-            for t in [started.pos, *started.k, *started.v]:
+        logits, after = next_logits(model, idx, new, cache, W, use_cache, decode)  # the cache (None without one)
+        if compile and after is not cache:  # a new cache: its tensors keep their addresses, CUDA graphs need no copy
+            for t in [after.pos, *after.k, *after.v]:
                 torch._dynamo.mark_static_address(t)
-        cache, new = started, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
+        cache, new = after, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
         idx = torch.cat([idx, new], dim=1)
     return idx
 
@@ -90,10 +89,18 @@ COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled(model: GPT, device_type: str) -> Callable:
-    """decode_step compiled for this model and its encoding: once, then reused by every generate() call."""
+    """decode_step compiled for this model and its encoding, once, then reused by every generate() call: on CUDA one
+    graph replayed over the static cache; on a CPU, batch-1 matmuls as fused multiply-reductions (faster than MKL's
+    GEMV). Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: each model compiles a copy of
+    decode_step's code, so a process that compiles many models never reaches the limit (an error with fullgraph)."""
     encoding, decode = COMPILED.get(model, (None, None))
     if encoding is not model.encoding:
-        decode = compiled_step(decode_step, model, device_type)
+        if device_type == "cuda":
+            kw = dict(mode="reduce-overhead")
+        else:
+            kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
+        step = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__)
+        decode = torch.compile(types.MethodType(step, model), fullgraph=True, **kw)
         COMPILED[model] = (model.encoding, decode)
     return lambda model, idx, chunk, cache: decode(idx, chunk, cache)
 

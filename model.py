@@ -28,8 +28,8 @@ except ImportError:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
-# options. Nothing outside this section names an encoding: code elsewhere asks the object (or its class, through
-# POS_ENCODINGS), and GPTConfig's checks, train.py's keys and --help read the options from the registry.
+# options. No code outside this section asks for an encoding by name: code elsewhere asks the object (or its class,
+# through POS_ENCODINGS), and GPTConfig's checks, train.py's keys and --help read the options from the registry.
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,13 @@ class PositionalEncoding(nn.Module):
         """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry
         read for every longer distance, where every query's bias is a function of i - j alone and D is known without
         reading the positions (the far distance, or the keys the queries' own); else None."""
-        own_keys = chunk.consecutive and not chunk.cached
-        D = self.far_distance + 1 if self.far_distance is not None else len(chunk.pos) if own_keys else None
-        if not self.relative or D is None:
+        if not self.relative:
+            return None
+        if self.far_distance is not None:  # every distance from it on reads one entry
+            D = self.far_distance + 1
+        elif chunk.consecutive and not chunk.cached:  # the keys are the queries' own: distances up to T - 1
+            D = len(chunk.pos)
+        else:
             return None
         D = D if chunk.window is None else min(D, chunk.window)
         heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + first
@@ -216,13 +220,14 @@ class Learned(PositionalEncoding):
         self.weight = nn.Parameter(self.weight[:block_size].detach().clone())
 
     def extend(self, block_size):
-        # position interpolation (Chen et al. 2023): new row p is the old table read at p·L0/L, linearly between rows
+        # position interpolation (Chen et al. 2023): new row p is the old table read at p·L0/block_size, linearly
+        # between rows (L0: the old table's length, the training length as elsewhere)
         L0 = self.weight.size(0)
-        x = (torch.arange(block_size, dtype=torch.float64) * L0 / block_size).clamp(max=L0 - 1)  # (L,)
+        x = (torch.arange(block_size, dtype=torch.float64) * L0 / block_size).clamp(max=L0 - 1)  # (block_size,)
         lo = x.floor().long()
         hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
         w = self.weight.detach()
-        self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (L, C)
+        self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (block_size, C)
 
 
 class BiasRPE(PositionalEncoding):
@@ -411,7 +416,7 @@ class RoPE(PositionalEncoding):
             raise ValueError(f"rope_fraction={config.rope_fraction} rotates no pair of a head dim of {d}; raise it")
 
     def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
-        """θ_k (hs/2,) float32, scaled; length (0-d, the sequence length L) matters for dynamic_ntk only."""
+        """θ_k (hs/2,) float32, scaled; length (0-d, the sequence's length) matters for dynamic_ntk only."""
         d, s = self.head_dim, self.factor
         k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
         theta = self.theta_base ** (-2 * k / d)
@@ -479,6 +484,40 @@ class ALiBi(PositionalEncoding):
         return -self.slopes[h] * (i - j).float()
 
 
+FIRE_FEW = 1 << 14  # FIRE's MLP inputs up to which its units are kept at once (16,384 x 32 floats: 2 MiB)
+
+
+def recomputed(fn: Callable, recompute: bool) -> Callable:
+    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
+    backward instead of kept."""
+    if not recompute:
+        return fn
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
+
+
+class UnitByUnit(torch.autograd.Function):
+    """FIRE's mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes its 32 units one at a time in the
+    backward (autograd would keep 32 bias-sized pre-activations)."""
+
+    @staticmethod
+    def forward(ctx, mlp, x, w1, b1, w2):
+        ctx.save_for_backward(x, w1, b1, w2)
+        return mlp(x, w1, b1, w2)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, w2 = ctx.saved_tensors
+        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for u in range(w1.size(-1)):
+            a = x * w1[..., u] + b1[..., u]
+            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
+            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
+            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
+            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
+            gx = gx + ga * w1[..., u]
+        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
+
+
 class FIRE(PositionalEncoding):
     """FIRE (Li et al. 2023): f(ψ(i - j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c|·x + 1), f a small MLP (1 -> 32, ReLU,
     -> one output per head) of each layer's own; c and the threshold L = |m|·L0 trainable. Dividing by ψ of the query's
@@ -490,7 +529,7 @@ class FIRE(PositionalEncoding):
     has_score_bias = True
     per_layer = True
     units = 32  # f's hidden units
-    eps = 1e-6  # keeps L = 0 finite at position 0
+    eps = 1e-6  # keeps x finite where ψ(max(L, i)) is 0 (L = 0 at position 0)
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -503,11 +542,15 @@ class FIRE(PositionalEncoding):
         self.b1 = nn.Parameter(torch.rand(layers, n) * 2 - 1)  # (layers, 32)
         self.w2 = nn.Parameter(torch.randn(layers, nh, n) * 0.02)  # (layers, nh, 32): starts small, near NoPE
 
+    def threshold(self) -> torch.Tensor:
+        """L = |m|·L0, each layer's (layers,)."""
+        return (self.L_multiplier * self.init_L).abs()
+
     def score_bias(self, h, i, j):
         # each parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
         # of a row read by several heads at once (h // n_head)
         per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (layers, ...) -> (layers·nh, ...)
-        c, threshold = per_head(self.c).abs()[h], (per_head(self.L_multiplier) * self.init_L).abs()[h]
+        c, threshold = per_head(self.c).abs()[h], per_head(self.threshold())[h]
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
         return self.mlp(self.input(c, threshold, i, j), w1, b1, w2)
 
@@ -519,7 +562,7 @@ class FIRE(PositionalEncoding):
 
     @staticmethod
     def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, together: bool = False):
-        """f(x) = Σ_u relu(x·w1_u + b1_u)·w2_u over the hidden units u (the last dim of w1, b1, w2, whose other dims
+        """f(x) = Σ_u relu(x·w1_u + b1_u)·w2_u over its units u (the last dim of w1, b1, w2, whose other dims
         broadcast against x's): a unit at a time, the memory of one output, not one per unit; or with together, every
         unit at once (one broadcast expression: few inputs, or compiled, where inductor fuses it without storing the
         units)."""
@@ -539,11 +582,12 @@ class FIRE(PositionalEncoding):
         return UnitByUnit.apply(self.mlp, x, w1, b1, w2) if grad else self.mlp(x, w1, b1, w2)
 
     def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
-        # every query within the threshold L (the keys its own, eager: whether all are reads the data): x of i - j
+        # a query within the threshold L has x of i - j alone: a table where every query of the chunk is, its keys its
+        # own (eager only: whether every query is within L reads the data)
         if chunk.cached or not chunk.consecutive or torch.compiler.is_compiling():
             return None
         layer = first // n_head
-        c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
+        c, threshold = self.c[layer].abs(), self.threshold()[layer]
         if bool(chunk.pos[-1] > threshold):
             return None
         x = self.input(c, threshold, torch.arange(len(chunk.pos), device=chunk.pos.device), 0)
@@ -551,12 +595,12 @@ class FIRE(PositionalEncoding):
         return self.run_mlp(x, self.w1[layer], self.b1[layer], w2[:, None], few=len(chunk.pos) <= FIRE_FEW)
 
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-        """score_bias at every pair, for one layer's heads, its x and hidden units computed once for the layer. Where
+        """score_bias at every pair, for one layer's heads, its x and units computed once for the layer. Where
         the queries are their own keys at consecutive positions, a query within the threshold L has x of i - j
         alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
         per pair."""
         layer, pos = first // n_head, chunk.pos
-        c, threshold = self.c[layer].abs(), (self.L_multiplier[layer] * self.init_L).abs()
+        c, threshold = self.c[layer].abs(), self.threshold()[layer]
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
         operands = (c, threshold, w1, b1, w2)
 
@@ -596,40 +640,6 @@ class FIRE(PositionalEncoding):
         if n == 0 or n == T:
             return (by_distance if n == 0 else pairs(pos))(*operands)
         return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
-
-
-FIRE_FEW = 1 << 14  # MLP inputs up to which its hidden units are kept (16,384 x 32 floats: 2 MiB)
-
-
-def recomputed(fn: Callable, recompute: bool) -> Callable:
-    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
-    backward instead of kept."""
-    if not recompute:
-        return fn
-    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
-
-
-class UnitByUnit(torch.autograd.Function):
-    """FIRE's mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes the 32 hidden units one at a time
-    in the backward (autograd would keep 32 bias-sized pre-activations)."""
-
-    @staticmethod
-    def forward(ctx, mlp, x, w1, b1, w2):
-        ctx.save_for_backward(x, w1, b1, w2)
-        return mlp(x, w1, b1, w2)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        for u in range(w1.size(-1)):
-            a = x * w1[..., u] + b1[..., u]
-            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
-            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
-            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
-            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
-            gx = gx + ga * w1[..., u]
-        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
 
 
 POS_ENCODINGS = {
@@ -958,8 +968,8 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
         """Model FLOPs utilization: 6N per token for the weights plus attention's 12·L·H·Q·T (PaLM, App. B)."""
         cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
+        layers, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * self.get_num_params() + 12 * layers * H * Q * T
         return flops_per_token * tokens_per_iter / dt / peak_flops
 
     # ------------------------------------------------------------------------------------------------------------
