@@ -68,19 +68,9 @@ def kernel(
     fits: bool,
     table: bool = False,
 ) -> str | None:
-    """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row that matches.
-
-    | fused     | the bias                              | device, compile         | dropout | kernel         |
-    |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
-    | yes, fits | not trained                           | ·                       | no      | flex           |
-    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
-    | not False | trained                               | CPU: eager, or own keys | no      | bias_attention |
-    | not False | not trained                           | CPU: eager, or own keys | no      | bias_blocks    |
-
-    fused is options.fused, where None: compiling on CUDA. own_keys: the keys are the queries' own, in order (no
-    cache). band: the bias depends on i - j alone, one constant from some distance on (far_distance). table: the
-    bias comes as its table over distances (a bias of i - j alone, on a CPU), else as its matrix."""
+    """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row of
+    fast_attention's table that matches. band: the bias depends on i - j alone, one constant from some distance on
+    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU)."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
     if flex and trainable and band and own_keys:
@@ -114,13 +104,23 @@ def fast_attention(
     matrix: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
-    reference is the one to take (no row of `kernel` matches). bias(h, i, j): the layer's bias at head h, query position
-    i, key position j (pos (Tq,) and keys (Tk,) hold them); query i sees key j where 0 <= i - j < window (None: no
-    window); own_keys: the keys are the queries' own, in order; far_distance: the bias is a function of i - j alone,
-    constant from this distance on (None: it is not); trainable: autograd records the bias's parameters. On a CPU
-    model.py hands a bias of i - j alone as its table too, its values at distances 0 … D - 1 (nh, D), the last for
-    every longer distance, and another trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where
-    a query does not see a key."""
+    reference is the one to take: the kernel of the first row that matches (`kernel` decides).
+
+    | fused     | the bias                              | device, compile         | dropout | kernel         |
+    |-----------|---------------------------------------|-------------------------|---------|----------------|
+    | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
+    | yes, fits | not trained                           | ·                       | no      | flex           |
+    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
+    | not False | trained                               | CPU: eager, or own keys | no      | bias_attention |
+    | not False | not trained                           | CPU: eager, or own keys | no      | bias_blocks    |
+
+    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes the head dim on the device.
+    bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,) hold them);
+    query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
+    (no cache); far_distance: the bias is a function of i - j alone, constant from this distance on (None: it is
+    not); trainable: autograd records the bias's parameters. On a CPU model.py hands a bias of i - j alone as its
+    table too (no cache), its values at distances 0 … D - 1 (nh, D), the last for every longer distance, and another
+    trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not see a key."""
     device = pos.device.type
     name = kernel(
         options,
@@ -381,13 +381,16 @@ def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_
 
     def attention(q, k, v):
         y, (Tq, Tk) = q.new_empty(*q.shape[:3], v.size(-1)), (q.size(2), k.size(2))
+        work = torch.promote_types(q.dtype, torch.float32)  # bf16 q: in float32, the bias not rounded
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j1 = i1 if own_keys else Tk
             queries = pos[i0:i1, None]
-            block = bias(heads, queries, keys[:j1]).float()  # (nh, bq, j1)
+            block = bias(heads, queries, keys[:j1]).to(work)  # (nh, bq, j1): i - j, the offset of every pair
             block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
-            y[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], block)[0]
+            qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]))
+            with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
+                y[:, :, i0:i1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=block[None]).to(q.dtype)
         return y
 
     return attention

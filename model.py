@@ -794,21 +794,15 @@ class KVCache:
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where neither is given, else under mask (Tq, Tk),
-    True where a query sees a key, or with bias (nh, Tq, Tk) float32 added to the scores (-inf where it does not)."""
-    if mask is None and bias is None:
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where no bias is given, else with bias (nh, Tq,
+    Tk) float32 added to the scores (-inf where a query does not see a key)."""
+    if bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if bias is None or q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
+    if q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
         # a float32 bias with float64 q: as float64 (the CPU flash kernel reads its mask as q's dtype)
-        attn_mask = mask if bias is None else bias.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[None], dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype)[None], dropout_p=dropout_p)
     # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
     # while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
     with torch.autocast(q.device.type, enabled=False):
@@ -1057,9 +1051,9 @@ class GPT(nn.Module):
             rel = chunk.pos[:, None] - chunk.keys  # i - j
             return rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)
 
-        if not pe.has_score_bias:
-            mask = sees()
-            return lambda q, k, v: attend(q, k, v, mask=mask, dropout_p=dropout_p)
+        if not pe.has_score_bias:  # SDPA under the mask of what each query sees
+            mask = sees()[None]
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
         own_keys = chunk.consecutive and not chunk.cached
@@ -1068,9 +1062,11 @@ class GPT(nn.Module):
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
             return bias.masked_fill(~sees(), float("-inf"))
 
-        # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
-        table = pe.distance_table(first, cfg.n_head, chunk) if chunk.pos.device.type == "cpu" else None
-        matrix = bias_matrix() if chunk.pos.device.type == "cpu" and table is None and trainable else None
+        # on a CPU a bias of i - j alone comes as its table over distances (no cache: its queries are a block, a table
+        # needs no positions read), another trained bias as its matrix
+        cpu = chunk.pos.device.type == "cpu"
+        table = pe.distance_table(first, cfg.n_head, chunk) if cpu and not chunk.cached else None
+        matrix = bias_matrix() if cpu and table is None and trainable else None
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),

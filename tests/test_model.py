@@ -315,7 +315,7 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
 def test_attention_path_follows_its_table(fused, facts, path):
     """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row down (at last
     model.py's reference) where a row's condition fails."""
-    assert path in ("sdpa_causal", "sdpa_mask") or path in kernel.__doc__
+    assert path in ("sdpa_causal", "sdpa_mask") or path in fast_paths.fast_attention.__doc__
     options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})  # kernel options pick no path
     assert attention_path(options, **{**FACTS, **facts}) == path
 
