@@ -330,9 +330,7 @@ class TableBiasAttention(torch.autograd.Function):
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j1 = i1 if own_keys else Tk  # own keys: none past the block's last query (its future)
-            rel = pos[i0:i1, None] - keys[None, :j1]  # (bq, j1): i - j, whose entry the bias is (the last from D - 1)
-            bias = table[:, rel.clamp(0, table.size(1) - 1)].to(torch.promote_types(table.dtype, torch.float32))
-            bias = bias.masked_fill(~sees(rel, window), float("-inf"))  # (nh, bq, j1)
+            bias, _ = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
             y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], bias)
         ctx.save_for_backward(q, k, v, table, pos, keys, y, lse)
         ctx.window, ctx.own_keys = window, own_keys
@@ -366,8 +364,7 @@ TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
 
 def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> tuple:
     """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys (Tk,), -inf where a query does not see a key,
-    and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1. As the forward reads
-    it: the backward's."""
+    and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1."""
     rel = pos[:, None] - keys[None, :]
     index = rel.clamp(0, table.size(1) - 1)
     bias = table[:, index].to(torch.promote_types(table.dtype, torch.float32))

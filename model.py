@@ -131,8 +131,9 @@ class PositionalEncoding(nn.Module):
     def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
         """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry
         read for every longer distance, where every query's bias is a function of i - j alone and D is known without
-        reading the positions (the far distance, or the keys the queries' own); else None."""
-        if not self.relative:
+        reading the positions (the far distance, or the keys the queries' own); else None, and None with a cache (its
+        chunks are a token or a prompt: their bias is read at their pairs)."""
+        if not self.relative or chunk.cached:
             return None
         if self.far_distance is not None:  # every distance from it on reads one entry
             D = self.far_distance + 1
@@ -590,9 +591,13 @@ class FIRE(PositionalEncoding):
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
         if bool(chunk.pos[-1] > threshold):
             return None
-        x = self.input(c, threshold, torch.arange(len(chunk.pos), device=chunk.pos.device), 0)
-        w2 = self.w2[layer]  # (nh, 32)
-        return self.run_mlp(x, self.w1[layer], self.b1[layer], w2[:, None], few=len(chunk.pos) <= FIRE_FEW)
+        return self.distance_bias(len(chunk.pos), c, threshold, self.w1[layer], self.b1[layer], self.w2[layer][:, None])
+
+    def distance_bias(self, T: int, c, threshold, w1, b1, w2) -> torch.Tensor:
+        """The bias (nh, T) of the distances 0 … T - 1 for queries within the threshold (x of i - j alone), the MLP
+        run once per distance; w2 (nh, 1, 32)."""
+        x = self.input(c, threshold, torch.arange(T, device=c.device), 0)
+        return self.run_mlp(x, w1, b1, w2, few=T <= FIRE_FEW)
 
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
         """score_bias at every pair, for one layer's heads, its x and units computed once for the layer. Where
@@ -618,9 +623,7 @@ class FIRE(PositionalEncoding):
         rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
 
         def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
-            d = torch.arange(T, device=pos.device)
-            x = self.input(c, threshold, d, 0)
-            table = self.run_mlp(x, w1, b1, w2[:, 0], few=T <= FIRE_FEW)  # (nh, T): L >= d
+            table = self.distance_bias(T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
             return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
 
         past = pos > threshold  # (T,): True on a suffix
@@ -1062,10 +1065,9 @@ class GPT(nn.Module):
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
             return bias.masked_fill(~sees(), float("-inf"))
 
-        # on a CPU a bias of i - j alone comes as its table over distances (no cache: its queries are a block, a table
-        # needs no positions read), another trained bias as its matrix
+        # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
         cpu = chunk.pos.device.type == "cpu"
-        table = pe.distance_table(first, cfg.n_head, chunk) if cpu and not chunk.cached else None
+        table = pe.distance_table(first, cfg.n_head, chunk) if cpu else None
         matrix = bias_matrix() if cpu and table is None and trainable else None
         fast = fast_attention(
             self.attention_options,
