@@ -1,11 +1,14 @@
 """
 Tokenized datasets in nanoGPT's layout: data/<name>/{train,val}.bin (uint16 token ids) and meta.json
-({"vocab_size", "tokenizer", "tokens"}). JSON, not pickle: reading a dataset can never run code.
+({"vocab_size", "tokenizer", "tokens", "eot"}). JSON, not pickle: reading a dataset can never run code. "eot" is the
+token that begins each document after the first (GPT-2's <|endoftext|>, a char dataset's DOCUMENT_SEPARATOR), where the
+data marks its documents (train.py's packing="documents" needs it); absent or None where it does not.
 """
 
 import functools
 import json
 import os
+import re
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_met
 DATA_DIR = Path(__file__).resolve().parent / "data"
 EMBEDDED_CORPUS = DATA_DIR / "shakespeare_complete_works.txt.xz"
 SPLITS = ("train", "val")
+DOCUMENT_SEPARATOR = "\x1e"  # ASCII's record separator: a char dataset's end-of-text token, between its documents
 
 
 class DataError(Exception):
@@ -36,8 +40,11 @@ def dataset_dir(name: str | Path) -> Path:
 # writing
 
 
-def write_dataset(out_dir: str | Path, splits: dict[str, np.ndarray], tokenizer_meta: dict, vocab_size: int) -> None:
-    """Write each split's token ids as uint16 and meta.json last, so a dataset with meta.json is complete."""
+def write_dataset(
+    out_dir: str | Path, splits: dict[str, np.ndarray], tokenizer_meta: dict, vocab_size: int, eot: int | None = None
+) -> None:
+    """Write each split's token ids as uint16 and meta.json last, so a dataset with meta.json is complete. eot: the
+    token that begins each document after the first (None: the data marks no documents)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if vocab_size > 2**16:
@@ -47,11 +54,18 @@ def write_dataset(out_dir: str | Path, splits: dict[str, np.ndarray], tokenizer_
         np.asarray(ids, dtype=np.uint16).tofile(tmp)
         os.replace(tmp, out_dir / f"{split}.bin")
     meta = {"vocab_size": vocab_size, "tokenizer": tokenizer_meta, "tokens": {s: len(v) for s, v in splits.items()}}
+    if eot is not None:
+        meta["eot"] = eot
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def prepare_text(text: str, out_dir: str | Path, tokenizer: str = "char", val_fraction: float = 0.1) -> dict:
-    """Tokenize one text (char-level or GPT-2 BPE); the last val_fraction of it is the validation split."""
+def prepare_text(
+    text: str, out_dir: str | Path, tokenizer: str = "char", val_fraction: float = 0.1, separator: str | None = None
+) -> dict:
+    """Tokenize one text (char-level or GPT-2 BPE); the last val_fraction of it is the validation split. With a
+    separator, the text is documents split at each occurrence of it (dropped), marked for packing="documents"."""
+    if separator is not None:
+        return prepare_documents(text.split(separator), out_dir, tokenizer, val_fraction)
     if tokenizer not in ("char", "gpt2"):
         raise DataError(f"tokenizer={tokenizer!r}: choose 'char' or 'gpt2'")
     if not text:
@@ -60,11 +74,66 @@ def prepare_text(text: str, out_dir: str | Path, tokenizer: str = "char", val_fr
     n = int(len(text) * (1 - val_fraction))
     splits = {"train": np.array(tok.encode(text[:n])), "val": np.array(tok.encode(text[n:]))}
     write_dataset(out_dir, splits, tok.meta, tok.vocab_size)
-    print(
-        f"wrote {out_dir}: vocab {tok.vocab_size}, train {len(splits['train']):,} tokens, "
-        f"val {len(splits['val']):,} tokens"
-    )
+    report(out_dir, tok.vocab_size, splits)
     return splits
+
+
+def prepare_documents(documents: list[str], out_dir: str | Path, tokenizer: str = "char", val_fraction: float = 0.1):
+    """Tokenize documents (char-level or GPT-2 BPE) into one stream, an end-of-text token before each document after
+    the first (GPT-2's <|endoftext|>; for chars DOCUMENT_SEPARATOR, which no document may hold), and record that token
+    in meta.json. The validation split is the last documents, about val_fraction of the text."""
+    if tokenizer not in ("char", "gpt2"):
+        raise DataError(f"tokenizer={tokenizer!r}: choose 'char' or 'gpt2'")
+    documents = [d for d in documents if d.strip()]
+    if len(documents) < 2:
+        raise DataError(f"{len(documents)} non-empty document(s): a training and a validation split need two or more")
+    if tokenizer == "char":
+        if any(DOCUMENT_SEPARATOR in d for d in documents):
+            raise DataError(f"a document holds {DOCUMENT_SEPARATOR!r}, the char datasets' end-of-text token: remove it")
+        tok = CharTokenizer.from_text(DOCUMENT_SEPARATOR + "".join(documents))
+        eot = tok.encode(DOCUMENT_SEPARATOR)[0]
+    else:
+        tok, eot = GPT2Tokenizer(), GPT2_EOT
+    lengths = np.cumsum([len(d) for d in documents])
+    first_val = min(int(np.searchsorted(lengths, lengths[-1] * (1 - val_fraction))) + 1, len(documents) - 1)
+
+    def encode(docs: list[str]) -> np.ndarray:
+        ids = []
+        for i, doc in enumerate(docs):
+            ids += ([eot] if i else []) + tok.encode(doc)
+        return np.array(ids)
+
+    splits = {"train": encode(documents[:first_val]), "val": encode(documents[first_val:])}
+    write_dataset(out_dir, splits, tok.meta, tok.vocab_size, eot=eot)
+    report(out_dir, tok.vocab_size, splits, f", {first_val:,} + {len(documents) - first_val:,} documents")
+    return splits
+
+
+def report(out_dir, vocab_size: int, splits: dict, extra: str = "") -> None:
+    print(
+        f"wrote {out_dir}: vocab {vocab_size}, train {len(splits['train']):,} tokens, "
+        f"val {len(splits['val']):,} tokens{extra}"
+    )
+
+
+# a heading that begins a scene (or an act and the scene after it) in the embedded corpus: "ACT II.", "SCENE 3.",
+# "Scene IV."; the setting lines of a play's front matter ("SCENE: Ephesus") are not headings
+SCENE_HEADING = re.compile(r"^(ACT|SCENE|Scene)\s+([0-9]+|[IVXLC]+)\b")
+
+
+def scenes(text: str) -> list[str]:
+    """The embedded corpus as documents: each play's scenes (an act's heading goes with its first scene), each work's
+    front matter, and each poem or sequence of sonnets whole (they have no scenes). Joined, they are the text."""
+    lines = text.splitlines(keepends=True)
+    starts, heading_before = [0], False
+    for i, line in enumerate(lines):
+        title = i + 2 < len(lines) and lines[i + 2].strip() == "by William Shakespeare" and line.strip()
+        heading = bool(SCENE_HEADING.match(line))
+        if (title or heading and not heading_before) and i > 0:
+            starts.append(i)
+        if line.strip():
+            heading_before = heading
+    return ["".join(lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
 
 
 def read_embedded_corpus() -> str:
@@ -81,10 +150,15 @@ def gpt2_tokenizer() -> GPT2Tokenizer:
 
 
 def prepare_hf(
-    dataset_dict, out_dir: str | Path, text_column: str = "text", eot: bool = True, num_proc: int | None = None
+    dataset_dict,
+    out_dir: str | Path,
+    text_column: str = "text",
+    eot: bool | Callable[[str], bool] = True,
+    num_proc: int | None = None,
 ) -> dict[str, int]:
     """Tokenize a Hugging Face DatasetDict (splits 'train' and 'val') with GPT-2 BPE in parallel, with progress
-    bars, and write it in shards. eot appends <|endoftext|> after each document (not for line-split corpora)."""
+    bars, and write it in shards. eot True: <|endoftext|> after each row (a row is a document); a function of a row's
+    text: before each row it says begins a document (a corpus split into lines); False: the documents are unmarked."""
     from tqdm import tqdm
 
     num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
@@ -93,7 +167,9 @@ def prepare_hf(
     def encode(example):
         # the tokenizer by name, not in the closure: datasets pickles the function to hash it and to send it to each
         # worker, and GPT-2's 50,257-token table took seconds every time
-        ids = gpt2_tokenizer().encode(example[text_column]) + ([GPT2_EOT] if eot else [])
+        text = example[text_column]
+        before = [GPT2_EOT] if callable(eot) and eot(text) else []
+        ids = before + gpt2_tokenizer().encode(text) + ([GPT2_EOT] if eot is True else [])
         return {"ids": ids, "len": len(ids)}
 
     out_dir = Path(out_dir)
@@ -116,11 +192,13 @@ def prepare_hf(
         os.replace(tmp, out_dir / f"{split}.bin")
         counts[split] = total
     meta = {"vocab_size": tok.vocab_size, "tokenizer": tok.meta, "tokens": counts}
+    if eot:
+        meta["eot"] = GPT2_EOT
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return counts
 
 
-def hf_recipe(folder: Path, split: Callable, eot: bool = True) -> Callable:
+def hf_recipe(folder: Path, split: Callable, eot: bool | Callable[[str], bool] = True) -> Callable:
     """A Hugging Face dataset recipe's prepare(dataset, out_dir=None, num_proc=None): split(dataset) -> {"train",
     "val"}, tokenized and written to out_dir (by default the recipe's folder) by prepare_hf."""
 
@@ -178,6 +256,9 @@ def load_meta(data_dir: str | Path, block_size: int | None = None) -> dict:
     problem = _tokenizer_problem(meta)
     if problem:  # caught here, not when the first checkpoint (which stores the tokenizer) is written
         raise DataError(f"{data_dir / 'meta.json'}: {problem}; re-run {fix}")
+    eot = meta.setdefault("eot", None)
+    if eot is not None and not (isinstance(eot, int) and not isinstance(eot, bool) and 0 <= eot < meta["vocab_size"]):
+        raise DataError(f"{data_dir / 'meta.json'}: eot={eot!r} is not a token id of its vocabulary; re-run {fix}")
     recorded = meta.get("tokens") if isinstance(meta.get("tokens"), dict) else {}
     meta["tokens"] = {}
     for split in SPLITS:
@@ -331,10 +412,22 @@ def get_batch(
     return x.to(device), y.to(device)
 
 
+def trained_distances(data_dir: str | Path, block_size: int, eot: int, windows: int = 64) -> tuple[int, float]:
+    """The longest and the median distance a query reaches back under packing="documents" (each token's position in
+    its document, cut where its window begins), over `windows` random windows of train.bin (a fixed seed)."""
+    data = np.memmap(Path(data_dir) / "train.bin", dtype=np.uint16, mode="r")
+    offsets = np.random.default_rng(0).integers(0, len(data) - block_size, windows)
+    x = np.stack([data[i : i + block_size] for i in offsets])
+    t = np.arange(block_size)
+    positions = t - np.maximum.accumulate(np.where(x == eot, t, 0), axis=1)  # (windows, block_size)
+    return int(positions.max()), float(np.median(positions))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # a training run's data
 
-EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare")  # prepared from files in the repository, offline
+# prepared from files in the repository, offline
+EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare", "shakespeare_char_scenes")
 
 
 @dataclass

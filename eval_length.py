@@ -206,7 +206,10 @@ def evaluate_args(args: argparse.Namespace) -> dict:
             sys.exit(f"error: {e}")
         ckpt, model = run.ckpt, run.model
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
-        runs.append(dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T))
+        packing = model.config.packing
+        runs.append(
+            dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T, packing=packing)
+        )
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
             if args.rope_factor:
@@ -214,7 +217,16 @@ def evaluate_args(args: argparse.Namespace) -> dict:
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
                 name = f"{label}+{scaling}" if scaling == "dynamic_ntk" else f"{label}+{scaling} (s=L/{T})"
             runs.append(
-                dict(name=name, out_dir=out_dir, model=scaled, data=data, dataset=dataset, train_len=T, scaling=scaling)
+                dict(
+                    name=name,
+                    out_dir=out_dir,
+                    model=scaled,
+                    data=data,
+                    dataset=dataset,
+                    train_len=T,
+                    scaling=scaling,
+                    packing=packing,
+                )
             )
     need = max(lengths) + 1
     for r in runs:
@@ -310,6 +322,12 @@ def markdown_table(report: dict) -> str:
         for r in report["runs"]:
             cells = [("n/a" if res is None else f"{res['ppl']:.2f}") for res in r["results"][mode].values()]
             out.append(f"| {r['name']} [{r['train_len']}] | " + " | ".join(cells) + " |")
+    inside = [r["name"] for r in report["runs"] if r.get("packing") == "documents"]
+    if inside:  # the model's own rule: a window's tokens attend within their documents, positions from each start
+        out.append(
+            f"\n{', '.join(inside)}: trained with packing=documents, so evaluated inside documents (a token sees "
+            "only its document's tokens in the window)"
+        )
     return "\n".join(out)
 
 

@@ -521,7 +521,9 @@ def export(
         model = model_from_checkpoint(ckpt).float().eval()
     except (TypeError, ValueError, RuntimeError) as e:  # an unknown encoding or option, weights of another shape
         raise ExportError(f"the checkpoint does not build a model of this nanoPE: {e}") from e
-    target = "nanope" if remote_code else architecture(type(model.encoding)) or "nanope"
+    # packing="documents": no transformers architecture keeps a row's documents apart at its end-of-text token
+    native = not remote_code and model.config.packing == "stream"
+    target = (native and architecture(type(model.encoding))) or "nanope"
     if "tokenizer" not in ckpt:
         raise ExportError("the checkpoint stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
     dtype = dtype or ckpt.get("config", {}).get("dtype") or "float32"
@@ -542,8 +544,13 @@ def export(
         meta = ckpt["tokenizer"]
         eot = GPT2_EOT if meta["kind"] == "gpt2" else None  # generate stops at GPT-2's end of text
         if target == "nanope":
-            # a character-level <|endoftext|> (lm-eval's default prefix) reads as a newline, where texts start
-            write_remote(model, tmp, dtype, eot, stand_in(meta["chars"], "\n") if meta["kind"] == "char" else None)
+            # a character-level <|endoftext|> (lm-eval's default prefix) reads as a newline, where texts start, or as
+            # the token that begins a document where the model packs documents
+            read_eot_as = None
+            if meta["kind"] == "char":
+                documents = model.config.packing == "documents"
+                read_eot_as = model.config.eot_token if documents else stand_in(meta["chars"], "\n")
+            write_remote(model, tmp, dtype, eot, read_eot_as)
         else:
             hf.config.dtype = dtype
             if eot is not None:

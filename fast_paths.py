@@ -67,10 +67,12 @@ def kernel(
     dropout: bool,
     fits: bool,
     table: bool = False,
+    documents: bool = False,
 ) -> str | None:
     """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row of
     fast_attention's table that matches. band: the bias depends on i - j alone, one constant from some distance on
-    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU)."""
+    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU). documents:
+    each row's documents do not see each other."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
     if flex and trainable and band and own_keys:
@@ -81,7 +83,7 @@ def kernel(
     if cpu and table:
         return "bias_table"
     if cpu and trainable:
-        return "bias_attention"
+        return None if documents else "bias_attention"
     if cpu:
         return "bias_blocks"
     return None
@@ -102,6 +104,7 @@ def fast_attention(
     dropout_p: float,
     table: torch.Tensor | None = None,
     matrix: torch.Tensor | None = None,
+    starts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
     reference is the one to take: the kernel of the first row that matches (`kernel` decides).
@@ -111,7 +114,7 @@ def fast_attention(
     | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
     | yes, fits | not trained                           | ·                       | no      | flex           |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
-    | not False | trained                               | CPU: eager, or own keys | no      | bias_attention |
+    | not False | trained, one stream                   | CPU: eager, or own keys | no      | bias_attention |
     | not False | not trained                           | CPU: eager, or own keys | no      | bias_blocks    |
 
     fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes the head dim on the device.
@@ -120,7 +123,9 @@ def fast_attention(
     (no cache); far_distance: the bias is a function of i - j alone, constant from this distance on (None: it is
     not); trainable: autograd records the bias's parameters. On a CPU model.py hands a bias of i - j alone as its
     table too (no cache), its values at distances 0 … D - 1 (nh, D), the last for every longer distance, and another
-    trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not see a key."""
+    trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not see a key.
+    starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
+    sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
     device = pos.device.type
     name = kernel(
         options,
@@ -132,20 +137,32 @@ def fast_attention(
         dropout=dropout_p > 0,
         fits=flex_fits(head_dim, device),
         table=table is not None,
+        documents=starts is not None,
     )
     if name is None:
         return None
     if name == "bias_table":
-        other_keys = None if own_keys else keys  # Dynamo traces no Function given one tensor twice
-        return lambda q, k, v: TableBiasAttention.apply(q, k, v, table, pos, other_keys, window)
+        # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
+        query_starts, key_starts = (None, None) if starts is None else starts
+        other_keys, key_starts = (None, None) if own_keys else (keys, key_starts)
+        return lambda q, k, v: TableBiasAttention.apply(
+            q, k, v, table, pos, other_keys, window, query_starts, key_starts
+        )
     if name == "bias_attention":
         return bias_attention(matrix, own_keys)
     if name == "bias_blocks":
-        return bias_blocks(bias, n_head, pos, keys, window, own_keys)
-    visible = lambda i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
-    block_mask = create_block_mask(lambda b, h, i, j: visible(i, j), None, None, len(pos), len(keys), device=pos.device)
+        return bias_blocks(bias, n_head, pos, keys, window, own_keys, starts)
+    if starts is None:
+        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
+    else:
+        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window) & (starts[0][b, i] == starts[1][b, j])  # noqa: E731
+    rows = None if starts is None else starts[0].size(0)
+    block_mask = create_block_mask(visible, rows, None, len(pos), len(keys), device=pos.device)
     if name == "flex_band":
-        return flex_band(bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options)
+        query_starts = None if starts is None else starts[0]  # own keys: the keys' are the queries'
+        return flex_band(
+            bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options, query_starts
+        )
     if name == "flex":
         score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
         return lambda q, k, v: flex_attention(
@@ -163,9 +180,11 @@ def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
 
 
-def flex_band(bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_options: dict | None) -> Callable:
+def flex_band(
+    bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_options: dict | None, starts=None
+) -> Callable:
     """FlexAttention reading the bias as a constant table of distances 0 … R (the band), which BandBiasGrad gives its
-    gradient."""
+    gradient. starts (B, T): where each token's document starts (packing="documents"), else None."""
     heads, distances = torch.arange(n_head, device=pos.device)[:, None], torch.arange(R + 1, device=pos.device)
     table = bias(heads, distances[None], 0)
     frozen = table.detach()  # (nh, R + 1)
@@ -173,7 +192,7 @@ def flex_band(bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_o
 
     def attention(q, k, v):
         y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
-        return BandBiasGrad.apply(y, lse, q, k, v, table, window)
+        return BandBiasGrad.apply(y, lse, q, k, v, table, window, starts)
 
     return attention
 
@@ -194,19 +213,21 @@ class BandBiasGrad(torch.autograd.Function):
     Positions must be consecutive, as in training."""
 
     @staticmethod
-    def forward(ctx, y, lse, q, k, v, table, window):
-        ctx.save_for_backward(y, lse, q, k, v, table)
+    def forward(ctx, y, lse, q, k, v, table, window, starts):
+        ctx.save_for_backward(y, lse, q, k, v, table, starts)
         ctx.window = window
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy):
-        y, lse, q, k, v, table = ctx.saved_tensors
-        return dy, None, None, None, None, band_bias_grad(q, k, v, y, lse, dy, table, ctx.window), None
+        y, lse, q, k, v, table, starts = ctx.saved_tensors
+        grad = band_bias_grad(q, k, v, y, lse, dy, table, ctx.window, starts)
+        return dy, None, None, None, None, grad, None, None
 
 
-def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> torch.Tensor:
-    """d loss / d table (nh, R + 1). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's."""
+def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=None) -> torch.Tensor:
+    """d loss / d table (nh, R + 1). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T)
+    where each token's document starts (packing="documents"; None: one stream)."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
     if R == 0:  # one bias for every distance: softmax ignores it
@@ -222,6 +243,10 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None) -> tor
     i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
     band = R if window is None else min(R, window)  # the distances with a bias of their own that a query sees
     near = (rel >= 0) & (rel < band) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
+    if starts is not None:  # and in the query's document: (B, 1, nb, n, 2n)
+        sb = F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)  # the queries' documents
+        kb_starts = torch.cat([F.pad(sb, (0, 0, 1, -1), value=-2), sb], dim=2)  # (B, nb, 2n): their keys'
+        near = near & (sb[..., :, None] == kb_starts[..., None, :])[:, None]
     lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
     s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
     p = torch.where(near, (s - lse_b).exp(), 0.0)
@@ -247,11 +272,12 @@ def bias_attention(matrix: torch.Tensor, own_keys: bool) -> Callable:
 
 
 def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk): y (q's dtype) and the log-sum-exp (B, nh, Tq). With
+    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk) or (B, nh, Tq, Tk): y (q's dtype) and the log-sum-exp
+    (B, nh, Tq). With
     bf16 or fp16 q, in float32, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps
     of 1/16), as the reference does."""
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k, v, bias = q.to(work), k.to(work), v.to(work), bias[None].to(work)
+    q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
     if v.size(-1) != q.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
         s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5 + bias
         lse = s.logsumexp(-1)
@@ -322,8 +348,9 @@ class TableBiasAttention(torch.autograd.Function):
     and adds the bias's gradient into the table's entries, in order (deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, pos, keys, window):
+    def forward(ctx, q, k, v, table, pos, keys, window, starts=None, key_starts=None):
         own_keys, keys = keys is None, pos if keys is None else keys  # None: the queries' own
+        key_starts = starts if key_starts is None else key_starts
         (B, nh, Tq, _), Tk = q.shape, k.size(2)
         y = q.new_empty(B, nh, Tq, v.size(-1))
         lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -331,14 +358,15 @@ class TableBiasAttention(torch.autograd.Function):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j1 = i1 if own_keys else Tk  # own keys: none past the block's last query (its future)
             bias, _ = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
+            bias = in_documents(bias, starts, key_starts, i0, i1, j1)
             y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], bias)
-        ctx.save_for_backward(q, k, v, table, pos, keys, y, lse)
+        ctx.save_for_backward(q, k, v, table, pos, keys, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, table, pos, keys, y, lse = ctx.saved_tensors
+        q, k, v, table, pos, keys, y, lse, starts, key_starts = ctx.saved_tensors
         dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 in, float32 arithmetic
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
         scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
@@ -348,6 +376,7 @@ class TableBiasAttention(torch.autograd.Function):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j1 = i1 if ctx.own_keys else Tk
             bias, index = table_block(table, pos[i0:i1], keys[:j1], ctx.window)  # (nh, bq, j1), (bq, j1)
+            bias = in_documents(bias, starts, key_starts, i0, i1, j1)
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
             dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
@@ -356,7 +385,7 @@ class TableBiasAttention(torch.autograd.Function):
             ds.mul_(scale)
             dq[:, :, i0:i1] = ds @ kb
             dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None, None, None
 
 
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
@@ -371,10 +400,22 @@ def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, wind
     return bias.masked_fill(~sees(rel, window), float("-inf")), index
 
 
-def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool) -> Callable:
+def in_documents(bias: torch.Tensor, starts, key_starts, i0: int, i1: int, j1: int) -> torch.Tensor:
+    """A block's bias (nh, bq, j1) for queries i0 … i1 - 1 over keys 0 … j1 - 1, -inf where they are in different
+    documents ((B, nh, bq, j1); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
+    without documents (starts None)."""
+    if starts is None:
+        return bias
+    same = starts[:, i0:i1, None] == key_starts[:, None, :j1]  # (B, bq, j1)
+    return bias.masked_fill(~same[:, None], float("-inf"))
+
+
+def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool, starts=None) -> Callable:
     """Attention with a bias that takes no gradient (evaluation, generation), on a CPU: the bias of a block of queries
-    at a time, bias(h, i, j) at each of its pairs, then SDPA's flash kernel: no (nh, Tq, Tk) tensor."""
+    at a time, bias(h, i, j) at each of its pairs, then SDPA's flash kernel: no (nh, Tq, Tk) tensor. starts: the
+    queries' and keys' document starts (fast_attention's)."""
     heads = torch.arange(n_head, device=pos.device)[:, None, None]
+    starts, key_starts = (None, None) if starts is None else starts
 
     def attention(q, k, v):
         y, (Tq, Tk) = q.new_empty(*q.shape[:3], v.size(-1)), (q.size(2), k.size(2))
@@ -385,9 +426,11 @@ def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_
             queries = pos[i0:i1, None]
             block = bias(heads, queries, keys[:j1]).to(work)  # (nh, bq, j1): i - j, the offset of every pair
             block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
+            block = in_documents(block, starts, key_starts, i0, i1, j1)
+            block = block if block.dim() == 4 else block[None]
             qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]))
             with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
-                y[:, :, i0:i1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=block[None]).to(q.dtype)
+                y[:, :, i0:i1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=block).to(q.dtype)
         return y
 
     return attention

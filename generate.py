@@ -45,7 +45,7 @@ def generate(
     for _ in range(max_new_tokens):
         logits, after = next_logits(model, idx, new, cache, W, use_cache, decode)  # the cache (None without one)
         if compile and after is not cache:  # a new cache: its tensors keep their addresses, CUDA graphs need no copy
-            for t in [after.pos, *after.k, *after.v]:
+            for t in [after.pos, *after.k, *after.v, *([] if after.starts is None else [after.starts])]:
                 torch._dynamo.mark_static_address(t)
         cache, new = after, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
         idx = torch.cat([idx, new], dim=1)
@@ -75,7 +75,7 @@ def next_logits(
         tokens = new if pe.rolling else idx[:, -W:]
         return model.lm_head(model.features(tokens, cache=cache, window=window)[:, -1]), cache
     # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
-    return (decode or decode_step)(model, new, model.chunk(1, None, cache, window, idx.device), cache), cache
+    return (decode or decode_step)(model, new, model.chunk(new, None, cache, window), cache), cache
 
 
 def decode_step(model: GPT, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:

@@ -112,10 +112,11 @@ class PositionalEncoding(nn.Module):
         return self.cache_span is None or span <= self.cache_span
 
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
-        return None  # (T,) -> (T, C)
+        return None  # (T,) -> (T, C); (B, T) -> (B, T, C) for positions of each row (packing="documents")
 
     def rotary(self, pos: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # (T,) -> cos, sin, each (T, hs/2) float32, by which attention rotates q and k (apply_rotary)
+        return None  # (T,) -> cos, sin, each (T, hs/2) float32, by which attention rotates q and k (apply_rotary);
+        # (B, T) -> each (B, 1, T, hs/2)
 
     def score_bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
@@ -124,9 +125,13 @@ class PositionalEncoding(nn.Module):
         """One layer's bias (nh, Tq, Tk) at every pair of the chunk, heads first … first + n_head - 1. recompute: in
         the backward, so autograd keeps the bias and not every intermediate of its formula."""
         heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + first
+        i, j = chunk.pos[:, None], chunk.keys  # (Tq, 1), (Tk,)
+        if chunk.starts is not None and not self.relative:  # each row's positions in its documents: (B, nh, Tq, Tk)
+            i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
+            heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
         if recompute:
-            return checkpoint(self.score_bias, heads, chunk.pos[:, None], chunk.keys, use_reentrant=False)
-        return self.score_bias(heads, chunk.pos[:, None], chunk.keys)
+            return checkpoint(self.score_bias, heads, i, j, use_reentrant=False)
+        return self.score_bias(heads, i, j)
 
     def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
         """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry
@@ -188,8 +193,8 @@ class Sinusoidal(PositionalEncoding):
 
     def embed(self, pos):
         inv_freq = 10000.0 ** (-torch.arange(0, self.n_embd, 2, device=pos.device, dtype=torch.float32) / self.n_embd)
-        angle = pos.float()[:, None] * inv_freq  # (T, C/2)
-        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)  # (T, C): sin on even dims, cos on odd
+        angle = pos.float()[..., None] * inv_freq  # (T, C/2), or (B, T, C/2) for positions of each row
+        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (T, C): sin on even dims, cos on odd
         return pe / math.sqrt(self.n_embd)
 
 
@@ -439,7 +444,9 @@ class RoPE(PositionalEncoding):
         length = None
         if self.scaling == "dynamic_ntk":  # L is the span the queries see: the last position + 1, at most the window
             length = pos.max() + 1 if window is None else (pos.max() + 1).clamp(max=window)
-        angle = pos.float()[:, None] * self.inv_freq(pos.device, length)  # (T, hs/2)
+        angle = pos.float()[..., None] * self.inv_freq(pos.device, length)  # (T, hs/2)
+        if angle.dim() == 3:  # positions of each row (B, T): (B, 1, T, hs/2), over the heads
+            angle = angle[:, None]
         # YaRN's temperature 0.1·ln(s) + 1 on the rotated pairs alone, as Hugging Face's partial rotary
         turning = torch.arange(self.head_dim // 2, device=pos.device) < self.rotating
         scale = torch.where(turning, self.mscale, 1.0)  # (hs/2,)
@@ -589,7 +596,7 @@ class FIRE(PositionalEncoding):
             return None
         layer = first // n_head
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
-        if bool(chunk.pos[-1] > threshold):
+        if bool(chunk.pos[-1] >= threshold):  # at i = L the gradient of max(L, i) is split: pair by pair
             return None
         return self.distance_bias(len(chunk.pos), c, threshold, self.w1[layer], self.b1[layer], self.w2[layer][:, None])
 
@@ -604,6 +611,8 @@ class FIRE(PositionalEncoding):
         the queries are their own keys at consecutive positions, a query within the threshold L has x of i - j
         alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
         per pair."""
+        if chunk.starts is not None:  # positions restart per document: each row's own bias, the base's pair by pair
+            return super().score_bias_matrix(first, n_head, chunk, recompute)
         layer, pos = first // n_head, chunk.pos
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
@@ -626,7 +635,7 @@ class FIRE(PositionalEncoding):
             table = self.distance_bias(T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
             return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
 
-        past = pos > threshold  # (T,): True on a suffix
+        past = pos >= threshold  # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
         if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
             R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
 
@@ -661,6 +670,11 @@ POS_ENCODINGS = {
 # ----------------------------------------------------------------------------------------------------------------
 # The config: the model's shape, and every encoding's options (declared by the encoding, a field here)
 
+# How a row's documents relate. stream: nanoGPT's, documents joined by the end-of-text token and every token attends
+# to every earlier one of its row. documents: each end-of-text token begins a document (the row's first token too):
+# positions count from its first token, and attention never crosses into another document (block-causal).
+PACKINGS = ("stream", "documents")
+
 
 @dataclass
 class ModelShape:
@@ -675,6 +689,8 @@ class ModelShape:
     bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
     pos_encoding: str = "learned"  # a name of POS_ENCODINGS
     gelu: str = "exact"  # exact (nanoGPT's, faster on CPU) | tanh (GPT-2's own; from_hf uses it)
+    packing: str = "stream"  # a name of PACKINGS: whether the documents of a row see each other
+    eot_token: int | None = None  # packing="documents": the token that begins each document (the data's end-of-text)
 
     def __post_init__(self):
         if self.pos_encoding not in POS_ENCODINGS:
@@ -691,6 +707,16 @@ class ModelShape:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if self.gelu not in ("exact", "tanh"):
             raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing={self.packing!r} is not a packing; valid choices: {', '.join(PACKINGS)}")
+        eot = self.eot_token
+        if self.packing == "documents" and not (
+            isinstance(eot, int) and not isinstance(eot, bool) and 0 <= eot < self.vocab_size
+        ):
+            raise ValueError(
+                f"packing='documents' needs eot_token, the token id that begins each document (below vocab_size="
+                f"{self.vocab_size}), got {self.eot_token!r}; train.py reads it from the dataset"
+            )
 
 
 # every encoding's options by name, with the encoding they belong to
@@ -733,11 +759,22 @@ class Chunk:
     slots: torch.Tensor | None  # (T,) the cache slots the chunk's keys and values go to; None without a cache
     window: int | None  # query i sees key j only where i - j < window; None: every key up to its own position
     consecutive: bool  # the positions step by one, so that a band of i - j is a band of distances
+    # packing="documents": where each token's document starts, (B, T) the queries', (B, Tk) the keys'; a query sees
+    # only keys of its own start, and a token's position in its document is pos - starts. None: one stream
+    starts: torch.Tensor | None = None
+    key_starts: torch.Tensor | None = None
 
     @property
     def cached(self) -> bool:
         """The keys come from a KV cache (they are not the queries' own)."""
         return self.slots is not None
+
+    def own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries' and keys' positions, each in its document under packing="documents" ((B, T), (B, Tk)),
+        else pos and keys."""
+        if self.starts is None:
+            return self.pos, self.keys
+        return self.pos - self.starts, self.keys - self.key_starts
 
 
 class KVCache:
@@ -754,6 +791,7 @@ class KVCache:
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
+        self.starts: torch.Tensor | None = None  # (B, S) packing="documents": where each slot's document starts
         self.next_pos = 0  # absolute position of the next token
         self.length = 0  # tokens written so far
 
@@ -769,12 +807,17 @@ class KVCache:
             )
         return self.size - self.length if window is None else self.size - window + 1
 
-    def claim(self, pos: torch.Tensor, last: int) -> torch.Tensor:
-        """Take the slots (T,) of a chunk at positions pos (T,), the last of them `last` (a host int: no sync)."""
+    def claim(self, pos: torch.Tensor, last: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Take the slots (T,) of a chunk at positions pos (T,), the last of them `last` (a host int: no sync), and
+        under packing="documents" where its tokens' documents start (B, T)."""
         if self.pos is None:
             self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
         slots = pos % self.size
         self.pos.index_copy_(0, slots, pos)
+        if starts is not None:
+            if self.starts is None:  # an unused slot's document starts nowhere a token's does
+                self.starts = torch.full((len(starts), self.size), -1, dtype=torch.long, device=pos.device)
+            self.starts.index_copy_(1, slots, starts)
         self.next_pos, self.length = last + 1, self.length + len(pos)
         return slots
 
@@ -800,16 +843,17 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, dropout_p: float = 0.0
 ) -> torch.Tensor:
     """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where no bias is given, else with bias (nh, Tq,
-    Tk) float32 added to the scores (-inf where a query does not see a key)."""
+    Tk) float32 added to the scores (-inf where a query does not see a key), or (B, nh, Tq, Tk), a row's own."""
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if q.dtype not in (torch.float16, torch.bfloat16):  # 4-D: CPUs take their flash kernel
+    bias = bias if bias.dim() == 4 else bias[None]  # 4-D: CPUs take their flash kernel
+    if q.dtype not in (torch.float16, torch.bfloat16):
         # a float32 bias with float64 q: as float64 (the CPU flash kernel reads its mask as q's dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype)[None], dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p)
     # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
     # while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
     with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias[None], dropout_p=dropout_p)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, dropout_p=dropout_p)
     return y.to(q.dtype)
 
 
@@ -995,11 +1039,12 @@ class GPT(nn.Module):
         if cache is not None and T > (most := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
             chunks = [(idx[:, i : i + most], None if pos is None else pos[i : i + most]) for i in range(0, T, most)]
             return torch.cat([self.features(x, p, cache, window, wrap_attention) for x, p in chunks], dim=1)
-        return self.hidden(idx, self.chunk(T, pos, cache, window, idx.device), cache, wrap_attention)
+        return self.hidden(idx, self.chunk(idx, pos, cache, window), cache, wrap_attention)
 
-    def chunk(self, T: int, pos, cache: KVCache | None, window: int | None, device) -> Chunk:
-        """The Chunk of T tokens at positions pos (None: the next T), checked against the encoding, its cache slots
-        claimed: the one place a cache advances, before the forward that writes it."""
+    def chunk(self, idx: torch.Tensor, pos, cache: KVCache | None, window: int | None) -> Chunk:
+        """The Chunk of tokens idx (B, T) at positions pos (None: the next T), checked against the encoding, its
+        cache slots claimed: the one place a cache advances, before the forward that writes it."""
+        T, device = idx.size(1), idx.device
         start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
         if pos is None:
@@ -1019,16 +1064,31 @@ class GPT(nn.Module):
                 "does so by itself)"
             )
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
+        starts = self.document_starts(idx, pos, cache)
         if cache is None:
-            return Chunk(pos, keys=pos, slots=None, window=window, consecutive=consecutive)
-        slots = cache.claim(pos, last)  # after the checks: a chunk refused leaves the cache as it was
-        return Chunk(pos, keys=cache.pos, slots=slots, window=window, consecutive=consecutive)
+            return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
+        slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
+        return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts)
+
+    def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None) -> torch.Tensor | None:
+        """packing="documents": the position where each token's document starts (B, T), at its last end-of-text
+        token, else where the row started (the chunk's first token, or the cache's first); None for a stream.
+        Positions must increase along the row."""
+        if self.config.packing != "documents":
+            return None
+        if cache is None or cache.starts is None:  # the row starts here
+            before = pos[:1].expand(idx.size(0))  # (B,)
+        else:  # the document of the cache's last token goes on
+            before = cache.starts[:, (cache.next_pos - 1) % cache.size]
+        marks = torch.where(idx == self.config.eot_token, pos, before[:, None])  # (B, T)
+        return marks.cummax(dim=1).values
 
     def hidden(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache | None, wrap_attention=None) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
-        emb = pe.embed(chunk.pos)
+        pos = chunk.own_positions()[0]  # (T,), or (B, T) counting from each token's document's start
+        emb = pe.embed(pos)
         if emb is not None:
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
@@ -1036,7 +1096,7 @@ class GPT(nn.Module):
         attentions = [self.attention(chunk, layer) for layer in layers]
         if wrap_attention is not None:
             attentions = [wrap_attention(a) for a in attentions]
-        rope = pe.rotary(chunk.pos, chunk.window)
+        rope = pe.rotary(pos, chunk.window)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache, chunk.slots)
         return self.transformer.ln_f(x)
@@ -1047,28 +1107,37 @@ class GPT(nn.Module):
         bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
         pe, cfg = self.encoding, self.config
         dropout_p = cfg.dropout if self.training else 0.0
-        if not pe.has_score_bias and chunk.window is None and not chunk.cached:
+        documents = chunk.starts is not None
+        if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
             return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
 
-        def sees() -> torch.Tensor:  # (Tq, Tk): whether query i sees key j, causal and inside the window
+        def sees() -> torch.Tensor:  # whether query i sees key j, causal, inside the window and in its document
             rel = chunk.pos[:, None] - chunk.keys  # i - j
-            return rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)
+            seen = rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)  # (Tq, Tk)
+            if not documents:
+                return seen[None]  # (1, Tq, Tk)
+            return (seen & (chunk.starts[:, :, None] == chunk.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
 
         if not pe.has_score_bias:  # SDPA under the mask of what each query sees
-            mask = sees()[None]
+            mask = sees()
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
         own_keys = chunk.consecutive and not chunk.cached
 
-        def bias_matrix() -> torch.Tensor:  # (nh, Tq, Tk) float32 over the chunk's queries and keys
+        def bias_matrix() -> (
+            torch.Tensor
+        ):  # (nh, Tq, Tk) float32 over the chunk's queries and keys; by rows (B, nh, ...)
             bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
             return bias.masked_fill(~sees(), float("-inf"))
 
         # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
         cpu = chunk.pos.device.type == "cpu"
         table = pe.distance_table(first, cfg.n_head, chunk) if cpu else None
-        matrix = bias_matrix() if cpu and table is None and trainable else None
+        if documents and not pe.relative and table is None:  # a bias of each row's own positions: the reference
+            matrix = bias_matrix()
+            return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
+        matrix = bias_matrix() if cpu and table is None and trainable and not documents else None
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),
@@ -1083,6 +1152,7 @@ class GPT(nn.Module):
             dropout_p=dropout_p,
             table=table,
             matrix=matrix,
+            starts=(chunk.starts, chunk.key_starts) if documents else None,
         )
         if fast is not None:
             return fast

@@ -74,6 +74,12 @@ def resolve(
             "dtype=float16 with parallel=fsdp: sharded training runs in float32 or bfloat16 (no loss scaling); "
             "use --dtype=bfloat16"
         )
+    if cfg.get("packing") == "documents" and (cfg["task"] or cfg["task_fraction"]):
+        what = f"task={cfg['task']!r}" if cfg["task"] else f"task_fraction={cfg['task_fraction']}"
+        raise ConfigError(
+            f"packing='documents' with {what}: a task's row is one sequence, with no documents to keep apart; "
+            "train tasks with --packing=stream"
+        )
     if cfg["backend"] not in ("", "nccl", "gloo", "mpi", "ucc"):
         raise ConfigError(f"backend={cfg['backend']!r}: choose nccl (GPUs) or gloo (CPUs), or leave it empty")
     if check_init_from(cfg["init_from"], source) and (
@@ -90,7 +96,8 @@ def resolve(
         )
     if cfg["init_from"] == "scratch":  # the model's own checks (GPTConfig), before the data or the model
         try:
-            GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
+            model = {f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg}
+            GPTConfig(**model, eot_token=0)  # the end-of-text token comes with the data (build_model)
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
     return cfg

@@ -24,7 +24,16 @@ import runs
 import synthetic
 from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from configurator import ConfigError, configure, script_usage
-from datafiles import SPLITS, Data, DataError, data_name, get_batch, load_data, tokenizer_difference
+from datafiles import (
+    SPLITS,
+    Data,
+    DataError,
+    data_name,
+    get_batch,
+    load_data,
+    tokenizer_difference,
+    trained_distances,
+)
 from devices import autocast, check_memory, default_device, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
@@ -59,6 +68,9 @@ defaults = dict(
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
+    packing="stream",  # stream (nanoGPT's: documents joined by the end-of-text token, every token sees its whole
+    # window) | documents (each end-of-text token begins a document: positions restart and attention stays inside
+    # it; the dataset must mark its documents, e.g. shakespeare_char_scenes, openwebtext, tinystories, wikitext103)
     task_fraction=0.0,  # the fraction of training sequences that are retrieval tasks (tasks.py: passkey, recall,
     # copy; answers-only targets), e.g. 0.05; validation stays text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
@@ -246,10 +258,16 @@ def build_model(
     or an extension on tokens that mean other things, is an error."""
     # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
+    eot = data.meta.get("eot") if cfg["packing"] == "documents" else None  # the model reads documents from it
+    if cfg["packing"] == "documents" and eot is None and cfg["init_from"] != "resume" and source is None:
+        raise TrainError(no_documents(cfg, data))
     if cfg["init_from"] == "scratch":
         try:
             config = GPTConfig(
-                vocab_size=data.vocab_size, block_size=cfg["block_size"], **{k: cfg[k] for k in model_keys}
+                vocab_size=data.vocab_size,
+                block_size=cfg["block_size"],
+                eot_token=eot,
+                **{k: cfg[k] for k in model_keys},
             )
         except ValueError as e:  # GPTConfig names the bad field and the valid choices
             raise ConfigError(str(e)) from e
@@ -273,6 +291,7 @@ def build_model(
             raise TrainError(f"cannot load GPT-2 weights from {cfg['init_from']!r}: {e}") from e
         if cfg["block_size"] < model.config.block_size:
             model.crop_block_size(cfg["block_size"])
+        model.config.packing, model.config.eot_token = cfg["packing"], eot  # an attention rule, not a weight
     for k in model_keys:
         if getattr(model.config, k) != cfg[k]:
             log(f"note: {k}={getattr(model.config, k)!r} from {cfg['init_from']} (config says {cfg[k]!r})")
@@ -284,9 +303,25 @@ def build_model(
         )
     if cfg["block_size"] > model.config.block_size:
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
+    if model.config.packing == "documents" and data.meta.get("eot") != model.config.eot_token:
+        raise TrainError(
+            no_documents(cfg, data)
+            if data.meta.get("eot") is None
+            else f"the model begins documents at token {model.config.eot_token}, and {data_name(cfg)} at token "
+            f"{data.meta['eot']}: train it on data prepared as it was"
+        )
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
     return model
+
+
+def no_documents(cfg: dict, data: Data) -> str:
+    """Why packing="documents" cannot train on this data, and the fix."""
+    return (
+        f"packing='documents' needs data that marks its documents, and {data_name(cfg)} does not (its meta.json names "
+        "no end-of-text token, 'eot'): use --dataset=shakespeare_char_scenes, prepare your text with "
+        "data/text/prepare.py --separator=..., re-run the dataset's prepare.py, or train with --packing=stream"
+    )
 
 
 def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
@@ -560,6 +595,12 @@ def log_start(run: Run) -> None:
         log(
             f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
             "answers only"
+        )
+    if model.config.packing == "documents" and run.data.dir is not None:
+        longest, median = trained_distances(run.data.dir, cfg["block_size"], model.config.eot_token)
+        log(
+            f"documents: positions restart at each end-of-text token (id {model.config.eot_token}) and attention stays "
+            f"inside a document; trained distances up to {longest}, median {median:g} (64 random windows)"
         )
     head_dim = model.config.n_embd // model.config.n_head
     if (note := fused_attention_note(head_dim, procs.device_type)) and model.encoding.has_score_bias:

@@ -248,8 +248,9 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         come from attention_mask alone: position_ids and inputs_embeds are errors, not silently ignored."""
         if position_ids is not None or inputs_embeds is not None:
             raise ValueError(
-                "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask); leave out "
-                "position_ids and inputs_embeds"
+                "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask; a model "
+                "trained with packing=documents also restarts them at each end-of-text token, and keeps the documents "
+                "apart: join packed examples with it); leave out position_ids and inputs_embeds"
             )
         idx = self.readable(input_ids)
         past_key_values = cache if cache is not None else past_key_values  # its name since transformers 5.24

@@ -871,3 +871,29 @@ def test_the_export_page_runs_as_written(tmp_path):
     for task in scores:
         [samples] = (tmp_path / "results" / "hf-bias_rpe").glob(f"samples_{task}_*.jsonl")
         assert len(samples.read_text().splitlines()) == 20  # the documents
+
+
+def test_a_documents_model_exports_its_rule(tmp_path):
+    """A model trained with packing=documents exports with its own code (no transformers architecture keeps documents
+    apart), also where its encoding has one; loaded outside the project, a packed row (documents joined by its
+    end-of-text token, which the tokenizer's <|endoftext|> also reads as) gives each document the logits it has alone;
+    position_ids, as DataCollatorWithFlattening makes them, are refused in one line, naming the way that works."""
+    eot = CHARS.index("\n")
+    ckpt, model = checkpoint(pos_encoding="rope", packing="documents", eot_token=eot)
+    out = export.export(ckpt, tmp_path / "hf")
+    assert json.loads((out / "nanope.json").read_text())["architecture"] == "nanope"
+    docs = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([eot, 10, 11]), torch.tensor([eot, 12, 13, 14])]
+    row = torch.cat(docs)[None]
+    got = logits_alone(out, row, tmp_path)
+    t = 0
+    with torch.no_grad():
+        for doc in docs:
+            close(got[0, t : t + len(doc)], model(doc[None])[0][0], tol=1e-5)
+            t += len(doc)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        close(hf(row.masked_fill(row == eot, V)).logits, got, tol=1e-5)  # <|endoftext|> reads as the model's
+    restarting = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with pytest.raises(ValueError, match="join packed examples with it") as e:
+        hf(row, position_ids=restarting)
+    assert "\n" not in str(e.value)

@@ -204,17 +204,17 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
     claims, inside, version = [], [False], [None]
     claim, set_attr = KVCache.claim, KVCache.__setattr__
 
-    def claiming(self, pos, last):
+    def claiming(self, pos, last, starts=None):
         assert self.pos is None or self.pos._version == version[0], "the slots' positions changed outside claim"
         inside[0] = True
         try:
-            return claim(self, pos, last)
+            return claim(self, pos, last, starts)
         finally:
             inside[0], version[0] = False, self.pos._version
             claims.append(len(pos))
 
     def watched(self, name, value):
-        if name in ("next_pos", "length", "pos") and hasattr(self, name):  # after __init__
+        if name in ("next_pos", "length", "pos", "starts") and hasattr(self, name):  # after __init__
             assert inside[0], f"KVCache.{name} set outside claim"
         set_attr(self, name, value)
 

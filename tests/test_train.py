@@ -1,6 +1,7 @@
 """Tests for train.py and the data pipeline: exact resume, Ctrl-C, atomic checkpoints, config errors, DDP, wandb,
 the dataset recipes offline."""
 
+import json
 import os
 import runpy
 import shutil
@@ -522,18 +523,24 @@ def test_token_ids_outside_the_vocabulary_are_caught(tiny_data, tmp_path):
 @pytest.mark.parametrize("recipe", ["openwebtext", "wikitext103", "tinystories"])
 def test_hf_recipes_offline(recipe, tmp_path):
     """Each Hugging Face recipe's tokenize-and-write code, run on a local DatasetDict (2 worker processes), writes
-    GPT-2 ids that decode to the documents, with <|endoftext|> between documents where the recipe says so."""
+    GPT-2 ids that decode to the documents, with <|endoftext|> between documents: after each row, or for WikiText's
+    lines before each article's title (not a section's), and meta.json names that token for packing="documents"."""
     pytest.importorskip("datasets")  # CI has it; a bare GPU machine may not
     from datasets import Dataset, DatasetDict
 
     docs = [f"Story {i}: once upon a time there was a {'very ' * (i % 5)}small dragon." for i in range(60)]
+    if recipe == "wikitext103":  # its rows are lines: titles, section headings, paragraphs
+        docs = [[f" = Article {i} = \n", " = = Section = = \n", d][i % 3] for i, d in enumerate(docs)]
     split_names = ["train"] if recipe == "openwebtext" else ["train", "validation"]
     dataset = DatasetDict({s: Dataset.from_dict({"text": docs}) for s in split_names})
     module = runpy.run_path(str(ROOT / "data" / recipe / "prepare.py"))
     counts = module["prepare"](dataset, out_dir=tmp_path, num_proc=2)
     tok = GPT2Tokenizer()
-    eot = recipe != "wikitext103"
-    per_doc = {d: tok.encode(d) + ([GPT2_EOT] if eot else []) for d in docs}
+    if recipe == "wikitext103":
+        per_doc = {d: ([GPT2_EOT] if d.startswith(" = A") else []) + tok.encode(d) for d in docs}
+    else:
+        per_doc = {d: tok.encode(d) + [GPT2_EOT] for d in docs}
+    assert json.loads((tmp_path / "meta.json").read_text())["eot"] == GPT2_EOT
     ids = {s: np.fromfile(tmp_path / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")}
     assert counts == {s: len(v) for s, v in ids.items()}
     if recipe == "openwebtext":  # a held-out split of whole documents

@@ -1,0 +1,399 @@
+"""Document packing (packing="documents"): each end-of-text token begins a document, positions count from a
+document's first token, and attention never crosses into another document. The reference for every test is the
+document alone: a packed row must give each of its documents the logits and gradients it gets by itself, on every
+attention path, through the KV cache and in generation."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import VOCAB, cached_logits, close, tiny
+from torch.nn import functional as F
+
+import fast_paths
+from generate import generate
+from model import GPT, POS_ENCODINGS, Chunk, GPTConfig, KVCache
+
+EOT = 0  # the end-of-text token of these tests' vocabulary
+ENCODINGS = list(POS_ENCODINGS)
+LAYOUTS = [(7, 12, 5, 9), (20, 1, 3, 9)]  # two rows of documents (lengths), 33 tokens each: one batch
+
+
+def documents(lengths: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """Random documents of these lengths, each after the first beginning with the end-of-text token."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    for d in docs[1:]:
+        d[0] = EOT
+    return docs
+
+
+def packed_model(pe: str, **kw) -> GPT:
+    """A tiny float64 model packing documents, in training mode (dropout 0), every parameter shaping the output."""
+    kw = {"block_size": 40, **kw}
+    return tiny(pe, packing="documents", eot_token=EOT, **kw).double().train()
+
+
+def logits_and_grads(model, rows: torch.Tensor, targets: torch.Tensor, **kw):
+    """Logits of rows (B, T) and every parameter's gradient of the summed cross-entropy against targets."""
+    model.zero_grad()
+    logits, _ = model(rows, **kw)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_documents_alone(model, rows_of_docs: list[list[torch.Tensor]], tol: float = 1e-10, **kw) -> None:
+    """The batch of packed rows gives each document the logits it gets alone, and the gradient of the rows' loss is
+    the sum of the documents' (each document's targets as in its row: its next token, the last one the next
+    document's end-of-text token)."""
+    rows = torch.stack([torch.cat(docs) for docs in rows_of_docs])
+    targets = torch.roll(rows, -1, dims=1)
+    logits, grads = logits_and_grads(model, rows, targets, **kw)
+    expected_grads = {name: torch.zeros_like(g) for name, g in grads.items()}
+    for b, docs in enumerate(rows_of_docs):
+        t = 0
+        for doc in docs:
+            alone, doc_grads = logits_and_grads(model, doc[None], targets[b, t : t + len(doc)][None], **kw)
+            close(logits[b, t : t + len(doc)], alone[0], tol=tol)
+            for name, g in doc_grads.items():
+                expected_grads[name] += g
+            t += len(doc)
+    assert grads.keys() == expected_grads.keys()
+    for name, g in grads.items():  # a table of biases is float32 in a float64 model: its gradient sums in float32
+        close(g, expected_grads[name], tol=1e-6 if name == "transformer.wpe.weight" else tol)
+
+
+def kernels_taken(monkeypatch) -> list[str]:
+    """The fast kernel each forward's attention takes (None: model.py's reference), as a list that fills."""
+    taken, kernel = [], fast_paths.kernel
+    monkeypatch.setattr(fast_paths, "kernel", lambda *a, **kw: taken.append(kernel(*a, **kw)) or taken[-1])
+    return taken
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_each_document_in_a_packed_row_is_the_document_alone(pe, path, monkeypatch):
+    """Logits and gradients, for every encoding, two rows of other layouts in one batch, on the CPU's fast path (the
+    table of distances for a bias of i - j alone, FIRE's within its threshold) and on the reference (a materialized
+    mask or bias, each row's own)."""
+    model = packed_model(pe)
+    model.attention_options = replace(model.attention_options, fused=None if path == "fast" else False)
+    taken = kernels_taken(monkeypatch)
+    assert_documents_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
+    if model.encoding.has_score_bias:
+        assert set(taken) == {"bias_table" if path == "fast" else None}
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_documents_alone_in_evaluation_and_with_a_window(pe, monkeypatch):
+    """Without a gradient (evaluation: a score bias a block of queries at a time on the CPU) and under a sliding
+    window, each document still gets what it gets alone."""
+    model = packed_model(pe).eval()
+    rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
+    taken = kernels_taken(monkeypatch)
+    with torch.no_grad():
+        for window in (None, 6):
+            packed, _ = model(torch.stack([torch.cat(d) for d in rows]), window=window)
+            for b, docs in enumerate(rows):
+                t = 0
+                for doc in docs:
+                    close(packed[b, t : t + len(doc)], model(doc[None], window=window)[0][0], tol=1e-10)
+                    t += len(doc)
+    if model.encoding.has_score_bias:
+        assert None not in taken
+
+
+def test_fire_past_its_threshold_reads_each_document_at_its_own_positions(monkeypatch):
+    """FIRE's bias reads the query's position, not only i - j: past its threshold L a packed row takes each row's own
+    bias (the reference), and each document still gets what it gets alone."""
+    model = packed_model("fire")
+    with torch.no_grad():
+        model.encoding.L_multiplier.fill_(0.2)  # L = 8 of 40: most queries past it
+    rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
+    assert_documents_alone(model, rows)
+    taken = kernels_taken(monkeypatch)
+    model(torch.stack([torch.cat(docs) for docs in rows]))
+    assert taken == [], "past its threshold FIRE's packed rows take the reference, no fast kernel"
+
+
+def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
+    """FlexAttention by the textbook formula, over every row b of the batch (its block mask compares documents): a
+    stand-in with a backward on CPUs for the CUDA kernel."""
+    b, h, i, j = (
+        torch.arange(n).view(*[-1 if d == a else 1 for d in range(4)])
+        for a, n in enumerate((q.size(0), q.size(1), q.size(2), k.size(2)))
+    )
+    s = score_mod((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, b, h, i, j)
+    s = s.masked_fill(~block_mask.mask_mod(b, h, i, j), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, s.logsumexp(-1)
+
+
+@pytest.mark.parametrize("pe", ["bias_rpe", "t5"])
+def test_fused_band_gradient_stays_inside_documents(pe, monkeypatch):
+    """The fused path (FlexAttention under a block mask of each row's documents; its table gradient from the band
+    i - j < far_distance, inside a document): logits and gradients equal each document alone."""
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", math_flex_attention_lse)
+    model = packed_model(pe, t5_num_buckets=8, t5_max_distance=12)
+    model.attention_options = replace(model.attention_options, fused=True)
+    taken = kernels_taken(monkeypatch)
+    assert_documents_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
+    assert set(taken) == {"flex_band"}
+
+
+@pytest.mark.parametrize("pe", ["alibi", "kerple", "fire"])
+def test_fused_attention_stays_inside_documents(pe, monkeypatch):
+    """FlexAttention (no gradient into the bias) under the block mask of each row's documents, eagerly on the CPU."""
+    model = packed_model(pe).eval()
+    model.attention_options = replace(model.attention_options, fused=True)
+    rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
+    taken = kernels_taken(monkeypatch)
+    with torch.no_grad():
+        packed, _ = model(torch.stack([torch.cat(d) for d in rows]))
+        for b, docs in enumerate(rows):
+            t = 0
+            for doc in docs:
+                close(packed[b, t : t + len(doc)], model(doc[None])[0][0], tol=1e-10)
+                t += len(doc)
+    assert set(taken) == {"flex"}
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_kv_cache_equals_the_full_forward_across_documents(pe, window):
+    """A prompt holding end-of-text tokens, fed through the KV cache in chunks (a prefill, a chunk that ends on an
+    end-of-text token, then one token at a time), gives the logits of the full forward under the same rule: a
+    document begun in one chunk goes on in the next; a rolling window of keys keeps their documents."""
+    model = packed_model(pe).eval()
+    row = torch.cat(documents((7, 12, 5, 9), seed=3))[None].repeat(2, 1)
+    row[1, 3] = EOT  # the rows' documents differ
+    with torch.no_grad():
+        full, _ = model(row, window=window)
+        cached = cached_logits(model, row, [5, 2, 6, *[1] * 20], window=window, extra=2)
+    close(cached, full, tol=1e-10)
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_generation_after_an_end_of_text_token(pe):
+    """Greedy generation from a prompt that ends a document and begins another: the KV cache, the compiled-free
+    decode step and the window re-run every token agree, and the new document's first token is what the document's
+    end-of-text token predicts alone."""
+    model = packed_model(pe).eval()
+    prompt = torch.cat(documents((6, 4), seed=5))[None]
+    with_cache = generate(model, prompt, 8, temperature=0)
+    without = generate(model, prompt, 8, temperature=0, use_cache=False)
+    assert torch.equal(with_cache, without)
+    start = prompt[:, 6:]  # the second document, alone
+    assert torch.equal(generate(model, start, 8, temperature=0)[0, len(start[0]) :], with_cache[0, prompt.size(1) :])
+
+
+RELATIVE = [pe for pe, cls in POS_ENCODINGS.items() if cls.relative] + ["fire"]  # FIRE: within its threshold
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_the_restart_changes_nothing_for_the_relative_encodings(pe, monkeypatch):
+    """Positions counted from each document's start, or from the row's: once attention stays inside a document the
+    encodings whose scores read i - j alone (FIRE within its threshold too) give the same logits; the absolute ones
+    (sinusoidal, learned) do not: for them the restart is the point."""
+    model = packed_model(pe).eval()
+    rows = torch.stack([torch.cat(documents(lengths, seed)) for seed, lengths in enumerate(LAYOUTS)])
+    with torch.no_grad():
+        restarted, _ = model(rows)
+        stream = lambda chunk: (chunk.pos.expand(len(rows), -1), chunk.keys.expand(len(rows), -1))  # noqa: E731
+        monkeypatch.setattr(Chunk, "own_positions", stream)
+        counted_on, _ = model(rows)
+    if pe in RELATIVE:  # RoPE's angles p·θ are float32: other positions, other roundings
+        close(counted_on, restarted, tol=1e-5 if pe == "rope" else 1e-10)
+    else:
+        assert (counted_on - restarted).abs().max() > 1e-3
+
+
+def test_a_stream_model_lets_documents_see_each_other():
+    """The default packing (nanoGPT's stream) is today's model: a document after the first sees the ones before it."""
+    model = tiny("rope", block_size=40).double()
+    assert model.config.packing == "stream"
+    docs = documents((7, 12), seed=0)
+    with torch.no_grad():
+        packed, _ = model(torch.cat(docs)[None])
+        alone, _ = model(docs[1][None])
+    assert (packed[0, 7:] - alone[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(packing="document"), "packing='document' is not a packing; valid choices: stream, documents"),
+        (dict(packing="documents"), "packing='documents' needs eot_token"),
+        (dict(packing="documents", eot_token=VOCAB), "below vocab_size"),
+        (dict(packing="documents", eot_token=True), "needs eot_token"),
+    ],
+)
+def test_bad_packing_is_one_clear_error(kw, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        GPTConfig(vocab_size=VOCAB, **kw)
+
+
+def test_an_old_config_loads_as_a_stream():
+    """A checkpoint's model_args from before packing existed build today's default: a stream."""
+    old = {k: v for k, v in vars(GPTConfig(vocab_size=VOCAB)).items() if k not in ("packing", "eot_token")}
+    assert GPTConfig(**old).packing == "stream" and GPT(GPTConfig(**old)).config.eot_token is None
+
+
+def test_a_kv_cache_without_documents_stays_as_it_was():
+    """A stream model's cache keeps no document starts (the decode step's tensors are as before)."""
+    model = tiny("alibi")
+    cache = KVCache(model.config.n_layer, 16)
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long), cache=cache)
+    assert cache.starts is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The data and the training run
+
+
+def test_prepared_documents_decode_to_the_documents(tmp_path):
+    """prepare_documents writes the documents in order, an end-of-text token before each after the first (the char
+    datasets' record separator, GPT-2's <|endoftext|>), the validation split the last whole documents, and meta.json
+    names the token."""
+    import json
+
+    import numpy as np
+
+    from datafiles import DOCUMENT_SEPARATOR, load_meta, prepare_documents
+    from tokenizer import GPT2_EOT, tokenizer_from_meta
+
+    docs = [f"document {i}: " + "words " * (i % 7) for i in range(40)]
+    for kind in ("char", "gpt2"):
+        out = tmp_path / kind
+        prepare_documents(docs, out, kind)
+        meta = json.loads((out / "meta.json").read_text())
+        tok = tokenizer_from_meta(meta["tokenizer"])
+        eot = meta["eot"]
+        assert eot == (tok.encode(DOCUMENT_SEPARATOR)[0] if kind == "char" else GPT2_EOT)
+        splits = [np.fromfile(out / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")]
+        texts = []
+        for ids in splits:
+            starts = [0] + [i for i, t in enumerate(ids) if t == eot]
+            ends = [*starts[1:], len(ids)]
+            texts += [tok.decode([t for t in ids[a:b] if t != eot]) for a, b in zip(starts, ends, strict=True)]
+        assert texts == docs and 0 < len(splits[1]) < len(splits[0])
+        assert load_meta(out)["eot"] == eot
+
+
+@pytest.mark.parametrize(
+    "docs, fragment",
+    [
+        (["only one"], "two or more"),
+        (["a", "b\x1ec"], "holds '\\x1e'"),
+    ],
+)
+def test_bad_documents_are_one_clear_error(docs, fragment, tmp_path):
+    from datafiles import DataError, prepare_documents
+
+    with pytest.raises(DataError, match=fragment.replace("\\", "\\\\")):
+        prepare_documents(docs, tmp_path, "char")
+
+
+def test_the_embedded_corpus_in_scenes():
+    """The scenes are the corpus cut before its headings: joined they are the text; each after the first begins with
+    a work's title or an act's or a scene's heading; an act's heading and its first scene are one document."""
+    from datafiles import SCENE_HEADING, read_embedded_corpus, scenes
+
+    text = read_embedded_corpus()
+    docs = scenes(text)
+    assert "".join(docs) == text and 700 < len(docs) < 900
+    for doc in docs[1:]:
+        first = doc.splitlines()
+        assert SCENE_HEADING.match(first[0]) or first[2].strip() == "by William Shakespeare", first[:3]
+    assert sum(d.startswith("ACT I.\n\nSCENE 1.") for d in docs) >= 1  # an act with its first scene
+
+
+@pytest.fixture(scope="module")
+def scenes_data(tmp_path_factory):
+    """The first 40 documents of the embedded corpus's scenes, character level."""
+    from datafiles import prepare_documents, read_embedded_corpus, scenes
+
+    d = tmp_path_factory.mktemp("data") / "scenes"
+    prepare_documents(scenes(read_embedded_corpus())[:40], d, "char")
+    return d
+
+
+TRAIN = ["--device=cpu", "--compile=False", "--dtype=float32", "--n_layer=1", "--n_head=2", "--n_embd=16"]
+TRAIN += ["--block_size=32", "--batch_size=4", "--eval_iters=2", "--eval_interval=4", "--warmup_iters=1"]
+TRAIN += ["--lr_decay_iters=8", "--dropout=0.0", "--pos_encoding=sinusoidal"]
+
+
+def train_cli(*args: str):
+    from conftest import run_cli
+
+    import train
+
+    return run_cli(train.cli, [*TRAIN, *args])
+
+
+def test_a_documents_run_trains_records_its_packing_and_resumes_with_it(scenes_data, tmp_path):
+    """--packing=documents trains on data that marks its documents, logs the distances it trains at, records the
+    packing and the end-of-text token in the checkpoint; a resume that does not name the packing keeps it, and the
+    checkpoint's model evaluates its documents alone."""
+    from checkpoint import load_checkpoint, model_from_checkpoint
+
+    out = tmp_path / "run"
+    r = train_cli(f"--dataset={scenes_data}", "--packing=documents", "--max_iters=4", f"--out_dir={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (
+        "documents: positions restart at each end-of-text token" in r.stdout and "trained distances up to" in r.stdout
+    )
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    assert ckpt["model_args"]["packing"] == "documents" and ckpt["config"]["packing"] == "documents"
+    eot = ckpt["model_args"]["eot_token"]
+    r = train_cli(f"--dataset={scenes_data}", "--max_iters=8", "--init_from=resume", f"--out_dir={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    assert ckpt["iter_num"] == 8 and ckpt["model_args"]["packing"] == "documents"
+    model = model_from_checkpoint(ckpt).eval()
+    docs = [torch.tensor([5, 6, 7, 8]), torch.tensor([eot, 9, 10])]
+    with torch.no_grad():
+        close(model(torch.cat(docs)[None])[0][0, 4:], model(docs[1][None])[0][0])
+
+
+def test_packing_documents_needs_documents(tiny_stream_data, scenes_data, tmp_path):
+    """Data that marks no documents, a task, and a model whose end-of-text token the data does not share: one line
+    each, naming the fix."""
+    r = train_cli(f"--dataset={tiny_stream_data}", "--packing=documents", "--max_iters=2", f"--out_dir={tmp_path}/a")
+    assert r.returncode == 1 and "needs data that marks its documents" in r.stderr and "Traceback" not in r.stderr
+    assert "--dataset=shakespeare_char_scenes" in r.stderr
+    r = train_cli("--task=copy", "--packing=documents", "--max_iters=2", f"--out_dir={tmp_path}/b")
+    assert r.returncode == 1 and "packing='documents' with task='copy'" in r.stderr
+    out = tmp_path / "c"
+    assert (
+        train_cli(f"--dataset={scenes_data}", "--packing=documents", "--max_iters=2", f"--out_dir={out}").returncode
+        == 0
+    )
+    r = train_cli(f"--dataset={tiny_stream_data}", "--max_iters=4", "--init_from=resume", f"--out_dir={out}")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_stream_data(tmp_path_factory):
+    from datafiles import prepare_text, read_embedded_corpus
+
+    d = tmp_path_factory.mktemp("data") / "stream"
+    prepare_text(read_embedded_corpus()[:100_000], d, "char")
+    return d
+
+
+def test_an_extension_keeps_the_packing(scenes_data, tmp_path):
+    """A run extended to a longer block keeps its source's packing; naming another is an error."""
+    from checkpoint import load_checkpoint
+
+    src = tmp_path / "src"
+    assert (
+        train_cli(f"--dataset={scenes_data}", "--packing=documents", "--max_iters=2", f"--out_dir={src}").returncode
+        == 0
+    )
+    longer = ["--block_size=64", "--max_iters=2", f"--init_from={src}", f"--dataset={scenes_data}"]
+    r = train_cli(*longer, f"--out_dir={tmp_path}/ext")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_checkpoint(tmp_path / "ext" / "ckpt.pt")["model_args"]["packing"] == "documents"
+    r = train_cli(*longer, "--packing=stream", f"--out_dir={tmp_path}/ext2")
+    assert r.returncode == 1 and "packing='stream' contradicts" in r.stderr, r.stderr
