@@ -5,7 +5,7 @@ Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test:
 
     python bench.py                                  # every table this device can run (CPU: a few minutes)
     python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
-    python bench.py --only=decode                    # one table: train, encodings, decode, attention, shapes
+    python bench.py --only=decode                    # one table: train, encodings, packing, decode, attention, shapes
     python bench.py --only=parallel                  # DDP against FSDP at 2 processes (torchrun)
 
 CPU sizes: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
@@ -30,7 +30,7 @@ import torch
 from devices import allow_tf32, autocast, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
 from generate import generate
-from model import GPT, POS_ENCODINGS, GPTConfig
+from model import GPT, PACKINGS, POS_ENCODINGS, GPTConfig
 from parallel import STRATEGIES
 
 ENCODINGS = list(POS_ENCODINGS)
@@ -114,6 +114,8 @@ def train_step_fn(model, cfg: dict, args, device: str):
     B, T = cfg["batch_size"], cfg["block_size"]
     x = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     y = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
+    if isinstance(model, GPT) and model.config.packing == "documents":  # a document every DOCUMENT tokens
+        x = torch.where(torch.arange(T, device=device) % DOCUMENT == 0, model.config.eot_token, x)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     ctx = autocast(device, torch.bfloat16 if device == "cuda" else torch.float32)
     compiled = [torch.compile(model) if args.compile else model]
@@ -138,6 +140,9 @@ def train_step_fn(model, cfg: dict, args, device: str):
         return model.attention_options if model.encoding.has_score_bias else None
 
     return lambda: with_kernel_fallbacks(one_step, options(), recompile, log=lambda m: print(m, file=sys.stderr))
+
+
+DOCUMENT = 100  # tokens per document of the training step's rows under packing="documents" (bench_packing)
 
 
 def sizes(device: str) -> dict:
@@ -224,6 +229,31 @@ def bench_encodings(args, device: str) -> None:
                 f"| {enc} | {t * 1e3:.1f} | {tokens / t:,.0f} | {mfu} | {mem} | {t / fastest:.2f}x | {vs_rope} "
                 f"| {kernel} |"
             )
+        del steps
+
+
+def bench_packing(args, device: str) -> None:
+    """Every encoding's training step with packing="documents" (a document every DOCUMENT tokens) against the same
+    step as one stream, alternating over rounds; the median over rounds."""
+    for cfg in sizes(device)["encodings"]:
+        if args.encoding_blocks and cfg["block_size"] not in args.encoding_blocks:
+            continue
+        how = "compiled" if args.compile else "eager"
+        print(f"\n### Training step with document packing, {how} ({cfg}, a document every {DOCUMENT} tokens)\n")
+        steps, times = {}, {}
+        for enc in args.step_encodings:
+            for packing in PACKINGS:
+                torch.manual_seed(0)
+                model = GPT(GPTConfig(**model_args(cfg), pos_encoding=enc, packing=packing, eot_token=0)).to(device)
+                steps[enc, packing], times[enc, packing] = train_step_fn(model, cfg, args, device), []
+        for _ in range(args.rounds):
+            for key, step in steps.items():
+                times[key].append(timed(step, device, args.steps, args.warmup))
+                print(f"  {key[0]} {key[1]}: {times[key][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        print("| encoding | stream ms/step | documents ms/step | documents / stream |\n|---|---:|---:|---:|")
+        for enc in args.step_encodings:
+            stream, documents = (statistics.median(times[enc, p]) for p in PACKINGS)
+            print(f"| {enc} | {stream * 1e3:.1f} | {documents * 1e3:.1f} | {documents / stream:.2f}x |")
         del steps
 
 
@@ -512,7 +542,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nanogpt", default=None, help="folder of a nanoGPT clone, to measure its model.py beside ours")
     p.add_argument(
-        "--only", choices=["train", "encodings", "decode", "attention", "shapes", "parallel", "memory"], default=None
+        "--only",
+        choices=["train", "encodings", "packing", "decode", "attention", "shapes", "parallel", "memory"],
+        default=None,
     )
     p.add_argument(
         "--compile",
@@ -584,14 +616,15 @@ def main(argv: list[str] | None = None) -> None:
     tables = {
         "train": lambda: bench_train(args, device, nanogpt),
         "encodings": lambda: bench_encodings(args, device),
+        "packing": lambda: bench_packing(args, device),
         "decode": lambda: bench_decode(args, device, nanogpt),
         "attention": lambda: bench_attention(args, device),
         "shapes": lambda: bench_shapes(args, device),
         "parallel": lambda: bench_parallel(args, device),
         "memory": lambda: bench_memory(args, device),
     }
-    for key, fn in tables.items():  # shapes, parallel and memory run many processes: only when asked
-        if args.only == key or (args.only is None and key not in ("shapes", "parallel", "memory")):
+    for key, fn in tables.items():  # shapes, parallel, memory and packing take long: only when asked
+        if args.only == key or (args.only is None and key not in ("shapes", "parallel", "memory", "packing")):
             fn()
 
 

@@ -376,9 +376,10 @@ class TableBiasAttention(torch.autograd.Function):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j1 = i1 if ctx.own_keys else Tk
             bias, index = table_block(table, pos[i0:i1], keys[:j1], ctx.window)  # (nh, bq, j1), (bq, j1)
-            bias = in_documents(bias, starts, key_starts, i0, i1, j1)
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
+            if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
+                p.masked_fill_((starts[:, i0:i1, None] != key_starts[:, None, :j1])[:, None], 0.0)
             dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
             ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
             dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
@@ -407,7 +408,7 @@ def in_documents(bias: torch.Tensor, starts, key_starts, i0: int, i1: int, j1: i
     if starts is None:
         return bias
     same = starts[:, i0:i1, None] == key_starts[:, None, :j1]  # (B, bq, j1)
-    return bias.masked_fill(~same[:, None], float("-inf"))
+    return torch.where(same[:, None], bias, float("-inf"))  # one pass (masked_fill would copy, then fill)
 
 
 def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool, starts=None) -> Callable:

@@ -596,7 +596,7 @@ class FIRE(PositionalEncoding):
             return None
         layer = first // n_head
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
-        if bool(chunk.pos[-1] >= threshold):  # at i = L the gradient of max(L, i) is split: pair by pair
+        if bool(chunk.own_positions()[0].max() >= threshold):  # at i = L max(L, i) splits its gradient: by pairs
             return None
         return self.distance_bias(len(chunk.pos), c, threshold, self.w1[layer], self.b1[layer], self.w2[layer][:, None])
 

@@ -6,6 +6,7 @@ evaluate each at several lengths (eval_length.py), and write a report (markdown 
     python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
     python sweep.py --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1   # with retrieval tasks
     python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
+    python sweep.py --size=cpu --seeds 1337 1338 --packing stream documents   # with and without document packing
     python sweep.py --synthetic --seeds 1337 1338 1339 --jobs 2   # the synthetic tasks (synthetic.py), on a CPU
     python sweep.py --synthetic mqar offset --recipes --selection_seeds 2001 --seeds 3001 3002 3003 3004 3005 --jobs 2
 
@@ -14,6 +15,10 @@ re-running the command after a crash or Ctrl-C continues where it stopped. With 
 mean ± standard deviation over seeds: a difference smaller than that is noise. Runs trained with retrieval tasks
 (--train --task_fraction=0.1) are also scored on them (passkey, recall, copy at every evaluation length). The
 report opens with a summary: one row per encoding.
+
+--packing stream documents trains each encoding both ways (train.py's --packing), the documents runs in
+<out_dir>/<encoding>-documents-seed<seed>, all on one dataset that marks its documents (shakespeare_char_scenes unless
+--train --dataset=... names another), and the report puts "<encoding> documents" beside each encoding's stream row.
 
 --synthetic [TASK ...] runs the token-level suite instead: every encoding trained on each task (config/<task>.py,
 default all of them) and scored at 1x to 8x its training length, 400 sequences per cell. Runs go to
@@ -48,7 +53,7 @@ import synthetic
 import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure
-from model import POS_ENCODINGS, ROPE_SCALINGS
+from model import PACKINGS, POS_ENCODINGS, ROPE_SCALINGS
 from outputs import cannot_write, write_atomic
 from sweep_report import (
     Cell,
@@ -535,13 +540,25 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
     """Train every encoding and seed at the size's settings, evaluate them (eval_length, and tasks.py's tasks for
     runs trained with them), report; a sweep with nothing new keeps the report it wrote."""
     size = SIZES[args.size]
-    pairs = [(enc, seed, run_dir(out_dir, enc, seed)) for seed in args.seeds for enc in args.encodings]
-    jobs = [(d, cmd) for enc, seed, d in pairs if (cmd := train_command(enc, seed, d, args, size["train"]))]
+    plan = [
+        (enc, packing, seed, run_dir(out_dir, enc if packing == "stream" else f"{enc}-{packing}", seed))
+        for seed in args.seeds
+        for enc in args.encodings
+        for packing in args.packing
+    ]
+    documents = "documents" in args.packing and not any(a.startswith("--dataset=") for a in args.train)
+    data = ["--dataset=shakespeare_char_scenes"] if documents else []  # one dataset for both packings
+    jobs = [
+        (d, cmd)
+        for enc, packing, seed, d in plan
+        if (cmd := train_command(enc, seed, d, args, size["train"], extra=[*data, f"--packing={packing}"]))
+    ]
     train_all(jobs, args.jobs)
-    runs = [text_run(enc, seed, d) for enc, seed, d in pairs]
+    runs = [text_run(packed_name(enc, packing), seed, d) for enc, packing, seed, d in plan]
     write_atomic(out_dir / "runs.json", json.dumps([asdict(r) for r in runs], indent=1))
     lengths = args.lengths or size["lengths"]
     evaluation = {
+        "names": [r.enc for r in runs],  # a run with document packing beside its encoding's stream run
         "lengths": lengths,
         "eval_tokens": args.eval_tokens or size["eval_tokens"],
         "out_json": str(out_dir / "eval.json"),
@@ -568,6 +585,11 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
     path = text_report(out_dir, report, runs, argv)
     write_atomic(inputs_path, json.dumps(inputs | {"report": stamp(path)}))
     print(f"[sweep] report: {path}")
+
+
+def packed_name(enc: str, packing: str) -> str:
+    """A text run's label in the report: its encoding, and "documents" where it packs documents apart."""
+    return enc if packing == "stream" else f"{enc} {packing}"
 
 
 def text_run(enc: str, seed: int, d: Path) -> TextRun:
@@ -756,9 +778,13 @@ def main(argv: list[str]) -> None:
 
 
 # train.py options that say what a study compares, which each run's config sets (config/<encoding>.py, and a synthetic
-# run's config/<task>.py): given to every run by --train, they would train other runs than the folders and the report
-# name (a passkey run filed as needle)
-COMPARED = {"pos_encoding": "the encodings (--encodings)", "task": "the tasks (--synthetic; a text study: none)"}
+# run's config/<task>.py) or the sweep (--packing): given to every run by --train, they would train other runs than the
+# folders and the report name (a passkey run filed as needle)
+COMPARED = {
+    "pos_encoding": "the encodings (--encodings)",
+    "task": "the tasks (--synthetic; a text study: none)",
+    "packing": "the packings (--packing)",
+}
 
 
 def check_train_options(p: argparse.ArgumentParser, options: list[str]) -> None:
@@ -805,6 +831,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         help="default: all; --extend: " + " ".join(EXTEND_ENCODINGS),
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    p.add_argument(
+        "--packing",
+        nargs="+",
+        default=None,
+        choices=list(PACKINGS),
+        help="text sweep: each encoding with each packing (train.py's --packing; default stream alone)",
+    )
     p.add_argument(
         "--lengths",
         type=int,
@@ -905,7 +938,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     # the text sweep's options: None unless given, so that the synthetic suite, which has no use for them (its model
     # and sequences are its own), refuses them instead of ignoring them; then their defaults
     text_only = {"size": "gpu" if torch.cuda.is_available() else "cpu", "rope_scaling": ["yarn", "dynamic_ntk"]}
-    text_only |= {"eval_tokens": None, "task_depths": 10}
+    text_only |= {"eval_tokens": None, "task_depths": 10, "packing": ["stream"]}
+    if args.extend and args.packing is not None:
+        p.error("--packing: only the text sweep trains both packings; drop it (an extension keeps its source's)")
     for name, default in text_only.items():
         if args.synthetic is not None and getattr(args, name) is not None:
             p.error(f"--{name}: the synthetic suite does not use it (only the text sweep does); drop it")
@@ -920,7 +955,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         if args.recipes:  # a recipe chosen on a seed cannot be reported on it: the choice would flatter it
             p.error(f"--seeds and --selection_seeds share {shared}: the reported seeds must be fresh; choose others")
     # a name twice would train one run twice (side by side, into one folder) and count it twice in the report
-    for name in ("encodings", "seeds", "synthetic", "lengths", "rope_scaling", "selection_seeds", "task_seeds"):
+    for name in (
+        "encodings",
+        "seeds",
+        "synthetic",
+        "lengths",
+        "rope_scaling",
+        "selection_seeds",
+        "task_seeds",
+        "packing",
+    ):
         xs = getattr(args, name) or []
         if len(set(xs)) != len(xs):
             p.error(f"--{name} {' '.join(map(str, xs))}: each may appear once")

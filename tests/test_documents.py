@@ -39,7 +39,8 @@ def logits_and_grads(model, rows: torch.Tensor, targets: torch.Tensor, **kw):
     model.zero_grad()
     logits, _ = model(rows, **kw)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters()  # a compiled model's names start with _orig_mod.
+    return logits.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in named if p.grad is not None}
 
 
 def assert_documents_alone(model, rows_of_docs: list[list[torch.Tensor]], tol: float = 1e-10, **kw) -> None:
@@ -184,6 +185,26 @@ def test_generation_after_an_end_of_text_token(pe):
     assert torch.equal(with_cache, without)
     start = prompt[:, 6:]  # the second document, alone
     assert torch.equal(generate(model, start, 8, temperature=0)[0, len(start[0]) :], with_cache[0, prompt.size(1) :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pe", ["rope", "bias_rpe"])
+def test_compiled_documents_equal_eager(pe):
+    """torch.compile'd: a training step's logits and gradients over packed rows equal the eager model's (float32, to
+    its rounding), and the compiled decode step generates the eager tokens across an end-of-text token."""
+    model = packed_model(pe).float()
+    rows = torch.stack([torch.cat(documents(lengths, seed)) for seed, lengths in enumerate(LAYOUTS)])
+    targets = torch.roll(rows, -1, 1)
+    eager_logits, eager_grads = logits_and_grads(model, rows, targets)
+    logits, grads = logits_and_grads(torch.compile(model), rows, targets)
+    close(logits, eager_logits, tol=1e-4)
+    for name, g in eager_grads.items():
+        close(grads[name], g, tol=1e-4)
+    model.eval()
+    prompt = torch.cat(documents((6, 4), seed=5))[None]
+    assert torch.equal(
+        generate(model, prompt, 6, temperature=0, compile=True), generate(model, prompt, 6, temperature=0)
+    )
 
 
 RELATIVE = [pe for pe, cls in POS_ENCODINGS.items() if cls.relative] + ["fire"]  # FIRE: within its threshold
@@ -397,3 +418,34 @@ def test_an_extension_keeps_the_packing(scenes_data, tmp_path):
     assert load_checkpoint(tmp_path / "ext" / "ckpt.pt")["model_args"]["packing"] == "documents"
     r = train_cli(*longer, "--packing=stream", f"--out_dir={tmp_path}/ext2")
     assert r.returncode == 1 and "packing='stream' contradicts" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_and_activation_checkpointing_train_documents_as_one_process(scenes_data, tmp_path):
+    """Two FSDP processes with full activation checkpointing, packing documents, reach the weights of one process
+    without either (the same global batch): the documents are each row's, whichever process holds the row."""
+    from test_train import torchrun
+
+    from checkpoint import load_checkpoint
+
+    common = [f"--dataset={scenes_data}", "--packing=documents", "--dropout=0.0", "--max_iters=3", "--eval_interval=3"]
+    one = tmp_path / "one"
+    assert train_cli(*common, "--batch_size=8", f"--out_dir={one}").returncode == 0
+    two = tmp_path / "two"
+    args = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4", "--activation_checkpointing=full"]
+    r = torchrun(2, "train.py", *TRAIN, *common, *args, f"--out_dir={two}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_checkpoint(one / "ckpt.pt")["model"], load_checkpoint(two / "ckpt.pt")["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels run on CUDA only")
+@pytest.mark.parametrize("pe", ["bias_rpe", "alibi", "rope", "fire"])
+def test_documents_alone_on_cuda_compiled(pe):
+    """On a GPU, compiled (FlexAttention under the block mask of each row's documents; the band gradient inside a
+    document; SDPA under the mask for RoPE): each document of a packed row gets its logits and gradients alone, in
+    float32 to the kernels' tolerance."""
+    model = packed_model(pe, n_head=2, n_embd=64).float().cuda()  # FlexAttention needs a head dim of 16 or more
+    rows = [[d.cuda() for d in documents(lengths, seed)] for seed, lengths in enumerate(LAYOUTS)]
+    assert_documents_alone(torch.compile(model), rows, tol=2e-4)

@@ -195,6 +195,11 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--extend", "--extend_task", "none", "--task_trials", "5"], "--task_trials: --extend_task none extends"),
         (["--extend", "--extend_task", "none", "--task_sources", "x"], "--task_sources: --extend_task none extends"),
         (["--extend", "--task_depths", "3"], "--task_depths: it scores no passkey depths (the text sweep's)"),
+        (["--packing", "documents", "documents"], "--packing documents documents: each may appear once"),
+        (["--packing", "docs"], "invalid choice: 'docs'"),
+        (["--synthetic", "--packing", "documents"], "--packing: the synthetic suite does not use it"),
+        (["--extend", "--packing", "documents"], "--packing: only the text sweep trains both packings"),
+        (["--train", "--packing=documents"], "--train --packing=documents: each run's config sets packing"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, message):
@@ -207,6 +212,30 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, me
         sweep.main([f"--out_dir={tmp_path / 'sweep'}", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.glob("sweep/*"))
+
+
+@pytest.mark.slow
+def test_sweep_with_and_without_document_packing(tmp_path):
+    """--packing stream documents trains each encoding both ways on one dataset that marks its documents, the
+    documents runs in their own folders and rows, and the report's table of what the packing changes."""
+    from datafiles import prepare_documents, scenes
+
+    data = tmp_path / "scenes"
+    prepare_documents(scenes(read_embedded_corpus())[:30], data, "char")
+    out = tmp_path / "sweep"
+    cmd = ["--size=cpu", "--encodings", "rope", "sinusoidal", "--packing", "stream", "documents", "--seeds", "1"]
+    cmd += ["--lengths", "32", "64", "--eval_tokens=512", f"--out_dir={out}", "--rope_scaling"]
+    cmd += ["--train", *TINY, "--max_iters=2", "--eval_interval=2", f"--dataset={data}"]
+    r = run_cli(sweep.main, cmd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for enc in ("rope", "sinusoidal"):
+        assert load_checkpoint(out / f"{enc}-seed1" / "ckpt.pt")["config"]["packing"] == "stream"
+        assert load_checkpoint(out / f"{enc}-documents-seed1" / "ckpt.pt")["config"]["packing"] == "documents"
+    report = (out / "report.md").read_text()
+    table = report[report.index("## Document packing: what changes per encoding") :]
+    assert "| val loss stream | val loss documents |" in table
+    assert "| rope | " in table and "| sinusoidal | " in table
+    assert "| rope documents | " in report[: report.index("## Document packing")]
 
 
 def test_options_after_train_are_train_pys():
