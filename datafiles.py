@@ -136,6 +136,22 @@ def scenes(text: str) -> list[str]:
     return ["".join(lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
 
 
+# a speaker's line, which begins a speech after a blank line: "COUNTESS.", "FIRST LORD.", "KING HENRY."
+SPEAKER = re.compile(r"^[A-Z][A-Z0-9 .,'&-]*\.\n?$")
+
+
+def speeches(text: str) -> list[str]:
+    """The embedded corpus in documents shorter than a block of training: each speech (a speaker's line, after a
+    blank line, and what is said until the next speaker), within scenes() (a heading and its stage directions before
+    the first speaker are a document of their own). Joined, they are the text."""
+    out = []
+    for scene in scenes(text):
+        lines = scene.splitlines(keepends=True)
+        starts = [0] + [i for i in range(1, len(lines)) if SPEAKER.match(lines[i]) and not lines[i - 1].strip()]
+        out += ["".join(lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
+    return out
+
+
 def read_embedded_corpus() -> str:
     """The complete works of Shakespeare (5,057,321 characters), committed xz-compressed."""
     import lzma
@@ -427,7 +443,7 @@ def trained_distances(data_dir: str | Path, block_size: int, eot: int, windows: 
 # a training run's data
 
 # prepared from files in the repository, offline
-EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare", "shakespeare_char_scenes")
+EMBEDDED_DATASETS = ("shakespeare_char", "shakespeare", "shakespeare_char_scenes", "shakespeare_char_speeches")
 
 
 @dataclass

@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,9 +33,9 @@ from tqdm import tqdm
 
 from checkpoint import CheckpointError, model_from_checkpoint
 from configurator import ConfigError
-from datafiles import DataError, validation_tokens
+from datafiles import DataError, dataset_dir, load_meta, validation_tokens
 from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
-from model import GPT, ROPE_SCALINGS
+from model import GPT, PACKINGS, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 from runs import load_run
 
@@ -111,6 +112,22 @@ def evaluate(
     return {"loss": mean, "ppl": math.exp(mean), "tokens": count, "per_position": (per_pos / len(spans)).tolist()}
 
 
+def dataset_meta(ckpt: dict, data_dir: str | None) -> dict:
+    """meta.json of the dataset the evaluation reads (data_dir, else the one the checkpoint trained on)."""
+    trained_on = (ckpt.get("config") or {}).get("dataset") or "shakespeare_char"
+    return load_meta(Path(data_dir) if data_dir else dataset_dir(trained_on))
+
+
+def evaluate_packed(model: GPT, packing: str, meta: dict, out_dir: str) -> None:
+    """Set the model's rule for this evaluation: documents apart at the data's end-of-text token, or one stream."""
+    if packing == "documents" and meta.get("eot") is None:
+        raise DataError(
+            f"{out_dir}: --packing=documents evaluates inside the data's documents, and its dataset marks none (no "
+            "'eot' in its meta.json); evaluate on a dataset prepared with documents (--data_dir)"
+        )
+    model.config.packing, model.config.eot_token = packing, meta.get("eot") if packing == "documents" else None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option in its range, before any work: p.error prints usage and one line, and exits 2."""
     for L in args.lengths:
@@ -153,6 +170,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rope_scaling", nargs="*", default=[], choices=[s for s in ROPE_SCALINGS if s != "none"])
     p.add_argument("--rope_factor", type=float, default=None, help="default: each length / the training length")
     p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
+    p.add_argument(
+        "--packing",
+        choices=PACKINGS,
+        default=None,
+        help="evaluate every checkpoint under this rule (documents: inside the data's documents, which it must mark; "
+        "stream: across them); default: the rule each was trained with",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory for one batch (default: 2, or 1/2 the GPU's)")
@@ -202,16 +226,19 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         try:
             run = load_run(out_dir, device, text=True)
             data, dataset = validation_tokens(run.ckpt, run.model.config.vocab_size, out_dir, args.data_dir)
+            if args.packing is not None:
+                evaluate_packed(run.model, args.packing, dataset_meta(run.ckpt, args.data_dir), out_dir)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         ckpt, model = run.ckpt, run.model
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
-        packing = model.config.packing
+        packing = model.config.packing  # its own, or --packing's
         runs.append(
             dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T, packing=packing)
         )
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
+            scaled.config.packing, scaled.config.eot_token = model.config.packing, model.config.eot_token
             if args.rope_factor:
                 name = f"{label}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
@@ -323,10 +350,10 @@ def markdown_table(report: dict) -> str:
             cells = [("n/a" if res is None else f"{res['ppl']:.2f}") for res in r["results"][mode].values()]
             out.append(f"| {r['name']} [{r['train_len']}] | " + " | ".join(cells) + " |")
     inside = [r["name"] for r in report["runs"] if r.get("packing") == "documents"]
-    if inside:  # the model's own rule: a window's tokens attend within their documents, positions from each start
+    if inside:  # a window's tokens attend within their documents, positions from each start
         out.append(
-            f"\n{', '.join(inside)}: trained with packing=documents, so evaluated inside documents (a token sees "
-            "only its document's tokens in the window)"
+            f"\n{', '.join(inside)}: evaluated inside documents (packing=documents: a token sees only its document's "
+            "tokens in the window)"
         )
     return "\n".join(out)
 

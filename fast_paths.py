@@ -356,10 +356,10 @@ class TableBiasAttention(torch.autograd.Function):
         lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
-            j1 = i1 if own_keys else Tk  # own keys: none past the block's last query (its future)
-            bias, _ = table_block(table, pos[i0:i1], keys[:j1], window)  # (nh, bq, j1)
-            bias = in_documents(bias, starts, key_starts, i0, i1, j1)
-            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1], bias)
+            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts)
+            bias, _ = table_block(table, pos[i0:i1], keys[j0:j1], window)  # (nh, bq, j1 - j0)
+            bias = in_documents(bias, starts, key_starts, slice(i0, i1), slice(j0, j1))
+            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
         ctx.save_for_backward(q, k, v, table, pos, keys, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y
@@ -374,22 +374,33 @@ class TableBiasAttention(torch.autograd.Function):
         Tq, Tk = q.size(2), k.size(2)
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
-            j1 = i1 if ctx.own_keys else Tk
-            bias, index = table_block(table, pos[i0:i1], keys[:j1], ctx.window)  # (nh, bq, j1), (bq, j1)
-            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
+            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts)
+            bias, index = table_block(table, pos[i0:i1], keys[j0:j1], ctx.window)  # (nh, bq, nk), (bq, nk)
+            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
             if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
-                p.masked_fill_((starts[:, i0:i1, None] != key_starts[:, None, :j1])[:, None], 0.0)
-            dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
+                p.masked_fill_((starts[:, i0:i1, None] != key_starts[:, None, j0:j1])[:, None], 0.0)
+            dv[:, :, j0:j1] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
             dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
             ds.mul_(scale)
             dq[:, :, i0:i1] = ds @ kb
-            dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
+            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ qb
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None, None, None
 
 
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
+
+
+def key_span(i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts) -> tuple[int, int]:
+    """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: with their own keys none past the last query (its
+    future), and under packing="documents" none before the earliest start of their documents (eager: the start is
+    data, read on the host; compiled, from the first key)."""
+    if not own_keys:
+        return 0, Tk
+    if starts is None or torch.compiler.is_compiling():
+        return 0, i1
+    return max(0, int(starts[:, i0:i1].min() - pos[0])), i1  # own keys: consecutive, key j at position pos[0] + j
 
 
 def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> tuple:
@@ -401,13 +412,13 @@ def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, wind
     return bias.masked_fill(~sees(rel, window), float("-inf")), index
 
 
-def in_documents(bias: torch.Tensor, starts, key_starts, i0: int, i1: int, j1: int) -> torch.Tensor:
-    """A block's bias (nh, bq, j1) for queries i0 … i1 - 1 over keys 0 … j1 - 1, -inf where they are in different
-    documents ((B, nh, bq, j1); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
+def in_documents(bias: torch.Tensor, starts, key_starts, rows: slice, cols: slice) -> torch.Tensor:
+    """A block's bias (nh, bq, nk) of the queries in rows over the keys in cols, -inf where they are in different
+    documents ((B, nh, bq, nk); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
     without documents (starts None)."""
     if starts is None:
         return bias
-    same = starts[:, i0:i1, None] == key_starts[:, None, :j1]  # (B, bq, j1)
+    same = starts[:, rows, None] == key_starts[:, None, cols]  # (B, bq, nk)
     return torch.where(same[:, None], bias, float("-inf"))  # one pass (masked_fill would copy, then fill)
 
 
@@ -427,7 +438,7 @@ def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_
             queries = pos[i0:i1, None]
             block = bias(heads, queries, keys[:j1]).to(work)  # (nh, bq, j1): i - j, the offset of every pair
             block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
-            block = in_documents(block, starts, key_starts, i0, i1, j1)
+            block = in_documents(block, starts, key_starts, slice(i0, i1), slice(0, j1))
             block = block if block.dim() == 4 else block[None]
             qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]))
             with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16

@@ -579,6 +579,9 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
             print(f"[sweep] report: {report_path} (up to date: no run or setting changed since it was written)")
             return
     report = eval_length.evaluate_runs([r.dir for r in runs], **evaluation)
+    if "documents" in args.packing:  # every run again, inside the documents: what packing changes there
+        inside = evaluation | {"packing": "documents", "out_json": str(out_dir / "eval-documents.json")}
+        report["inside_documents"] = eval_length.evaluate_runs([r.dir for r in runs], **inside)
     if any(r.task_fraction > 0 for r in runs):
         report["tasks"] = evaluate_tasks(runs, lengths, args)
         write_atomic(out_dir / "tasks.json", json.dumps(report["tasks"], indent=1))
