@@ -246,7 +246,7 @@ def train_arguments(enc: str, seed: int, d: Path, args, configs: list[str], extr
         f"--out_dir={d}",
         f"--seed={seed}",
         f"--wandb_log={args.wandb_log}",
-        f"--wandb_run_name={enc}-seed{seed}",
+        f"--wandb_run_name={d.name}",  # <encoding>[-documents]-seed<seed>
         *extra,
         *args.train,
         *last,
