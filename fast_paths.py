@@ -164,7 +164,11 @@ def fast_attention(
             bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options, query_starts
         )
     if name == "flex":
-        score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
+        if starts is None:
+            score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
+        else:  # at positions in each document: a bias that reads the query's own (FIRE's) reads its document's
+            own = lambda b, i, j: (pos[i] - starts[0][b, i], keys[j] - starts[1][b, j])  # noqa: E731
+            score_mod = lambda s, b, h, i, j: s + bias(h, *own(b, i, j)).to(s.dtype)  # noqa: E731
         return lambda q, k, v: flex_attention(
             q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options.flex_kernel_options
         )

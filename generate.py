@@ -67,8 +67,12 @@ def next_logits(
     T = idx.size(1)
     if not use_cache or not pe.cache_exact(min(T, W)):  # the whole window again
         absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
-        pos = torch.arange(T - W, T, device=idx.device) if absolute else None
-        return model.lm_head(model.features(idx[:, -W:], pos=pos)[:, -1]), cache
+        pos, doc_start = None, None
+        if absolute:  # and in documents, from where the window's first document began, as the rolling cache counts
+            pos = torch.arange(T - W, T, device=idx.device)
+            starts = model.document_starts(idx, torch.arange(T, device=idx.device), None)  # (B, T), or None
+            doc_start = None if starts is None else starts[:, T - W]
+        return model.lm_head(model.features(idx[:, -W:], pos=pos, doc_start=doc_start)[:, -1]), cache
     window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
     if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
         cache = KVCache(model.config.n_layer, cache_size(pe, W, new.size(1)))

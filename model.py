@@ -422,7 +422,8 @@ class RoPE(PositionalEncoding):
             raise ValueError(f"rope_fraction={config.rope_fraction} rotates no pair of a head dim of {d}; raise it")
 
     def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
-        """θ_k (hs/2,) float32, scaled; length (0-d, the sequence's length) matters for dynamic_ntk only."""
+        """θ_k (hs/2,) float32, scaled; length (0-d, the sequence's length; (B, T, 1) each token's document's, then
+        θ is (B, T, hs/2)) matters for dynamic_ntk only."""
         d, s = self.head_dim, self.factor
         k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
         theta = self.theta_base ** (-2 * k / d)
@@ -443,7 +444,8 @@ class RoPE(PositionalEncoding):
     def rotary(self, pos, window=None):
         length = None
         if self.scaling == "dynamic_ntk":  # L is the span the queries see: the last position + 1, at most the window
-            length = pos.max() + 1 if window is None else (pos.max() + 1).clamp(max=window)
+            length = pos.max() + 1 if pos.dim() == 1 else document_lengths(pos)[..., None]  # (B, T, 1) by documents
+            length = length if window is None else length.clamp(max=window)
         angle = pos.float()[..., None] * self.inv_freq(pos.device, length)  # (T, hs/2)
         if angle.dim() == 3:  # positions of each row (B, T): (B, 1, T, hs/2), over the heads
             angle = angle[:, None]
@@ -461,6 +463,14 @@ class RoPE(PositionalEncoding):
 
 
 apply_rotary = RoPE.rotate  # attention rotates q and k by what `rotary` gives (cos, sin), with RoPE's rotation
+
+
+def document_lengths(pos: torch.Tensor) -> torch.Tensor:
+    """Each token's document's length in the chunk (B, T), from positions in documents (B, T), where a document
+    begins at position 0 (the last position of its tokens + 1): the span a document's queries see alone."""
+    doc = (pos == 0).cumsum(1)  # (B, T): the document of each token, counted along the row
+    last = pos.new_zeros(pos.size(0), pos.size(1) + 1).scatter_reduce(1, doc, pos, "amax")
+    return last.gather(1, doc) + 1
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -1031,17 +1041,18 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def features(self, idx, pos=None, cache=None, window=None, wrap_attention=None) -> torch.Tensor:
+    def features(self, idx, pos=None, cache=None, window=None, wrap_attention=None, doc_start=None) -> torch.Tensor:
         """Final hidden states (B, T, C) of tokens idx (B, T) at positions pos (T,): by default arange(T), or
         continuing the cache. With a window W, query i sees only keys j with i - j < W. wrap_attention(fn) -> fn,
-        if given, wraps each forward's attention (probe.py reads its probabilities)."""
+        if given, wraps each forward's attention (probe.py reads its probabilities). doc_start (B,): under
+        packing="documents", the position where the document of idx's first token began (default: there)."""
         T = idx.size(1)
         if cache is not None and T > (most := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
             chunks = [(idx[:, i : i + most], None if pos is None else pos[i : i + most]) for i in range(0, T, most)]
             return torch.cat([self.features(x, p, cache, window, wrap_attention) for x, p in chunks], dim=1)
-        return self.hidden(idx, self.chunk(idx, pos, cache, window), cache, wrap_attention)
+        return self.hidden(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
 
-    def chunk(self, idx: torch.Tensor, pos, cache: KVCache | None, window: int | None) -> Chunk:
+    def chunk(self, idx: torch.Tensor, pos, cache: KVCache | None, window: int | None, doc_start=None) -> Chunk:
         """The Chunk of tokens idx (B, T) at positions pos (None: the next T), checked against the encoding, its
         cache slots claimed: the one place a cache advances, before the forward that writes it."""
         T, device = idx.size(1), idx.device
@@ -1064,19 +1075,21 @@ class GPT(nn.Module):
                 "does so by itself)"
             )
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
-        starts = self.document_starts(idx, pos, cache)
+        starts = self.document_starts(idx, pos, cache, doc_start)
         if cache is None:
             return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
         return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts)
 
-    def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None) -> torch.Tensor | None:
+    def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, doc_start=None):
         """packing="documents": the position where each token's document starts (B, T), at its last end-of-text
-        token, else where the row started (the chunk's first token, or the cache's first); None for a stream.
-        Positions must increase along the row."""
+        token, else where the row started (the chunk's first token, or the cache's first, or doc_start (B,): where a
+        document begun before idx began); None for a stream. Positions must increase along the row."""
         if self.config.packing != "documents":
             return None
-        if cache is None or cache.starts is None:  # the row starts here
+        if doc_start is not None:
+            before = doc_start
+        elif cache is None or cache.starts is None:  # the row starts here
             before = pos[:1].expand(idx.size(0))  # (B,)
         else:  # the document of the cache's last token goes on
             before = cache.starts[:, (cache.next_pos - 1) % cache.size]

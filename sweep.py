@@ -558,13 +558,14 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
     write_atomic(out_dir / "runs.json", json.dumps([asdict(r) for r in runs], indent=1))
     lengths = args.lengths or size["lengths"]
     evaluation = {
-        "names": [r.enc for r in runs],  # a run with document packing beside its encoding's stream run
         "lengths": lengths,
         "eval_tokens": args.eval_tokens or size["eval_tokens"],
         "out_json": str(out_dir / "eval.json"),
         "plot": "",  # the report draws its own
         "rope_scaling": args.rope_scaling,
     }
+    if "documents" in args.packing:  # a run with document packing beside its encoding's stream run
+        evaluation["names"] = [r.enc for r in runs]
     if args.wandb_log:
         evaluation |= {"wandb_log": True, "wandb_run_name": f"sweep-{args.size}-eval"}
     # what the report is made of: the evaluation's settings and every checkpoint as it is on disk. A sweep run again
@@ -581,6 +582,8 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
     report = eval_length.evaluate_runs([r.dir for r in runs], **evaluation)
     if "documents" in args.packing:  # every run again, inside the documents: what packing changes there
         inside = evaluation | {"packing": "documents", "out_json": str(out_dir / "eval-documents.json")}
+        if args.wandb_log:
+            inside["wandb_run_name"] = f"sweep-{args.size}-eval-documents"
         report["inside_documents"] = eval_length.evaluate_runs([r.dir for r in runs], **inside)
     if any(r.task_fraction > 0 for r in runs):
         report["tasks"] = evaluate_tasks(runs, lengths, args)
@@ -944,6 +947,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     text_only |= {"eval_tokens": None, "task_depths": 10, "packing": ["stream"]}
     if args.extend and args.packing is not None:
         p.error("--packing: only the text sweep trains both packings; drop it (an extension keeps its source's)")
+    tasks_asked = [a for a in args.train if a.startswith(("--task=", "--task_fraction="))]
+    if args.packing and "documents" in args.packing and tasks_asked:
+        p.error(f"--packing documents with --train {tasks_asked[0]}: a task's row is one sequence; drop one")
     for name, default in text_only.items():
         if args.synthetic is not None and getattr(args, name) is not None:
             p.error(f"--{name}: the synthetic suite does not use it (only the text sweep does); drop it")

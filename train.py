@@ -304,11 +304,12 @@ def build_model(
     if cfg["block_size"] > model.config.block_size:
         raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
     if model.config.packing == "documents" and data.meta.get("eot") != model.config.eot_token:
+        marks = "marks none" if data.meta.get("eot") is None else f"begins them at token {data.meta['eot']}"
         raise TrainError(
-            no_documents(cfg, data)
-            if data.meta.get("eot") is None
-            else f"the model begins documents at token {model.config.eot_token}, and {data_name(cfg)} at token "
-            f"{data.meta['eot']}: train it on data prepared as it was"
+            f"the model ({cfg['out_dir'] if cfg['init_from'] == 'resume' else cfg['init_from']}) packs documents, each "
+            f"begun at token {model.config.eot_token}, and "
+            f"{data_name(cfg)} {marks}: train it on data that marks its documents as the model's did (the dataset it "
+            "trained on)"
         )
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
@@ -320,7 +321,9 @@ def no_documents(cfg: dict, data: Data) -> str:
     return (
         f"packing='documents' needs data that marks its documents, and {data_name(cfg)} does not (its meta.json names "
         "no end-of-text token, 'eot'): use --dataset=shakespeare_char_scenes, prepare your text with "
-        "data/text/prepare.py --separator=..., re-run the dataset's prepare.py, or train with --packing=stream"
+        "data/text/prepare.py --separator=..., re-run the dataset's prepare.py (a GPT-2 dataset an earlier version "
+        'prepared with <|endoftext|> between documents needs only "eot": 50256 in its meta.json), or train with '
+        "--packing=stream"
     )
 
 

@@ -3,6 +3,8 @@ document's first token, and attention never crosses into another document. The r
 document alone: a packed row must give each of its documents the logits and gradients it gets by itself, on every
 attention path, through the KV cache and in generation."""
 
+import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -155,8 +157,10 @@ def test_fused_band_gradient_stays_inside_documents(pe, monkeypatch):
 
 @pytest.mark.parametrize("pe", ["alibi", "kerple", "fire"])
 def test_fused_attention_stays_inside_documents(pe, monkeypatch):
-    """FlexAttention (no gradient into the bias) under the block mask of each row's documents, eagerly on the CPU."""
-    model = packed_model(pe).eval()
+    """FlexAttention (no gradient into the bias) under the block mask of each row's documents, eagerly on the CPU; at
+    block 20 FIRE's threshold L is passed by the rows' stream positions and not by any document's own: its bias must be
+    read at the documents' positions."""
+    model = packed_model(pe, block_size=20).eval()
     model.attention_options = replace(model.attention_options, fused=True)
     rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
     taken = kernels_taken(monkeypatch)
@@ -217,6 +221,40 @@ def test_compiled_documents_equal_eager(pe):
     assert torch.equal(
         generate(model, prompt, 6, temperature=0, compile=True), generate(model, prompt, 6, temperature=0)
     )
+
+
+@pytest.mark.parametrize("pe", ["fire", "rope", "alibi"])
+def test_generation_past_the_window_across_documents(pe):
+    """Past max_context the rolling cache keeps each document's start; re-running the window without a cache (FIRE
+    reads it at its own positions, past its threshold here) counts from the same start where the window cut a
+    document: each step's logits agree (one layer, where a window of keys is all a query's output depends on, with or
+    without a cache)."""
+    from generate import next_logits
+
+    model = packed_model(pe, block_size=8, n_layer=1).eval()
+    prompt = torch.cat(documents((9, 13), seed=7))[None]  # 22 tokens: the window of 12 cuts the second document
+    tokens = generate(model, prompt, 10, temperature=0, max_context=12)
+    cache, new = None, prompt
+    with torch.no_grad():
+        for T in range(prompt.size(1), tokens.size(1)):
+            cached, cache = next_logits(model, tokens[:, :T], new, cache, 12)
+            again, _ = next_logits(model, tokens[:, :T], tokens[:, :T], None, 12, use_cache=False)
+            close(cached, again, tol=1e-5 if pe == "rope" else 1e-10)  # RoPE's float32 angles at other positions
+            new = tokens[:, T : T + 1]
+
+
+def test_dynamic_ntk_reads_each_documents_length():
+    """RoPE's dynamic NTK scales by the span the queries see: in a packed row, each document's own length, so each
+    document gets the logits it gets alone (the longest document of the batch scales no other)."""
+    model = packed_model("rope", rope_scaling="dynamic_ntk", rope_original_max_len=6).eval()
+    rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
+    with torch.no_grad():
+        packed, _ = model(torch.stack([torch.cat(d) for d in rows]))
+        for b, docs in enumerate(rows):
+            t = 0
+            for doc in docs:
+                close(packed[b, t : t + len(doc)], model(doc[None])[0][0], tol=1e-10)
+                t += len(doc)
 
 
 RELATIVE = [pe for pe, cls in POS_ENCODINGS.items() if cls.relative] + ["fire"]  # FIRE: within its threshold
@@ -402,8 +440,14 @@ def test_packing_documents_needs_documents(tiny_stream_data, scenes_data, tmp_pa
         train_cli(f"--dataset={scenes_data}", "--packing=documents", "--max_iters=2", f"--out_dir={out}").returncode
         == 0
     )
-    r = train_cli(f"--dataset={tiny_stream_data}", "--max_iters=4", "--init_from=resume", f"--out_dir={out}")
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    unmarked = tmp_path / "unmarked"  # the same tokens, its documents not marked
+    shutil.copytree(scenes_data, unmarked)
+    meta = json.loads((unmarked / "meta.json").read_text())
+    (unmarked / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "eot"}))
+    for how in (["--init_from=resume", f"--out_dir={out}"], [f"--init_from={out}", f"--out_dir={tmp_path}/d"]):
+        r = train_cli(f"--dataset={unmarked}", "--max_iters=4", *how)
+        assert r.returncode == 1 and "packs documents, each begun at token" in r.stderr and "marks none" in r.stderr
+        assert "Traceback" not in r.stderr and "--packing=stream" not in r.stderr
 
 
 @pytest.fixture(scope="module")

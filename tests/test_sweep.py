@@ -197,6 +197,7 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--extend", "--task_depths", "3"], "--task_depths: it scores no passkey depths (the text sweep's)"),
         (["--packing", "documents", "documents"], "--packing documents documents: each may appear once"),
         (["--packing", "docs"], "invalid choice: 'docs'"),
+        (["--packing", "documents", "--train", "--task_fraction=0.1"], "--packing documents with --train --task_frac"),
         (["--synthetic", "--packing", "documents"], "--packing: the synthetic suite does not use it"),
         (["--extend", "--packing", "documents"], "--packing: only the text sweep trains both packings"),
         (["--train", "--packing=documents"], "--train --packing=documents: each run's config sets packing"),

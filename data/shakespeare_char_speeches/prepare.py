@@ -1,5 +1,5 @@
 """The embedded corpus in short documents, character level: each speech (a speaker's line and what is said until the
-next speaker; a median of about 80 characters), the record separator (\\x1e, the end-of-text token) before each one
+next speaker; a median of 85 characters), the record separator (\\x1e, the end-of-text token) before each one
 after the first. Documents shorter than a block: what document packing changes (sweep.py --packing). No network needed.
 python data/shakespeare_char_speeches/prepare.py
 """
