@@ -616,17 +616,35 @@ class FIRE(PositionalEncoding):
         x = self.input(c, threshold, torch.arange(T, device=c.device), 0)
         return self.run_mlp(x, w1, b1, w2, few=T <= FIRE_FEW)
 
+    def by_document_position(self, chunk: Chunk, c, threshold, w1, b1, w2) -> torch.Tensor:
+        """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own: a function of
+        the query's position p in its document and the distance d alone, so the MLP runs once per (p, d) for the
+        positions past the threshold (every position, compiled: their number is data) and once per d for those
+        within, then each row gathers its own."""
+        T, device = len(chunk.pos), chunk.pos.device
+        within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))  # p < L
+        table = self.distance_bias(T, c, threshold, w1, b1, w2[:, 0])  # (nh, T): p < L reads d alone
+        p, d = torch.arange(within, T, device=device)[:, None], torch.arange(T, device=device)
+        past = self.run_mlp(self.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
+        by_position = torch.cat([table[:, None].expand(-1, within, -1), past], dim=1)  # (nh, p, d)
+        rel = (chunk.pos[:, None] - chunk.pos).clamp(min=0)  # (T, T): i - j, the same in a document
+        own = chunk.own_positions()[0]  # (B, T)
+        return by_position[:, own[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
+
     def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
         """score_bias at every pair, for one layer's heads, its x and units computed once for the layer. Where
         the queries are their own keys at consecutive positions, a query within the threshold L has x of i - j
         alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
         per pair."""
-        if chunk.starts is not None:  # positions restart per document: each row's own bias, the base's pair by pair
-            return super().score_bias_matrix(first, n_head, chunk, recompute)
         layer, pos = first // n_head, chunk.pos
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
         operands = (c, threshold, w1, b1, w2)
+        if chunk.starts is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
+            begun_before = not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())
+            if chunk.cached or not chunk.consecutive or begun_before:  # pair by pair, at each row's positions
+                return super().score_bias_matrix(first, n_head, chunk, recompute)
+            return self.by_document_position(chunk, *operands)
 
         def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
             few = len(queries) * len(chunk.keys) <= FIRE_FEW  # little to keep for the backward: nothing to recompute
