@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ import synthetic
 import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure
-from model import PACKINGS, POS_ENCODINGS, ROPE_SCALINGS
+from model import PACKINGS, POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
 from outputs import cannot_write, write_atomic
 from sweep_report import (
     Cell,
@@ -190,6 +190,12 @@ def asked_config(arguments: list[str]) -> dict:
         sys.exit(f"[sweep] train.py {' '.join(arguments)}: {e}")
     if cfg["pe_lr_scale"] is None:  # train.py resolves it with the model: the encoding's own
         cfg["pe_lr_scale"] = POS_ENCODINGS[cfg["pos_encoding"]].lr_scale
+    # and the encoding's derived defaults (rpe_max_distance None: block_size // 2), as the model builds them and the
+    # run's checkpoint records them
+    model = GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg}, eot_token=0)
+    for name in POS_ENCODINGS[cfg["pos_encoding"]].options:
+        if cfg.get(name) is None:
+            cfg[name] = getattr(model, name)
     return cfg
 
 

@@ -457,3 +457,13 @@ def test_recipe_study_end_to_end(tmp_path):
     )  # 4 of the grid, 4 final
     shared = run_cli(sweep.main, [*cmd[:7], "6", *cmd[8:]])
     assert shared.returncode == 2 and "reported seeds must be fresh" in shared.stderr
+
+
+def test_a_finished_run_with_derived_options_is_reused():
+    """The options an encoding derives (bias-RPE's rpe_max_distance None: block_size // 2; T5's far bucket) are asked
+    as the model builds them and the checkpoint records them, so a finished bias-RPE or T5 run is reused, not refused as
+    trained otherwise."""
+    for enc, name in (("bias_rpe", "rpe_max_distance"), ("t5", "t5_max_distance")):
+        asked = sweep.asked_config([f"config/{enc}.py", "config/cpu.py", "--block_size=128"])
+        assert asked[name] == getattr(GPTConfig(block_size=128, pos_encoding=enc), name) == 64
+        assert sweep.trained_differently({"config": dict(asked)}, asked) is None
