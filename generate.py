@@ -70,8 +70,8 @@ def next_logits(
         pos, doc_start = None, None
         if absolute:  # and in documents, from where the window's first document began, as the rolling cache counts
             pos = torch.arange(T - W, T, device=idx.device)
-            starts = model.document_starts(idx, torch.arange(T, device=idx.device), None)  # (B, T), or None
-            doc_start = None if starts is None else starts[:, T - W]
+            if model.config.packing == "documents":
+                doc_start = model.document_starts(idx, torch.arange(T, device=idx.device), None)[:, T - W]  # (B,)
         return model.lm_head(model.features(idx[:, -W:], pos=pos, doc_start=doc_start)[:, -1]), cache
     window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
     if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly

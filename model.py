@@ -1093,18 +1093,17 @@ class GPT(nn.Module):
                 "does so by itself)"
             )
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
-        starts = self.document_starts(idx, pos, cache, doc_start)
+        documents = self.config.packing == "documents"
+        starts = self.document_starts(idx, pos, cache, doc_start) if documents else None
         if cache is None:
             return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
         return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts)
 
     def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, doc_start=None):
-        """packing="documents": the position where each token's document starts (B, T), at its last end-of-text
+        """Under packing="documents", the position where each token's document starts (B, T), at its last end-of-text
         token, else where the row started (the chunk's first token, or the cache's first, or doc_start (B,): where a
-        document begun before idx began); None for a stream. Positions must increase along the row."""
-        if self.config.packing != "documents":
-            return None
+        document begun before idx began). Positions must increase along the row."""
         if doc_start is not None:
             before = doc_start
         elif cache is None or cache.starts is None:  # the row starts here
@@ -1118,7 +1117,7 @@ class GPT(nn.Module):
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
-        pos = chunk.own_positions()[0]  # (T,), or (B, T) counting from each token's document's start
+        pos = chunk.pos if chunk.starts is None else chunk.own_positions()[0]  # or (B, T), in each document
         emb = pe.embed(pos)
         if emb is not None:
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
