@@ -233,9 +233,8 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         ckpt, model = run.ckpt, run.model
         label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
         packing = model.config.packing  # its own, or --packing's
-        runs.append(
-            dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T, packing=packing)
-        )
+        own = dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T, packing=packing)
+        runs.append(own)
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
             scaled.config.packing, scaled.config.eot_token = model.config.packing, model.config.eot_token
@@ -243,18 +242,7 @@ def evaluate_args(args: argparse.Namespace) -> dict:
                 name = f"{label}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
                 name = f"{label}+{scaling}" if scaling == "dynamic_ntk" else f"{label}+{scaling} (s=L/{T})"
-            runs.append(
-                dict(
-                    name=name,
-                    out_dir=out_dir,
-                    model=scaled,
-                    data=data,
-                    dataset=dataset,
-                    train_len=T,
-                    scaling=scaling,
-                    packing=packing,
-                )
-            )
+            runs.append(own | dict(name=name, model=scaled, scaling=scaling))
     need = max(lengths) + 1
     for r in runs:
         if len(r["data"]) < need:

@@ -383,7 +383,7 @@ class TableBiasAttention(torch.autograd.Function):
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
             if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
-                p.masked_fill_((starts[:, i0:i1, None] != key_starts[:, None, j0:j1])[:, None], 0.0)
+                p.masked_fill_(~same_document(starts, key_starts, slice(i0, i1), slice(j0, j1))[:, None], 0.0)
             dv[:, :, j0:j1] += p.transpose(-2, -1) @ dyb
             ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
             dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
@@ -422,8 +422,13 @@ def in_documents(bias: torch.Tensor, starts, key_starts, rows: slice, cols: slic
     without documents (starts None)."""
     if starts is None:
         return bias
-    same = starts[:, rows, None] == key_starts[:, None, cols]  # (B, bq, nk)
+    same = same_document(starts, key_starts, rows, cols)
     return torch.where(same[:, None], bias, float("-inf"))  # one pass (masked_fill would copy, then fill)
+
+
+def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """Whether the queries in rows and the keys in cols are in one document (B, bq, nk)."""
+    return starts[:, rows, None] == key_starts[:, None, cols]
 
 
 def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool, starts=None) -> Callable:

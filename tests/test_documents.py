@@ -66,6 +66,17 @@ def assert_documents_alone(model, rows_of_docs: list[list[torch.Tensor]], tol: f
         close(g, expected_grads[name], tol=1e-5 if name == "transformer.wpe.weight" else tol)
 
 
+def assert_logits_alone(model, rows_of_docs: list[list[torch.Tensor]], **kw) -> None:
+    """Without a gradient: the batch of packed rows gives each document the logits it gets alone (float64, to 1e-10)."""
+    with torch.no_grad():
+        packed, _ = model(torch.stack([torch.cat(docs) for docs in rows_of_docs]), **kw)
+        for b, docs in enumerate(rows_of_docs):
+            t = 0
+            for doc in docs:
+                close(packed[b, t : t + len(doc)], model(doc[None], **kw)[0][0], tol=1e-10)
+                t += len(doc)
+
+
 def kernels_taken(monkeypatch) -> list[str]:
     """The fast kernel each forward's attention takes (None: model.py's reference), as a list that fills."""
     taken, kernel = [], fast_paths.kernel
@@ -106,14 +117,8 @@ def test_documents_alone_in_evaluation_and_with_a_window(pe, monkeypatch):
     model = packed_model(pe).eval()
     rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
     taken = kernels_taken(monkeypatch)
-    with torch.no_grad():
-        for window in (None, 6):
-            packed, _ = model(torch.stack([torch.cat(d) for d in rows]), window=window)
-            for b, docs in enumerate(rows):
-                t = 0
-                for doc in docs:
-                    close(packed[b, t : t + len(doc)], model(doc[None], window=window)[0][0], tol=1e-10)
-                    t += len(doc)
+    for window in (None, 6):
+        assert_logits_alone(model, rows, window=window)
     if model.encoding.has_score_bias:
         assert None not in taken
 
@@ -164,13 +169,7 @@ def test_fused_attention_stays_inside_documents(pe, monkeypatch):
     model.attention_options = replace(model.attention_options, fused=True)
     rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
     taken = kernels_taken(monkeypatch)
-    with torch.no_grad():
-        packed, _ = model(torch.stack([torch.cat(d) for d in rows]))
-        for b, docs in enumerate(rows):
-            t = 0
-            for doc in docs:
-                close(packed[b, t : t + len(doc)], model(doc[None])[0][0], tol=1e-10)
-                t += len(doc)
+    assert_logits_alone(model, rows)
     assert set(taken) == {"flex"}
 
 
@@ -247,14 +246,7 @@ def test_dynamic_ntk_reads_each_documents_length():
     """RoPE's dynamic NTK scales by the span the queries see: in a packed row, each document's own length, so each
     document gets the logits it gets alone (the longest document of the batch scales no other)."""
     model = packed_model("rope", rope_scaling="dynamic_ntk", rope_original_max_len=6).eval()
-    rows = [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)]
-    with torch.no_grad():
-        packed, _ = model(torch.stack([torch.cat(d) for d in rows]))
-        for b, docs in enumerate(rows):
-            t = 0
-            for doc in docs:
-                close(packed[b, t : t + len(doc)], model(doc[None])[0][0], tol=1e-10)
-                t += len(doc)
+    assert_logits_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
 
 
 RELATIVE = [pe for pe, cls in POS_ENCODINGS.items() if cls.relative] + ["fire"]  # FIRE: within its threshold
