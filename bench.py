@@ -383,7 +383,7 @@ def in_a_fresh_process(fn, *args):
 def bench_attention(args, device: str) -> None:
     """The bias encodings' attention at long contexts, forward + backward. The reference path is SDPA with the
     materialized (nh, T, T) bias: its math path, or on a CPU its flash kernel where the bias needs no gradient. The
-    default is FlexAttention on a GPU; on a CPU, the same flash kernel for ALiBi and BiasAttention for bias-RPE."""
+    default is FlexAttention on a GPU; on a CPU, the table kernel (TableBiasAttention) for both."""
     batch = 4 if device == "cuda" else 1
     dtype = "bf16" if device == "cuda" else "float32"
     size = f"1 layer, 768 dims, 12 heads, batch {batch}, {dtype}"

@@ -1,12 +1,12 @@
 """
 The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py asks
 `fast_attention()` once per forward (once per layer for a bias of each layer's own), handing it tensors (the positions,
-on a CPU the bias's table of distances or its matrix) and the layer's score bias as a function of (head, query
+on a CPU the bias's table of distances or its rows) and the layer's score bias as a function of (head, query
 position, key position); where the answer is None it takes its reference attention. Nothing here imports the
 project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the options.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, the CPU's kernels (a bias with a
-gradient from its table or its matrix, and one without, a block of queries at a time), the fallbacks when the
+gradient from its table, and any other a block of queries at a time), the fallbacks when the
 compiler cannot build a kernel. docs/development.md ("How attention is computed") explains each path and why.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.9 (return_lse is deprecated there)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -31,7 +32,7 @@ except ImportError:  # pragma: no cover
 @dataclass(frozen=True)
 class AttentionOptions:
     """The user's say in the table (model.attention_options; replaced, never edited). fused: a score bias through
-    FlexAttention; None: where it has a backward and is fused (compiled on CUDA); False: never, nor BiasAttention.
+    FlexAttention; None: where it has a backward and is fused (compiled on CUDA); False: never, nor the CPU's kernels.
     flex_kernel_options: FlexAttention's Triton options, e.g. {"num_stages": 1}."""
 
     fused: bool | None = None
@@ -67,12 +68,10 @@ def kernel(
     dropout: bool,
     fits: bool,
     table: bool = False,
-    documents: bool = False,
 ) -> str | None:
     """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row of
     fast_attention's table that matches. band: the bias depends on i - j alone, one constant from some distance on
-    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU). documents:
-    each row's documents do not see each other."""
+    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU)."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
     if flex and trainable and band and own_keys:
@@ -80,12 +79,8 @@ def kernel(
     if flex and not trainable:
         return "flex"
     cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
-    if cpu and table:
-        return "bias_table"
-    if cpu and trainable:
-        return None if documents else "bias_attention"
     if cpu:
-        return "bias_blocks"
+        return "bias_table" if table else "bias_blocks"
     return None
 
 
@@ -103,7 +98,7 @@ def fast_attention(
     head_dim: int,
     dropout_p: float,
     table: torch.Tensor | None = None,
-    matrix: torch.Tensor | None = None,
+    rows: Callable[[int, int], torch.Tensor] | None = None,
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
@@ -114,16 +109,16 @@ def fast_attention(
     | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
     | yes, fits | not trained                           | ·                       | no      | flex           |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
-    | not False | trained, one stream                   | CPU: eager, or own keys | no      | bias_attention |
-    | not False | not trained                           | CPU: eager, or own keys | no      | bias_blocks    |
+    | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
 
     fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes the head dim on the device.
     bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,) hold them);
     query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
     (no cache); far_distance: the bias is a function of i - j alone, constant from this distance on (None: it is
     not); trainable: autograd records the bias's parameters. On a CPU model.py hands a bias of i - j alone as its
-    table too (no cache), its values at distances 0 … D - 1 (nh, D), the last for every longer distance, and another
-    trained bias as its matrix, its values at every pair (nh, Tq, Tk), -inf where a query does not see a key.
+    table too (no cache), its values at distances 0 … D - 1 (nh, D), the last for every longer distance, and any bias
+    by its rows: rows(i0, i1), the bias of queries i0 … i1 - 1 over the keys they may see ((nh, bq, nk) or by rows
+    (B, nh, bq, nk), -inf where a query does not see a key; the keys 0 … nk - 1).
     starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
     sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
     device = pos.device.type
@@ -137,7 +132,6 @@ def fast_attention(
         dropout=dropout_p > 0,
         fits=flex_fits(head_dim, device),
         table=table is not None,
-        documents=starts is not None,
     )
     if name is None:
         return None
@@ -148,10 +142,8 @@ def fast_attention(
         return lambda q, k, v: TableBiasAttention.apply(
             q, k, v, table, pos, other_keys, window, query_starts, key_starts
         )
-    if name == "bias_attention":
-        return bias_attention(matrix, own_keys)
     if name == "bias_blocks":
-        return bias_blocks(bias, n_head, pos, keys, window, own_keys, starts)
+        return bias_blocks(rows)
     if starts is None:
         visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     else:
@@ -264,15 +256,8 @@ def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A score bias on a CPU, through SDPA's flash kernel (which gives a bias no gradient): BiasAttention (a trained bias's
-# matrix), TableBiasAttention (a bias of i - j alone, from its table), bias_blocks (a bias without a gradient)
-
-
-def bias_attention(matrix: torch.Tensor, own_keys: bool) -> Callable:
-    """Attention with the bias matrix (nh, Tq, Tk; -inf where a query does not see a key), its gradient reaching
-    the bias."""
-    function = OwnKeysBiasAttention if own_keys else BiasAttention  # own keys: query i sees keys 0 … i at most
-    return lambda q, k, v: function.apply(q, k, v, matrix)
+# A score bias on a CPU, a block of queries at a time through SDPA: TableBiasAttention (a bias of i - j alone, from its
+# table: the flash kernel, which gives a bias no gradient, and a backward of its own), bias_blocks (any bias)
 
 
 def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,61 +273,6 @@ def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
         return ((s - lse[..., None]).exp() @ v).to(dtype), lse
     y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
     return y.to(dtype), lse
-
-
-BIAS_ATTENTION_BLOCK = 64  # queries per block of BiasAttention's backward
-
-
-class BiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + bias)·v with a gradient for the bias (nh, Tq, Tk; -inf where a query does not see a key):
-    the flash kernel forward, and a backward that recomputes the probabilities from its log-sum-exp a block of queries
-    at a time, skipping the keys no query of the block sees (which, it reads from the bias's -inf)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias):
-        y, lse = flash_cpu(q, k, v, bias)
-        ctx.save_for_backward(q, k, v, bias, y, lse)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return bias_attention_backward(ctx, dy, own_keys=False)
-
-
-class OwnKeysBiasAttention(BiasAttention):
-    """BiasAttention where the keys are the queries' own: the blocks' sizes are known without reading the mask, so
-    Dynamo can trace the backward."""
-
-    @staticmethod
-    def backward(ctx, dy):
-        return bias_attention_backward(ctx, dy, own_keys=True)
-
-
-def bias_attention_backward(ctx, dy: torch.Tensor, own_keys: bool) -> tuple:
-    q, k, v, bias, y, lse = ctx.saved_tensors  # lse (B, nh, Tq), float32 (float64 for a float64 model)
-    dtype, bias_dtype, work = q.dtype, bias.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16: in float32
-    q, k, v, dy, y, bias = (t.to(work) for t in (q, k, v, dy, y, bias))
-    scale, Tq, Tk, block = q.size(-1) ** -0.5, q.size(2), k.size(2), BIAS_ATTENTION_BLOCK
-    # query i sees keys up to last[i] (exclusive); -inf bias past it gives probability 0, so skip those keys. Every
-    # head has the same mask: read it from head 0, or where the keys are the queries' own, last[i] <= i + 1.
-    if own_keys:
-        last = range(1, Tq + 1)
-    else:
-        last = (bias[0].isfinite() * torch.arange(1, Tk + 1, device=q.device)).amax(-1).tolist()
-    D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P), the softmax backward's correction
-    dq, dk, dv, dbias = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(bias)
-    for i0 in range(0, Tq, block):
-        i1 = min(i0 + block, Tq)
-        j1 = max(last[i0:i1])
-        qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]
-        p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias[:, i0:i1, :j1]).sub_(lse[:, :, i0:i1, None]).exp_()
-        dv[:, :, :j1] += p.transpose(-2, -1) @ dyb
-        ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, j1)
-        dbias[:, i0:i1, :j1] = ds.sum(0)  # the bias is shared by the batch
-        ds.mul_(scale)
-        dq[:, :, i0:i1] = ds @ kb
-        dk[:, :, :j1] += ds.transpose(-2, -1) @ qb
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias.to(bias_dtype)
 
 
 class TableBiasAttention(torch.autograd.Function):
@@ -431,28 +361,25 @@ def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, c
     return starts[:, rows, None] == key_starts[:, None, cols]
 
 
-def bias_blocks(bias: Callable, n_head: int, pos, keys, window: int | None, own_keys: bool, starts=None) -> Callable:
-    """Attention with a bias that takes no gradient (evaluation, generation), on a CPU: the bias of a block of queries
-    at a time, bias(h, i, j) at each of its pairs, then SDPA's flash kernel: no (nh, Tq, Tk) tensor. starts: the
-    queries' and keys' document starts (fast_attention's)."""
-    heads = torch.arange(n_head, device=pos.device)[:, None, None]
-    starts, key_starts = (None, None) if starts is None else starts
+def bias_blocks(rows: Callable[[int, int], torch.Tensor]) -> Callable:
+    """Attention with a score bias a block of queries at a time, on a CPU: rows(i0, i1) (fast_attention's), then SDPA:
+    no (nh, Tq, Tk) tensor. With a gradient each block runs under activation checkpointing, so that its bias and
+    probabilities are computed again in the backward, one block at a time, and autograd takes the bias's gradient
+    into its parameters from there (FIRE's MLP, any formula)."""
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
+        bias = rows(i0, i1)  # (nh, bq, nk) or (B, nh, bq, nk)
+        work = torch.promote_types(q.dtype, torch.float32)  # bf16 q: in float32, the bias not rounded
+        bias, nk = (bias if bias.dim() == 4 else bias[None]).to(work), bias.size(-1)
+        qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :nk], v[:, :, :nk]))
+        with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
+            return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias).to(q.dtype)
 
     def attention(q, k, v):
-        y, (Tq, Tk) = q.new_empty(*q.shape[:3], v.size(-1)), (q.size(2), k.size(2))
-        work = torch.promote_types(q.dtype, torch.float32)  # bf16 q: in float32, the bias not rounded
-        for i0 in range(0, Tq, TABLE_BLOCK):
-            i1 = min(i0 + TABLE_BLOCK, Tq)
-            j1 = i1 if own_keys else Tk
-            queries = pos[i0:i1, None]
-            block = bias(heads, queries, keys[:j1]).to(work)  # (nh, bq, j1): i - j, the offset of every pair
-            block = block.masked_fill(~sees(queries - keys[:j1], window), float("-inf"))
-            block = in_documents(block, starts, key_starts, slice(i0, i1), slice(0, j1))
-            block = block if block.dim() == 4 else block[None]
-            qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :j1], v[:, :, :j1]))
-            with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
-                y[:, :, i0:i1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=block).to(q.dtype)
-        return y
+        grad = torch.is_grad_enabled()
+        run = (lambda *a: checkpoint(block, *a, use_reentrant=False)) if grad else block
+        Tq = q.size(2)
+        return torch.cat([run(q, k, v, i0, min(i0 + TABLE_BLOCK, Tq)) for i0 in range(0, Tq, TABLE_BLOCK)], dim=2)
 
     return attention
 
@@ -461,7 +388,6 @@ KERNELS = (
     "flex_band",
     "flex",
     "bias_table",
-    "bias_attention",
     "bias_blocks",
 )  # kernel()'s answers, each a path of fast_attention
 

@@ -804,6 +804,15 @@ class Chunk:
             return self.pos, self.keys
         return self.pos - self.starts, self.keys - self.key_starts
 
+    def rows(self, i0: int, i1: int, own_keys: bool) -> Chunk:
+        """Queries i0 … i1 - 1 over the keys they may see: every key, or where the keys are the queries' own the
+        first i1 (the rest are their future). Its queries are not its keys (consecutive False)."""
+        j1 = i1 if own_keys else len(self.keys)
+        starts = None if self.starts is None else self.starts[:, i0:i1]
+        key_starts = None if self.key_starts is None else self.key_starts[:, :j1]
+        pos, keys = self.pos[i0:i1], self.keys[:j1]
+        return replace(self, pos=pos, keys=keys, consecutive=False, starts=starts, key_starts=key_starts)
+
 
 class KVCache:
     """Keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots: position p lives in
@@ -1141,12 +1150,12 @@ class GPT(nn.Module):
         if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
             return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
 
-        def sees() -> torch.Tensor:  # whether query i sees key j, causal, inside the window and in its document
-            rel = chunk.pos[:, None] - chunk.keys  # i - j
-            seen = rel >= 0 if chunk.window is None else (rel >= 0) & (rel < chunk.window)  # (Tq, Tk)
+        def sees(c: Chunk = chunk) -> torch.Tensor:  # whether query i sees key j, causal, in the window and document
+            rel = c.pos[:, None] - c.keys  # i - j
+            seen = rel >= 0 if c.window is None else (rel >= 0) & (rel < c.window)  # (Tq, Tk)
             if not documents:
                 return seen[None]  # (1, Tq, Tk)
-            return (seen & (chunk.starts[:, :, None] == chunk.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
+            return (seen & (c.starts[:, :, None] == c.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
 
         if not pe.has_score_bias:  # SDPA under the mask of what each query sees
             mask = sees()
@@ -1155,11 +1164,9 @@ class GPT(nn.Module):
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
         own_keys = chunk.consecutive and not chunk.cached
 
-        def bias_matrix() -> (
-            torch.Tensor
-        ):  # (nh, Tq, Tk) float32 over the chunk's queries and keys; by rows (B, nh, ...)
-            bias = pe.score_bias_matrix(first, cfg.n_head, chunk, recompute=trainable)
-            return bias.masked_fill(~sees(), float("-inf"))
+        def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:
+            # (nh, Tq, Tk) float32 over the chunk's queries and keys (or a block of them); by rows (B, nh, ...)
+            return pe.score_bias_matrix(first, cfg.n_head, c, recompute=recompute).masked_fill(~sees(c), float("-inf"))
 
         # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
         cpu = chunk.pos.device.type == "cpu"
@@ -1167,7 +1174,6 @@ class GPT(nn.Module):
         if documents and not pe.relative and table is None:  # a bias of each row's own positions: the reference
             matrix = bias_matrix()
             return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
-        matrix = bias_matrix() if cpu and table is None and trainable and not documents else None
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),
@@ -1181,12 +1187,12 @@ class GPT(nn.Module):
             head_dim=cfg.n_embd // cfg.n_head,
             dropout_p=dropout_p,
             table=table,
-            matrix=matrix,
+            rows=lambda i0, i1: bias_matrix(chunk.rows(i0, i1, own_keys), recompute=False),
             starts=(chunk.starts, chunk.key_starts) if documents else None,
         )
         if fast is not None:
             return fast
-        matrix = bias_matrix() if matrix is None else matrix
+        matrix = bias_matrix()
         return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
 
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
