@@ -61,7 +61,6 @@ def kernel(
     options: AttentionOptions,
     *,
     trainable: bool,
-    band: bool,
     own_keys: bool,
     device: str,
     compiling: bool,
@@ -70,12 +69,11 @@ def kernel(
     table: bool = False,
 ) -> str | None:
     """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row of
-    fast_attention's table that matches. band: the bias depends on i - j alone, one constant from some distance on
-    (far_distance). table: the bias comes as its table over distances (a bias of i - j alone, on a CPU)."""
+    fast_attention's table that matches. table: the bias comes as its table over distances (a bias of i - j alone)."""
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and fits
-    if flex and trainable and band and own_keys:
-        return "flex_band"
+    if flex and trainable and table and own_keys:
+        return "flex_table"
     if flex and not trainable:
         return "flex"
     cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
@@ -92,9 +90,7 @@ def fast_attention(
     keys: torch.Tensor,
     window: int | None,
     own_keys: bool,
-    far_distance: int | None,
     trainable: bool,
-    n_head: int,
     head_dim: int,
     dropout_p: float,
     table: torch.Tensor | None = None,
@@ -106,7 +102,7 @@ def fast_attention(
 
     | fused     | the bias                              | device, compile         | dropout | kernel         |
     |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | trained: a band, own keys             | ·                       | no      | flex_band      |
+    | yes, fits | trained: a table of i - j, own keys   | ·                       | no      | flex_table     |
     | yes, fits | not trained                           | ·                       | no      | flex           |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
     | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
@@ -114,18 +110,16 @@ def fast_attention(
     fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes the head dim on the device.
     bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,) hold them);
     query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
-    (no cache); far_distance: the bias is a function of i - j alone, constant from this distance on (None: it is
-    not); trainable: autograd records the bias's parameters. On a CPU model.py hands a bias of i - j alone as its
-    table too (no cache), its values at distances 0 … D - 1 (nh, D), the last for every longer distance, and any bias
-    by its rows: rows(i0, i1), the bias of queries i0 … i1 - 1 over the keys they may see ((nh, bq, nk) or by rows
-    (B, nh, bq, nk), -inf where a query does not see a key; the keys 0 … nk - 1).
+    (no cache); trainable: autograd records the bias's parameters. model.py hands a bias of i - j alone as its table
+    too (on a CPU, and where it trains; no cache), its values at distances 0 … D - 1 (nh, D), the last for every
+    longer distance, and on a CPU any bias by its rows: rows(i0, i1), the bias of queries i0 … i1 - 1 over the keys
+    they may see ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key; the keys 0 … nk - 1).
     starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
     sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
     device = pos.device.type
     name = kernel(
         options,
         trainable=trainable,
-        band=far_distance is not None,
         own_keys=own_keys,
         device=device,
         compiling=torch.compiler.is_compiling(),
@@ -148,13 +142,11 @@ def fast_attention(
         visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     else:
         visible = lambda b, h, i, j: sees(pos[i] - keys[j], window) & (starts[0][b, i] == starts[1][b, j])  # noqa: E731
-    rows = None if starts is None else starts[0].size(0)
-    block_mask = create_block_mask(visible, rows, None, len(pos), len(keys), device=pos.device)
-    if name == "flex_band":
+    batch = None if starts is None else starts[0].size(0)
+    block_mask = create_block_mask(visible, batch, None, len(pos), len(keys), device=pos.device)
+    if name == "flex_table":
         query_starts = None if starts is None else starts[0]  # own keys: the keys' are the queries'
-        return flex_band(
-            bias, pos, keys, window, block_mask, far_distance, n_head, options.flex_kernel_options, query_starts
-        )
+        return flex_table(table, pos, keys, window, block_mask, options.flex_kernel_options, query_starts)
     if name == "flex":
         if starts is None:
             score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
@@ -176,19 +168,16 @@ def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
 
 
-def flex_band(
-    bias, pos, keys, window, block_mask, R: int, n_head: int, kernel_options: dict | None, starts=None
-) -> Callable:
-    """FlexAttention reading the bias as a constant table of distances 0 … R (the band), which BandBiasGrad gives its
-    gradient. starts (B, T): where each token's document starts (packing="documents"), else None."""
-    heads, distances = torch.arange(n_head, device=pos.device)[:, None], torch.arange(R + 1, device=pos.device)
-    table = bias(heads, distances[None], 0)
-    frozen = table.detach()  # (nh, R + 1)
+def flex_table(table, pos, keys, window, block_mask, kernel_options: dict | None, starts=None) -> Callable:
+    """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the distances 0 … R (the
+    last for every longer one), which TableGrad gives its gradient. starts (B, T): where each token's document starts
+    (packing="documents"), else None."""
+    frozen, R = table.detach(), table.size(1) - 1
     score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - keys[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
 
     def attention(q, k, v):
         y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
-        return BandBiasGrad.apply(y, lse, q, k, v, table, window, starts)
+        return TableGrad.apply(y, lse, q, k, v, table, window, starts)
 
     return attention
 
@@ -202,11 +191,11 @@ def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
     return y, aux.lse
 
 
-class BandBiasGrad(torch.autograd.Function):
+class TableGrad(torch.autograd.Function):
     """The identity on attention's output y, whose backward gives the gradient of table (nh, R + 1), a bias of the
-    distance i - j alone, constant from distance R on. FlexAttention's own gradient would add every pair's share into
-    the table's few entries with atomics, which serialise; this one reads only the band 0 <= i - j < R (linear in T).
-    Positions must be consecutive, as in training."""
+    distance i - j alone, constant from distance R on (table_grad). FlexAttention's own gradient would add every
+    pair's share into the table's few entries with atomics, which serialise and are not deterministic. Positions must
+    be consecutive, as in training."""
 
     @staticmethod
     def forward(ctx, y, lse, q, k, v, table, window, starts):
@@ -217,42 +206,61 @@ class BandBiasGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, lse, q, k, v, table, starts = ctx.saved_tensors
-        grad = band_bias_grad(q, k, v, y, lse, dy, table, ctx.window, starts)
+        grad = table_grad(q, k, v, y, lse, dy, table, ctx.window, starts)
         return dy, None, None, None, None, grad, None, None
 
 
-def band_bias_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=None) -> torch.Tensor:
-    """d loss / d table (nh, R + 1). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T)
-    where each token's document starts (packing="documents"; None: one stream)."""
+DIAGONAL_TILE = 128  # queries (and keys) per tile of table_grad
+
+
+def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=None) -> torch.Tensor:
+    """d loss / d table (nh, R + 1): dS = P ⊙ (dO·Vᵀ - rowsum(dO ⊙ O)) summed over the pairs that read each entry,
+    without a (T, T) tensor and without atomics (deterministic). The queries and keys are cut in tiles of n; the tiles
+    on one block diagonal (query tile - key tile = kd) see the same distances kd·n + r - c, so their dS is summed over
+    the batch and the tiles first, (nh, n, n), then along its diagonals into the table. Only the block diagonals
+    with a distance below R (or the window) are read: linear in T for a clamped table (bias-RPE, T5), half of the pairs
+    for a table over every distance (KERPLE); dS sums to zero over each row, so the far entry's gradient is minus the
+    others'. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T) where each token's
+    document starts (packing="documents"; None: one stream)."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
     if R == 0:  # one bias for every distance: softmax ignores it
         return torch.zeros_like(table)
-    n, nb = R, -(-T // R)  # blocks of n queries, each against the n keys before it and its own n
+    n = min(R, DIAGONAL_TILE)
+    nb = -(-T // n)
+    band = R if window is None else min(R, window)  # the distances with an entry of their own that a query sees
+    last = min(nb - 1, (band + n - 2) // n)  # the last block diagonal holding a distance below band
     dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
     pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
     qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
-    window2 = lambda t: torch.cat([F.pad(t, (0, 0, 0, 0, 1, -1)), t], dim=3)  # noqa: E731  (B, nh, nb, 2n, hs)
-    kw, vw = window2(kb), window2(vb)
-    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(2 * n, device=q.device)[None, :]
-    rel = n + r - c  # (n, 2n): i - j for query r of a block and key c of its window
-    i = torch.arange(nb, device=q.device)[:, None, None] * n + r  # (nb, n, 1) absolute query index
-    band = R if window is None else min(R, window)  # the distances with a bias of their own that a query sees
-    near = (rel >= 0) & (rel < band) & (i - rel >= 0) & (i < T)  # (nb, n, 2n)
-    if starts is not None:  # and in the query's document: (B, 1, nb, n, 2n)
-        sb = F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)  # the queries' documents
-        kb_starts = torch.cat([F.pad(sb, (0, 0, 1, -1), value=-2), sb], dim=2)  # (B, nb, 2n): their keys'
-        near = near & (sb[..., :, None] == kb_starts[..., None, :])[:, None]
     lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
-    s = (qb @ kw.transpose(-2, -1)) * hs**-0.5 + table.detach()[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb,n,2n)
-    p = torch.where(near, (s - lse_b).exp(), 0.0)
     D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
-    ds = (p * (dyb @ vw.transpose(-2, -1) - D)).sum((0, 2))  # (nh, n, 2n), summed over the batch and the blocks
-    near_grad = torch.zeros(nh, R, device=q.device, dtype=dtype).index_add_(
-        1, rel.clamp(0, R - 1).flatten(), ds.flatten(1)
-    )
-    # dS sums to zero over each row: the shared far entry's gradient is minus the near ones' sum
+    sb = None if starts is None else F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)  # documents' starts
+    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
+    frozen, near_grad = table.detach().to(dtype), torch.zeros(nh, R, device=q.device, dtype=dtype)
+    for kd in range(last + 1):  # query tiles kd … nb - 1 against key tiles 0 … nb - 1 - kd
+        rel = kd * n + r - c  # (n, n): i - j
+        i = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r  # (nb - kd, n, 1): the query's index
+        near = (rel >= 0) & (rel < band) & (i < T)  # (nb - kd, n, n)
+        if sb is not None:  # and in the query's document: (B, 1, nb - kd, n, n)
+            near = near & (sb[:, kd:, :, None] == sb[:, : nb - kd, None, :])[:, None]
+        qt, dyt, lt, Dt = qb[:, :, kd:], dyb[:, :, kd:], lse_b[:, :, kd:], D[:, :, kd:]
+        kt, vt = kb[:, :, : nb - kd], vb[:, :, : nb - kd]
+        s = (qt @ kt.transpose(-2, -1)) * hs**-0.5 + frozen[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb-kd,n,n)
+        p = torch.where(near, (s - lt).exp(), 0.0)
+        ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))  # (nh, n, n), over the batch and the tiles
+        sums = diagonal_sums(ds)  # (nh, 2n - 1): distances kd·n - (n - 1) … kd·n + n - 1
+        lo, d0, d1 = kd * n - (n - 1), max(0, kd * n - (n - 1)), min(R, kd * n + n)
+        near_grad[:, d0:d1] += sums[:, d0 - lo : d1 - lo]
     return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)
+
+
+def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
+    """The sums of the diagonals of m (..., n, n): out[..., o + n - 1] sums m[..., r, c] over r - c = o. Each row
+    shifted by its index (a pad and a reshape) puts a diagonal in one column: a plain sum, no scatter."""
+    n = m.size(-1)
+    rows = F.pad(m.flip(-1), (0, n)).flatten(-2)[..., : n * (2 * n - 1)]  # row r, column c' = n - 1 - c at r + c'
+    return rows.unflatten(-1, (n, 2 * n - 1)).sum(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -385,7 +393,7 @@ def bias_blocks(rows: Callable[[int, int], torch.Tensor]) -> Callable:
 
 
 KERNELS = (
-    "flex_band",
+    "flex_table",
     "flex",
     "bias_table",
     "bias_blocks",

@@ -1168,9 +1168,9 @@ class GPT(nn.Module):
             # (nh, Tq, Tk) float32 over the chunk's queries and keys (or a block of them); by rows (B, nh, ...)
             return pe.score_bias_matrix(first, cfg.n_head, c, recompute=recompute).masked_fill(~sees(c), float("-inf"))
 
-        # on a CPU a bias of i - j alone comes as its table over distances, another trained bias as its matrix
+        # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
         cpu = chunk.pos.device.type == "cpu"
-        table = pe.distance_table(first, cfg.n_head, chunk) if cpu else None
+        table = pe.distance_table(first, cfg.n_head, chunk) if cpu or trainable else None
         if documents and not pe.relative and table is None:  # a bias of each row's own positions: the reference
             matrix = bias_matrix()
             return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
@@ -1181,9 +1181,7 @@ class GPT(nn.Module):
             keys=chunk.keys,
             window=chunk.window,
             own_keys=own_keys,
-            far_distance=pe.far_distance,
             trainable=trainable,
-            n_head=cfg.n_head,
             head_dim=cfg.n_embd // cfg.n_head,
             dropout_p=dropout_p,
             table=table,

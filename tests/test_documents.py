@@ -148,16 +148,17 @@ def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None)
     return torch.softmax(s, dim=-1) @ v, s.logsumexp(-1)
 
 
-@pytest.mark.parametrize("pe", ["bias_rpe", "t5"])
-def test_fused_band_gradient_stays_inside_documents(pe, monkeypatch):
-    """The fused path (FlexAttention under a block mask of each row's documents; its table gradient from the band
-    i - j < far_distance, inside a document): logits and gradients equal each document alone."""
+@pytest.mark.parametrize("pe, tile", [("bias_rpe", 128), ("t5", 128), ("kerple", 128), ("kerple", 5)])
+def test_fused_table_gradient_stays_inside_documents(pe, tile, monkeypatch):
+    """The fused path (FlexAttention under a block mask of each row's documents; its table gradient from the tiles
+    holding a distance below the far one, inside a document): logits and gradients equal each document alone."""
     monkeypatch.setattr(fast_paths, "flex_attention_lse", math_flex_attention_lse)
+    monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     model = packed_model(pe, t5_num_buckets=8, t5_max_distance=12)
     model.attention_options = replace(model.attention_options, fused=True)
     taken = kernels_taken(monkeypatch)
     assert_documents_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
-    assert set(taken) == {"flex_band"}
+    assert set(taken) == {"flex_table"}
 
 
 @pytest.mark.parametrize("pe", ["alibi", "kerple", "fire"])

@@ -237,11 +237,11 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # Attention paths and the encodings against their formulas
 
-# the facts of a trainable band bias (bias-RPE) training on a CPU, eagerly, handed as its matrix: each row of the
-# table below changes what it needs
+# the facts of a bias of i - j alone (bias-RPE) training on a CPU, eagerly, handed as its table: each row of the table
+# below changes what it needs
 FACTS = dict(
     bias=True,
-    band=True,
+    table=True,
     trainable=True,
     window=False,
     cached=False,
@@ -266,51 +266,52 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     "fused, facts, path",
     [
         # sdpa_causal: no bias, no window, no cache, whatever else holds
-        (None, dict(bias=False, band=False), "sdpa_causal"),
-        (True, dict(bias=False, band=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
-        (None, dict(bias=False, band=False, window=True), "sdpa_mask"),
-        (None, dict(bias=False, band=False, cached=True, trainable=False), "sdpa_mask"),
-        # flex_band: a trainable band bias, fused (by default: compiled on CUDA), consecutive, no cache
-        (None, CUDA_COMPILED, "flex_band"),
-        (True, dict(), "flex_band"),
-        (None, dict(**CUDA_COMPILED, window=True), "flex_band"),
+        (None, dict(bias=False, table=False), "sdpa_causal"),
+        (True, dict(bias=False, table=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
+        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),
+        (None, dict(bias=False, table=False, cached=True, trainable=False), "sdpa_mask"),
+        # flex_table: a trainable bias handed as its table, fused (by default: compiled on CUDA), consecutive, no cache
+        (None, CUDA_COMPILED, "flex_table"),
+        (True, dict(), "flex_table"),
+        (None, dict(**CUDA_COMPILED, window=True), "flex_table"),
         (None, dict(**CUDA_COMPILED, cached=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, consecutive=False), "sdpa_mask"),
-        (None, dict(**CUDA_COMPILED, band=False), "sdpa_mask"),  # KERPLE, FIRE
+        (None, dict(**CUDA_COMPILED, table=False), "sdpa_mask"),  # FIRE compiled: no table
         (None, dict(**CUDA_COMPILED, dropout=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, fits=False), "sdpa_mask"),
         (False, CUDA_COMPILED, "sdpa_mask"),
         (None, dict(device="cuda"), "sdpa_mask"),  # uncompiled on CUDA: FlexAttention would not be fused
         # flex: a bias without a gradient (ALiBi, or evaluation), fused, any cache or window
-        (None, dict(**CUDA_COMPILED, trainable=False, band=False), "flex"),
+        (None, dict(**CUDA_COMPILED, trainable=False, table=False), "flex"),
         (True, dict(trainable=False, cached=True, window=True, consecutive=False), "flex"),
-        (None, dict(trainable=False), "bias_blocks"),  # eager on a CPU: not fused by default, a block at a time
+        (None, dict(trainable=False, table=False), "bias_blocks"),  # eager on a CPU: not fused by default
         (True, dict(trainable=False, dropout=True), "sdpa_mask"),
-        (True, dict(trainable=False, fits=False), "bias_blocks"),
+        (True, dict(trainable=False, fits=False), "bias_table"),
+        (True, dict(trainable=False, fits=False, table=False), "bias_blocks"),
         (None, dict(trainable=False, device="cuda"), "sdpa_mask"),  # uncompiled on CUDA: not fused, the reference
         (None, dict(trainable=False, compiling=True, cached=True), "sdpa_mask"),  # compiled, keys from a cache
-        # bias_blocks with a gradient: a trainable bias on a CPU, eager, or compiled with the keys the queries' own;
-        # no dropout,
-        # unless fused is False
-        (None, dict(), "bias_blocks"),
-        (True, dict(band=False), "bias_blocks"),
-        (None, dict(cached=True, window=True, consecutive=False), "bias_blocks"),
-        (None, dict(compiling=True), "bias_blocks"),
-        (None, dict(compiling=True, window=True), "bias_blocks"),
-        (False, dict(), "sdpa_mask"),
-        (None, dict(compiling=True, cached=True), "sdpa_mask"),
-        (None, dict(compiling=True, consecutive=False), "sdpa_mask"),
-        (None, dict(dropout=True), "sdpa_mask"),
-        (None, dict(bias=False, band=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
+        # bias_blocks: any other bias on a CPU (FIRE past its threshold), trained or not, eager, or compiled with the
+        # keys the queries' own; no dropout, unless fused is False
+        (None, dict(table=False), "bias_blocks"),
+        (True, dict(table=False), "bias_blocks"),
+        (None, dict(table=False, cached=True, window=True, consecutive=False), "bias_blocks"),
+        (None, dict(table=False, compiling=True), "bias_blocks"),
+        (None, dict(table=False, compiling=True, window=True), "bias_blocks"),
+        (False, dict(table=False), "sdpa_mask"),
+        (None, dict(table=False, compiling=True, cached=True), "sdpa_mask"),
+        (None, dict(table=False, compiling=True, consecutive=False), "sdpa_mask"),
+        (None, dict(table=False, dropout=True), "sdpa_mask"),
+        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
         # bias_table: a bias of i - j alone handed as its table (on a CPU), trained or not, eager or with own keys
-        (None, dict(table=True), "bias_table"),
-        (None, dict(table=True, trainable=False, cached=True, window=True), "bias_table"),
-        (None, dict(table=True, compiling=True), "bias_table"),
-        (True, dict(table=True, trainable=False), "flex"),
-        (False, dict(table=True), "sdpa_mask"),
-        (None, dict(table=True, dropout=True), "sdpa_mask"),
-        (None, dict(table=True, compiling=True, cached=True), "sdpa_mask"),
-        (None, dict(table=True, trainable=False, device="cuda"), "sdpa_mask"),
+        (None, dict(), "bias_table"),
+        (None, dict(trainable=False, cached=True, window=True), "bias_table"),
+        (None, dict(compiling=True), "bias_table"),
+        (True, dict(cached=True), "bias_table"),  # fused, but its keys from a cache: no band of distances
+        (True, dict(trainable=False), "flex"),
+        (False, dict(), "sdpa_mask"),
+        (None, dict(dropout=True), "sdpa_mask"),
+        (None, dict(compiling=True, cached=True), "sdpa_mask"),
+        (None, dict(trainable=False, device="cuda"), "sdpa_mask"),
     ],
 )
 def test_attention_path_follows_its_table(fused, facts, path):
@@ -324,7 +325,7 @@ def test_attention_path_follows_its_table(fused, facts, path):
 def test_every_kernel_of_the_table_has_its_builder():
     """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention builds (KERNELS,
     the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
-    names = ["trainable", "band", "own_keys", "compiling", "dropout", "fits", "table"]
+    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "table"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
@@ -364,10 +365,10 @@ def taken_paths(monkeypatch) -> list[str]:
         ("alibi", None, False, dict(), {"bias_table"}),
         ("kerple", None, True, dict(pos=2 * torch.arange(16)), {"bias_blocks"}),  # no table: distances unknown
         ("bias_rpe", False, True, dict(), {"sdpa_mask"}),
-        ("bias_rpe", True, True, dict(), {"flex_band"}),
+        ("bias_rpe", True, True, dict(), {"flex_table"}),
         ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_table"}),
-        ("kerple", True, True, dict(), {"bias_table"}),
-        ("fire", True, True, dict(), {"bias_table"}),  # every query within its threshold: x of i - j alone
+        ("kerple", True, True, dict(), {"flex_table"}),  # its table over the distances 0 … T - 1
+        ("fire", True, True, dict(), {"flex_table"}),  # every query within its threshold: x of i - j alone
         ("fire", True, True, dict(pos=torch.arange(16) + 64), {"bias_blocks"}),  # past it
         ("fire", None, False, dict(), {"bias_table"}),
         ("fire", None, False, dict(pos=torch.arange(16) + 64), {"bias_blocks"}),
@@ -995,25 +996,35 @@ def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None)
 
 
 @pytest.mark.parametrize(
-    "pe, kw, T, window, compiled",
+    "pe, kw, T, window, compiled, tile",
     [
-        ("bias_rpe", dict(rpe_max_distance=5), 16, None, False),
-        ("bias_rpe", dict(rpe_max_distance=5), 23, None, False),
-        ("bias_rpe", dict(rpe_max_distance=5), 23, 6, False),
-        ("bias_rpe", dict(rpe_max_distance=5), 23, 3, False),
-        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False),
+        ("bias_rpe", dict(rpe_max_distance=5), 16, None, False, 128),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, None, False, 128),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, 6, False, 128),
+        ("bias_rpe", dict(rpe_max_distance=5), 23, 3, False, 128),
+        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False, 128),
+        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False, 6),  # 7 block diagonals, a ragged last tile
         # compiled (slow: they start with the compile tests, on a worker whose dynamo has started): one layer
-        pytest.param("bias_rpe", dict(rpe_max_distance=8, n_layer=1), 33, None, True, marks=pytest.mark.slow),
-        ("bias_rpe", dict(rpe_max_distance=1), 12, None, False),
-        ("t5", dict(t5_num_buckets=8, t5_max_distance=20), 40, None, False),
-        pytest.param("t5", dict(t5_num_buckets=8, t5_max_distance=12, n_layer=1), 30, 9, True, marks=pytest.mark.slow),
+        pytest.param("bias_rpe", dict(rpe_max_distance=8, n_layer=1), 33, None, True, 128, marks=pytest.mark.slow),
+        ("bias_rpe", dict(rpe_max_distance=1), 12, None, False, 128),
+        ("t5", dict(t5_num_buckets=8, t5_max_distance=20), 40, None, False, 128),
+        pytest.param(
+            "t5", dict(t5_num_buckets=8, t5_max_distance=12, n_layer=1), 30, 9, True, 128, marks=pytest.mark.slow
+        ),
+        # a table over every distance 0 … T - 1: KERPLE, and FIRE while every query is within its threshold
+        ("kerple", dict(), 23, None, False, 128),
+        ("kerple", dict(), 23, None, False, 4),
+        ("kerple", dict(), 23, 6, False, 4),
+        ("fire", dict(), 23, None, False, 5),
     ],
 )
-def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkeypatch):
-    """The fused path's table gradient (the kernel reads the bias as a constant; BandBiasGrad computes the gradient
-    from the band i - j < far_distance and the rows' zero sum) equals the materialized path's, the shared far entry
-    included, for bias-RPE and T5, with ragged blocks, T < span, windows shorter than it, one shared bias, compiled."""
+def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monkeypatch):
+    """The fused path's table gradient (the kernel reads the bias as a constant; TableGrad computes the gradient
+    from the block diagonals of tiles holding a distance below the far one, and the rows' zero sum) equals the
+    materialized path's, the shared far entry included, for bias-RPE and T5 (a clamped table), KERPLE and FIRE (a
+    table over every distance), with ragged tiles, T < span, windows shorter than it, one shared bias, compiled."""
 
+    monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     calls = []
     monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
     model = tiny(pe, block_size=T, **kw).train()
@@ -1021,7 +1032,7 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, window=window)
     model.attention_options = replace(model.attention_options, fused=True)
-    # compiled: dynamo and AOTAutograd trace BandBiasGrad's forward and backward; inductor would only lower the
+    # compiled: dynamo and AOTAutograd trace TableGrad's forward and backward; inductor would only lower the
     # math stand-in for FlexAttention's CUDA kernel (40 s per case on a CPU for code no GPU runs)
     counter = CompileCounterWithBackend("aot_eager")
     logits, fused_grads = grads(torch.compile(model, backend=counter) if compiled else model, idx, window=window)
@@ -1032,7 +1043,7 @@ def test_band_bias_gradient_equals_reference(pe, kw, T, window, compiled, monkey
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
     span = model.encoding.far_distance
-    if 0 < span < (window or T):  # some key is past the span: the shared far entry has a gradient to match
+    if span is not None and 0 < span < (window or T):  # a key past the span: the shared far entry has a gradient
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
 
@@ -1060,49 +1071,63 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
         close(fused_grads[name], ref_grads[name], tol=1e-5)
 
 
-def spanless_trainable(pe: str) -> bool:
-    wpe = tiny(pe).encoding
-    return wpe.far_distance is None and bool(list(wpe.parameters()))
-
-
-@pytest.mark.parametrize("pe", [e for e in BIASED if spanless_trainable(e)])
-def test_trainable_bias_without_a_span_trains_on_the_materialized_path(pe, monkeypatch):
-    """A trainable bias with no constant far span (KERPLE, FIRE) never takes FlexAttention's captured-parameter
-    gradient (atomics on the table's few entries: slow, or out of a GPU's shared memory): with fused=True it trains on
-    the materialized path, with the reference's gradients, and still evaluates through FlexAttention."""
-
-    calls = []
+@pytest.mark.parametrize("pe, multiplier", [("kerple", None), ("fire", 1.5), ("fire", 0.5)])
+def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplier, monkeypatch):
+    """A trainable bias never takes FlexAttention's captured-parameter gradient (atomics on the table's few entries:
+    slow, not deterministic, or out of a GPU's shared memory). With fused=True a bias of i - j alone trains through
+    its table over every distance (KERPLE, FIRE within its threshold: FlexAttention reads it as a constant, TableGrad
+    gives its gradient); FIRE past its threshold, with no table, never through FlexAttention in training (a CPU's blocks
+    here, a GPU's materialized bias); each with the reference's logits and gradients, and each still evaluates
+    through FlexAttention."""
+    calls, paths = [], taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
     model = tiny(pe).train()
+    if multiplier is not None:
+        model.encoding.L_multiplier.data.fill_(multiplier)
     idx = tokens(2, 16)
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx)
     model.attention_options = replace(model.attention_options, fused=True)
+    paths.clear()
     logits, fused_grads = grads(model, idx)
-    assert not calls
+    table = multiplier != 0.5
+    assert set(paths) == ({"flex_table"} if table else {"bias_blocks"}) and bool(calls) == table, paths
     close(logits, ref_logits)
     for name in ref_grads:
-        close(fused_grads[name], ref_grads[name])
+        close(fused_grads[name], ref_grads[name], tol=1e-5)
+    calls.clear()
     with torch.no_grad():
         model(idx)
     assert calls
 
 
-def test_band_bias_gradient_of_each_entry():
-    """band_bias_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v, causal."""
-    from fast_paths import band_bias_grad
-
+@pytest.mark.parametrize("R, tile, window", [(4, 128, None), (4, 3, 6), (18, 128, None), (18, 4, None), (18, 5, 7)])
+def test_table_gradient_of_each_entry(R, tile, window, monkeypatch):
+    """table_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v, causal (and
+    inside a window), in float64: a clamped table (R = 4) and one over every distance (R = T - 1 = 18), in tiles of
+    the default size and of a few queries (several block diagonals, a ragged last tile); two runs equal bit for bit."""
+    monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     torch.manual_seed(0)
-    B, nh, T, hs, R = 2, 3, 19, 8, 4
+    B, nh, T, hs = 2, 3, 19, 8
     q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
     table = torch.randn(nh, R + 1, dtype=torch.float64, requires_grad=True)
     rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
     s = (q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]
-    s = s.masked_fill(rel < 0, float("-inf"))
+    s = s.masked_fill(~fast_paths.sees(rel, window), float("-inf"))
     y = torch.softmax(s, -1) @ v
     (expected,) = torch.autograd.grad((y * dy).sum(), table)
-    got = band_bias_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got = fast_paths.table_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table, window)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    again = fast_paths.table_grad(q, k, v, y.detach(), s.logsumexp(-1).detach(), dy, table, window)
+    assert torch.equal(got, again)
+
+
+def test_diagonal_sums():
+    """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a square."""
+    m = torch.randn(2, 5, 5, dtype=torch.float64)
+    expected = torch.stack([torch.diagonal(m, offset=-o, dim1=-2, dim2=-1).sum(-1) for o in range(-4, 5)], dim=-1)
+    torch.testing.assert_close(fast_paths.diagonal_sums(m), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
@@ -1141,8 +1166,9 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     print(pe, head_dim, notes or "no fallback")
     assert head_dim > 64 or not notes, notes
     wpe = model.encoding
-    band_or_fixed = wpe.far_distance is not None or not list(wpe.parameters())  # else FlexAttention's atomics: avoided
-    fused = head_dim >= 16 and band_or_fixed and model.attention_options.fused is not False
+    # a table of i - j (trained through TableGrad) or no parameters; FIRE compiled has no table (FlexAttention's own
+    # gradient, atomics, is never taken): the materialized bias
+    fused = head_dim >= 16 and wpe.relative and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
     assert (fast_paths.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
 
