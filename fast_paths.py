@@ -48,13 +48,18 @@ def flex_fits(head_dim: int, device_type: str) -> bool:
     return device_type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
 
 
-def fused_attention_note(head_dim: int, device_type: str) -> str | None:
-    """Why a score bias cannot be fused at this head dim on this device, for the user; None where it can."""
-    if flex_fits(head_dim, device_type):
+def fused_attention_note(head_dim: int, device_type: str, dropout: float = 0.0) -> str | None:
+    """Why a score bias cannot be fused in training on this device, for the user; None where it can (or where no
+    fused kernel is taken anyway: a CPU)."""
+    if device_type != "cuda":
         return None
-    return f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model has {head_dim}): " + (
-        MATERIALIZED
-    )
+    if not flex_fits(head_dim, device_type):
+        why = f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model has {head_dim})"
+        return f"{why}: {MATERIALIZED}"
+    if dropout > 0:
+        why = f"FlexAttention has no attention dropout (dropout={dropout:g})"
+        return f"{why}: in training {MATERIALIZED}; --dropout=0 fuses it"
+    return None
 
 
 def kernel(

@@ -1123,6 +1123,26 @@ def test_table_gradient_of_each_entry(R, tile, window, monkeypatch):
     assert torch.equal(got, again)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+@pytest.mark.parametrize("R", [64, 1023])
+def test_table_gradient_on_cuda_is_deterministic_and_exact(R):
+    """On CUDA, table_grad (bias-RPE's clamped table, KERPLE's over every distance, at GPT-2's block) gives the same
+    gradient bit for bit in two runs (no atomics), within float32's error of the float64 gradient on the CPU. Runs on
+    the GPU machine."""
+    torch.manual_seed(0)
+    B, nh, T, hs = 2, 4, 1024, 64
+    q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
+    table = torch.randn(nh, R + 1, dtype=torch.float64) * 0.5
+    rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    s = ((q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]).masked_fill(rel < 0, float("-inf"))
+    y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+    exact = fast_paths.table_grad(q, k, v, y, lse, dy, table)
+    on_cuda = [t.cuda().float() for t in (q, k, v, y, lse, dy, table)]
+    got, again = fast_paths.table_grad(*on_cuda), fast_paths.table_grad(*on_cuda)
+    assert torch.equal(got, again)
+    torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+
+
 def test_diagonal_sums():
     """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a square."""
     m = torch.randn(2, 5, 5, dtype=torch.float64)
@@ -1355,15 +1375,20 @@ def test_bf16_model_generates(pe):
         assert model.generate(idx, 6, temperature=0, use_cache=use_cache).shape == (2, 11)
 
 
-def test_fused_attention_note_names_the_head_dim_limit():
+def test_fused_attention_note_names_the_head_dim_limit_and_dropout():
     """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): flex_fits says no, and the model's
-    note says why and what attention does instead; on CPUs, and from 16 on, it fits and there is no note."""
+    note says why and what attention does instead; on CPUs, and from 16 on, it fits and there is no note. Attention
+    dropout (FlexAttention has none) sends a score bias to the materialized bias in training: the note says so and
+    names the fix; a CPU's paths take dropout the same way for every encoding (no note)."""
     from fast_paths import flex_fits, fused_attention_note
 
     assert not flex_fits(8, "cuda") and flex_fits(8, "cpu") and flex_fits(16, "cuda")
     note = fused_attention_note(8, "cuda")
     assert "at least 16" in note and "(this model has 8)" in note and "materialized bias" in note
     assert fused_attention_note(8, "cpu") is None and fused_attention_note(16, "cuda") is None
+    note = fused_attention_note(64, "cuda", dropout=0.2)
+    assert "dropout=0.2" in note and "materialized bias" in note and "--dropout=0" in note
+    assert fused_attention_note(64, "cpu", dropout=0.2) is None and fused_attention_note(64, "cuda", 0.0) is None
 
 
 @pytest.mark.parametrize("pe", BIASED)
