@@ -48,15 +48,15 @@ def flex_fits(head_dim: int, device_type: str) -> bool:
     return device_type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
 
 
-def fused_attention_note(head_dim: int, device_type: str, dropout: float = 0.0) -> str | None:
+def fused_attention_note(head_dim: int, device_type: str, dropout: float = 0.0, compiled: bool = True) -> str | None:
     """Why a score bias cannot be fused in training on this device, for the user; None where it can (or where no
-    fused kernel is taken anyway: a CPU)."""
+    fused kernel is taken anyway: a CPU, or an uncompiled run, for dropout)."""
     if device_type != "cuda":
         return None
     if not flex_fits(head_dim, device_type):
         why = f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model has {head_dim})"
         return f"{why}: {MATERIALIZED}"
-    if dropout > 0:
+    if dropout > 0 and compiled:
         why = f"FlexAttention has no attention dropout (dropout={dropout:g})"
         return f"{why}: in training {MATERIALIZED}; --dropout=0 fuses it"
     return None
@@ -99,7 +99,7 @@ def fast_attention(
     head_dim: int,
     dropout_p: float,
     table: torch.Tensor | None = None,
-    rows: Callable[[int, int], torch.Tensor] | None = None,
+    rows: Callable[[int, int, int, int], torch.Tensor] | None = None,
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
@@ -117,8 +117,8 @@ def fast_attention(
     query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
     (no cache); trainable: autograd records the bias's parameters. model.py hands a bias of i - j alone as its table
     too (on a CPU, and where it trains; no cache), its values at distances 0 … D - 1 (nh, D), the last for every
-    longer distance, and on a CPU any bias by its rows: rows(i0, i1), the bias of queries i0 … i1 - 1 over the keys
-    they may see ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key; the keys 0 … nk - 1).
+    longer distance, and on a CPU any bias by its rows: rows(i0, i1, j0, j1), the bias of queries i0 … i1 - 1 over
+    keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key).
     starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
     sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
     device = pos.device.type
@@ -142,7 +142,8 @@ def fast_attention(
             q, k, v, table, pos, other_keys, window, query_starts, key_starts
         )
     if name == "bias_blocks":
-        return bias_blocks(rows)
+        query_starts = None if starts is None else starts[0]
+        return bias_blocks(rows, lambda i0, i1: key_span(i0, i1, len(keys), own_keys, pos, query_starts, window))
     if starts is None:
         visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     else:
@@ -225,7 +226,8 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     the batch and the tiles first, (nh, n, n), then along its diagonals into the table. Only the block diagonals
     with a distance below R (or the window) are read: linear in T for a clamped table (bias-RPE, T5), half of the pairs
     for a table over every distance (KERPLE); dS sums to zero over each row, so the far entry's gradient is minus the
-    others'. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T) where each token's
+    others' where some pair is past it (where none is, it sums its own: every row's rounding, bf16 y and TF32, would
+    gather in it). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T) where each token's
     document starts (packing="documents"; None: one stream)."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
@@ -233,7 +235,11 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
         return torch.zeros_like(table)
     n = min(R, DIAGONAL_TILE)
     nb = -(-T // n)
-    band = R if window is None else min(R, window)  # the distances with an entry of their own that a query sees
+    seen = min(T, window or T)  # the distances 0 … seen - 1 a query sees
+    # where none is past R (a table over every distance: KERPLE's) every entry is summed from its own pairs; else
+    # the far one is inferred (its pairs are most of them), from the rows' zero sum
+    direct = seen <= R + 1
+    band = seen if direct else R  # the distances read from the tiles
     last = min(nb - 1, (band + n - 2) // n)  # the last block diagonal holding a distance below band
     dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
     pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
@@ -242,7 +248,7 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
     sb = None if starts is None else F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)  # documents' starts
     r, c = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
-    frozen, near_grad = table.detach().to(dtype), torch.zeros(nh, R, device=q.device, dtype=dtype)
+    frozen, near_grad = table.detach().to(dtype), torch.zeros(nh, band, device=q.device, dtype=dtype)
     for kd in range(last + 1):  # query tiles kd … nb - 1 against key tiles 0 … nb - 1 - kd
         rel = kd * n + r - c  # (n, n): i - j
         i = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r  # (nb - kd, n, 1): the query's index
@@ -255,8 +261,10 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
         p = torch.where(near, (s - lt).exp(), 0.0)
         ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))  # (nh, n, n), over the batch and the tiles
         sums = diagonal_sums(ds)  # (nh, 2n - 1): distances kd·n - (n - 1) … kd·n + n - 1
-        lo, d0, d1 = kd * n - (n - 1), max(0, kd * n - (n - 1)), min(R, kd * n + n)
+        lo, d0, d1 = kd * n - (n - 1), max(0, kd * n - (n - 1)), min(band, kd * n + n)
         near_grad[:, d0:d1] += sums[:, d0 - lo : d1 - lo]
+    if direct:  # entries past the last seen distance (a window shorter than the table) have none
+        return F.pad(near_grad, (0, R + 1 - band)).to(table.dtype)
     return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)
 
 
@@ -303,7 +311,7 @@ class TableBiasAttention(torch.autograd.Function):
         lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts)
+            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts, window)
             bias, _ = table_block(table, pos[i0:i1], keys[j0:j1], window)  # (nh, bq, j1 - j0)
             bias = in_documents(bias, starts, key_starts, slice(i0, i1), slice(j0, j1))
             y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
@@ -321,7 +329,7 @@ class TableBiasAttention(torch.autograd.Function):
         Tq, Tk = q.size(2), k.size(2)
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts)
+            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts, ctx.window)
             bias, index = table_block(table, pos[i0:i1], keys[j0:j1], ctx.window)  # (nh, bq, nk), (bq, nk)
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
@@ -339,15 +347,18 @@ class TableBiasAttention(torch.autograd.Function):
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
 
 
-def key_span(i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts) -> tuple[int, int]:
+def key_span(
+    i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None = None
+) -> tuple[int, int]:
     """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: with their own keys none past the last query (its
-    future), and under packing="documents" none before the earliest start of their documents (eager: the start is
-    data, read on the host; compiled, from the first key)."""
+    future), none window or more before the first, and under packing="documents" none before the earliest start of
+    their documents (eager: the start is data, read on the host; compiled, from the first key)."""
     if not own_keys:
         return 0, Tk
-    if starts is None or torch.compiler.is_compiling():
-        return 0, i1
-    return max(0, int(starts[:, i0:i1].min() - pos[0])), i1  # own keys: consecutive, key j at position pos[0] + j
+    j0 = 0 if window is None else max(0, i0 - window + 1)  # own keys: consecutive, key j at position pos[0] + j
+    if starts is not None and not torch.compiler.is_compiling():
+        j0 = max(j0, int(starts[:, i0:i1].min() - pos[0]))
+    return j0, i1
 
 
 def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> tuple:
@@ -374,17 +385,19 @@ def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, c
     return starts[:, rows, None] == key_starts[:, None, cols]
 
 
-def bias_blocks(rows: Callable[[int, int], torch.Tensor]) -> Callable:
-    """Attention with a score bias a block of queries at a time, on a CPU: rows(i0, i1) (fast_attention's), then SDPA:
-    no (nh, Tq, Tk) tensor. With a gradient each block runs under activation checkpointing, so that its bias and
-    probabilities are computed again in the backward, one block at a time, and autograd takes the bias's gradient
-    into its parameters from there (FIRE's MLP, any formula)."""
+def bias_blocks(rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple]) -> Callable:
+    """Attention with a score bias a block of queries at a time, on a CPU: the keys j0 … j1 - 1 = span(i0, i1) that
+    queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1) (fast_attention's), then SDPA: no (nh, Tq, Tk)
+    tensor. With a gradient each block runs under activation checkpointing, so that its bias and probabilities are
+    computed again in the backward, one block at a time, and autograd takes the bias's gradient into its parameters
+    from there (FIRE's MLP, any formula)."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
-        bias = rows(i0, i1)  # (nh, bq, nk) or (B, nh, bq, nk)
+        j0, j1 = span(i0, i1)
+        bias = rows(i0, i1, j0, j1)  # (nh, bq, nk) or (B, nh, bq, nk)
         work = torch.promote_types(q.dtype, torch.float32)  # bf16 q: in float32, the bias not rounded
-        bias, nk = (bias if bias.dim() == 4 else bias[None]).to(work), bias.size(-1)
-        qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, :nk], v[:, :, :nk]))
+        bias = (bias if bias.dim() == 4 else bias[None]).to(work)
+        qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]))
         with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
             return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias).to(q.dtype)
 

@@ -602,7 +602,8 @@ class FIRE(PositionalEncoding):
     def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
         # a query within the threshold L has x of i - j alone: a table where every query of the chunk is, its keys its
         # own (eager only: whether every query is within L reads the data)
-        if chunk.cached or not chunk.consecutive or torch.compiler.is_compiling():
+        # on a GPU the test is a host sync per layer: none there (compiled, the only way a GPU trains fused, has none)
+        if chunk.cached or not chunk.consecutive or torch.compiler.is_compiling() or chunk.pos.device.type != "cpu":
             return None
         layer = first // n_head
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
@@ -804,14 +805,19 @@ class Chunk:
             return self.pos, self.keys
         return self.pos - self.starts, self.keys - self.key_starts
 
-    def rows(self, i0: int, i1: int, own_keys: bool) -> Chunk:
-        """Queries i0 … i1 - 1 over the keys they may see: every key, or where the keys are the queries' own the
-        first i1 (the rest are their future). Its queries are not its keys (consecutive False)."""
-        j1 = i1 if own_keys else len(self.keys)
-        starts = None if self.starts is None else self.starts[:, i0:i1]
-        key_starts = None if self.key_starts is None else self.key_starts[:, :j1]
-        pos, keys = self.pos[i0:i1], self.keys[:j1]
-        return replace(self, pos=pos, keys=keys, consecutive=False, starts=starts, key_starts=key_starts)
+    def rows(self, i0: int, i1: int, j0: int, j1: int) -> Chunk:
+        """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (a block of them, as fast_paths' bias_blocks asks): its
+        queries are not its keys (consecutive False)."""
+        cut = lambda t, a, b: None if t is None else t[..., a:b]  # noqa: E731  the last dim: (T,) or (B, T)
+        return replace(
+            self,
+            pos=self.pos[i0:i1],
+            keys=self.keys[j0:j1],
+            slots=cut(self.slots, i0, i1),
+            consecutive=False,
+            starts=cut(self.starts, i0, i1),
+            key_starts=cut(self.key_starts, j0, j1),
+        )
 
 
 class KVCache:
@@ -1185,7 +1191,7 @@ class GPT(nn.Module):
             head_dim=cfg.n_embd // cfg.n_head,
             dropout_p=dropout_p,
             table=table,
-            rows=lambda i0, i1: bias_matrix(chunk.rows(i0, i1, own_keys), recompute=False),
+            rows=lambda i0, i1, j0, j1: bias_matrix(chunk.rows(i0, i1, j0, j1), recompute=False),
             starts=(chunk.starts, chunk.key_starts) if documents else None,
         )
         if fast is not None:

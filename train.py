@@ -606,8 +606,9 @@ def log_start(run: Run) -> None:
             f"inside a document; trained distances up to {longest}, median {median:g} (64 random windows)"
         )
     head_dim = model.config.n_embd // model.config.n_head
-    if (note := fused_attention_note(head_dim, procs.device_type, cfg["dropout"])) and model.encoding.has_score_bias:
-        log(f"note: {note}")  # a shape the fused kernel cannot take: a slower path, not a crash
+    note = fused_attention_note(head_dim, procs.device_type, cfg["dropout"], bool(cfg["compile"]))
+    if note and model.encoding.has_score_bias:
+        log(f"note: {note}")  # what the fused kernel cannot take here: a slower path, not a crash
     if procs.device_type == "cpu" and 6 * model.get_num_params() * run.tokens_per_iter > CPU_SIZED_FLOPS:
         log(
             f"note: a GPU-sized run on a CPU: each iteration takes seconds here. For a CPU-sized run (minutes), add "

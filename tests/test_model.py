@@ -1143,6 +1143,28 @@ def test_table_gradient_on_cuda_is_deterministic_and_exact(R):
     torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
+    """Where no distance a query sees is past the table's last entry (KERPLE's table over every distance, or a window
+    no longer than the table), table_grad sums that entry from its own pairs: inferred from the rows' zero sum, as a
+    clamped table's far entry is, it would gather every row's rounding (FlexAttention's y in bf16), and be off by more
+    than any other entry."""
+    torch.manual_seed(0)
+    B, nh, T, hs = 4, 2, 384, 16
+    q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
+    table = torch.randn(nh, T, dtype=torch.float64)  # R = T - 1: every distance its own entry
+    rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    s = (q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(min=0)]
+    s = s.masked_fill(~fast_paths.sees(rel, window), float("-inf"))
+    y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+    exact = fast_paths.table_grad(q, k, v, y, lse, dy, table, window)
+    rounded = fast_paths.table_grad(q, k, v, y.bfloat16().double(), lse, dy, table, window)  # y as a bf16 kernel's
+    error = (rounded - exact).abs()
+    assert error[:, -1].max() <= error[:, :-1].max()
+    if window is not None:  # the distances past the window: no gradient at all
+        assert torch.equal(exact[:, window:], torch.zeros_like(exact[:, window:]))
+
+
 def test_diagonal_sums():
     """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a square."""
     m = torch.randn(2, 5, 5, dtype=torch.float64)
@@ -1557,6 +1579,30 @@ def test_activation_checkpointing_gives_the_same_step(pe, mode):
     assert kept2 < kept
     with pytest.raises(ValueError, match="activation_checkpointing='some': choose none, full, selective"):
         set_activation_checkpointing(model, "some")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mode):
+    """FIRE past its threshold (no dropout: its bias a block of queries at a time, each block under activation
+    checkpointing of its own) under the model's activation checkpointing, one nested in the other: the same logits and
+    gradients bit for bit, and fewer tensors kept."""
+    from model import set_activation_checkpointing
+
+    def step(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logits, loss = model(tokens(2, 16), targets=torch.roll(tokens(2, 16), -1, 1))
+        loss.backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+
+    model = tiny("fire").train()
+    model.encoding.L_multiplier.data.fill_(0.3)  # L = 4.8 of 16 positions
+    logits, grads_, kept = step(model)
+    model.zero_grad()
+    set_activation_checkpointing(model, mode)
+    logits2, grads2, kept2 = step(model)
+    assert torch.equal(logits, logits2) and all(torch.equal(grads_[n], grads2[n]) for n in grads_)
+    assert kept2 < kept
 
 
 @pytest.mark.parametrize("pe, mode", [("rope", "full"), ("bias_rpe", "selective"), ("fire", "full")])
