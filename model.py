@@ -644,7 +644,15 @@ class FIRE(PositionalEncoding):
         if chunk.starts is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
             begun_before = not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())
             if chunk.cached or not chunk.consecutive or begun_before:  # pair by pair, at each row's positions
-                return super().score_bias_matrix(first, n_head, chunk, recompute)
+                i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
+                few = i.numel() * j.size(1) <= FIRE_FEW
+
+                def by_rows(c, threshold, w1, b1, w2):  # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
+                    return self.run_mlp(
+                        self.input(c, threshold, i[:, None, :, None], j[:, None, None, :]), w1, b1, w2, few=few
+                    )
+
+                return recomputed(by_rows, recompute and not few)(*operands)
             return self.by_document_position(chunk, *operands)
 
         def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
@@ -1177,9 +1185,6 @@ class GPT(nn.Module):
         # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
         cpu = chunk.pos.device.type == "cpu"
         table = pe.distance_table(first, cfg.n_head, chunk) if cpu or trainable else None
-        if documents and not pe.relative and table is None:  # a bias of each row's own positions: the reference
-            matrix = bias_matrix()
-            return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),
