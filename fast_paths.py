@@ -81,6 +81,8 @@ def kernel(
         return "flex_table"
     if flex and not trainable:
         return "flex"
+    if fused and not dropout and trainable and own_keys and not table:  # FIRE on a GPU: never FlexAttention's atomics
+        return "bias_blocks"
     cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
     if cpu:
         return "bias_table" if table else "bias_blocks"
@@ -109,6 +111,7 @@ def fast_attention(
     |-----------|---------------------------------------|-------------------------|---------|----------------|
     | yes, fits | trained: a table of i - j, own keys   | ·                       | no      | flex_table     |
     | yes, fits | not trained                           | ·                       | no      | flex           |
+    | yes       | trained, no table, own keys           | ·                       | no      | bias_blocks    |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
     | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
 
@@ -117,7 +120,7 @@ def fast_attention(
     query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
     (no cache); trainable: autograd records the bias's parameters. model.py hands a bias of i - j alone as its table
     too (on a CPU, and where it trains; no cache), its values at distances 0 … D - 1 (nh, D), the last for every
-    longer distance, and on a CPU any bias by its rows: rows(i0, i1, j0, j1), the bias of queries i0 … i1 - 1 over
+    longer distance, and any bias by its rows: rows(i0, i1, j0, j1), the bias of queries i0 … i1 - 1 over
     keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key).
     starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
     sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
@@ -386,7 +389,8 @@ def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, c
 
 
 def bias_blocks(rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple]) -> Callable:
-    """Attention with a score bias a block of queries at a time, on a CPU: the keys j0 … j1 - 1 = span(i0, i1) that
+    """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias without a table,
+    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that
     queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1) (fast_attention's), then SDPA: no (nh, Tq, Tk)
     tensor. With a gradient each block runs under activation checkpointing, so that its bias and probabilities are
     computed again in the backward, one block at a time, and autograd takes the bias's gradient into its parameters

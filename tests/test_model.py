@@ -276,7 +276,10 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (None, dict(**CUDA_COMPILED, window=True), "flex_table"),
         (None, dict(**CUDA_COMPILED, cached=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, consecutive=False), "sdpa_mask"),
-        (None, dict(**CUDA_COMPILED, table=False), "sdpa_mask"),  # FIRE compiled: no table
+        (None, dict(**CUDA_COMPILED, table=False), "bias_blocks"),  # FIRE compiled: no table, its rows by blocks
+        (None, dict(**CUDA_COMPILED, table=False, dropout=True), "sdpa_mask"),
+        (None, dict(**CUDA_COMPILED, table=False, cached=True), "sdpa_mask"),
+        (None, dict(device="cuda", table=False), "sdpa_mask"),  # uncompiled on CUDA: not fused
         (None, dict(**CUDA_COMPILED, dropout=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, fits=False), "sdpa_mask"),
         (False, CUDA_COMPILED, "sdpa_mask"),
@@ -1076,8 +1079,8 @@ def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplie
     """A trainable bias never takes FlexAttention's captured-parameter gradient (atomics on the table's few entries:
     slow, not deterministic, or out of a GPU's shared memory). With fused=True a bias of i - j alone trains through
     its table over every distance (KERPLE, FIRE within its threshold: FlexAttention reads it as a constant, TableGrad
-    gives its gradient); FIRE past its threshold, with no table, never through FlexAttention in training (a CPU's blocks
-    here, a GPU's materialized bias); each with the reference's logits and gradients, and each still evaluates
+    gives its gradient); FIRE past its threshold, with no table, never through FlexAttention in training (its rows a
+    block of queries at a time, on any device); each with the reference's logits and gradients, and each still evaluates
     through FlexAttention."""
     calls, paths = [], taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
@@ -1209,7 +1212,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     assert head_dim > 64 or not notes, notes
     wpe = model.encoding
     # a table of i - j (trained through TableGrad) or no parameters; FIRE compiled has no table (FlexAttention's own
-    # gradient, atomics, is never taken): the materialized bias
+    # gradient, atomics, is never taken): its rows a block of queries at a time, through SDPA
     fused = head_dim >= 16 and wpe.relative and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
     assert (fast_paths.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
