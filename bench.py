@@ -383,14 +383,15 @@ def in_a_fresh_process(fn, *args):
 def bench_attention(args, device: str) -> None:
     """The bias encodings' attention at long contexts, forward + backward. The reference path is SDPA with the
     materialized (nh, T, T) bias: its math path, or on a CPU its flash kernel where the bias needs no gradient. The
-    default is FlexAttention on a GPU; on a CPU, the table kernel (TableBiasAttention) for both."""
+    default is fast_attention's: on a GPU FlexAttention (FIRE: its rows a block of queries at a time), on a CPU the
+    table kernel (FIRE past its threshold: by rows)."""
     batch = 4 if device == "cuda" else 1
     dtype = "bf16" if device == "cuda" else "float32"
     size = f"1 layer, 768 dims, 12 heads, batch {batch}, {dtype}"
     print(f"\n### Attention for the bias encodings at long contexts ({size})\n")
     print("| encoding | context | reference ms | default ms | reference peak | default peak |")
     print("|---|---:|---:|---:|---:|---:|")
-    for enc in BIASED:
+    for enc in args.attention_encodings:
         for T in args.attention_lengths:
             cells = []
             for fused in (False, None):
@@ -576,6 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode_tokens", type=int, default=512)
     p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
     p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--attention_encodings", nargs="+", default=BIASED, choices=BIASED, help="--only=attention: which")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="--only=shapes: which")
     p.add_argument("--shape_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     p.add_argument("--shape_iters", type=int, default=6, help="--only=shapes: iterations per cell")

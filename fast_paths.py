@@ -1,13 +1,14 @@
 """
 The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py asks
 `fast_attention()` once per forward (once per layer for a bias of each layer's own), handing it tensors (the positions,
-on a CPU the bias's table of distances or its rows) and the layer's score bias as a function of (head, query
-position, key position); where the answer is None it takes its reference attention. Nothing here imports the
-project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the options.
+the bias's table of distances where it has one), the bias by blocks of its rows, and the layer's score bias as a
+function of (head, query position, key position); where the answer is None it takes its reference attention. Nothing
+here imports the project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the options.
 
-Sections: the options and the table that picks a kernel, FlexAttention's paths, the CPU's kernels (a bias with a
-gradient from its table, and any other a block of queries at a time), the fallbacks when the
-compiler cannot build a kernel. docs/development.md ("How attention is computed") explains each path and why.
+Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block of queries at a
+time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and for FIRE's training on a GPU), the
+fallbacks when the compiler cannot build a kernel. docs/development.md ("How attention is computed") explains each
+path and why.
 """
 
 from __future__ import annotations
@@ -280,8 +281,8 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A score bias on a CPU, a block of queries at a time through SDPA: TableBiasAttention (a bias of i - j alone, from its
-# table: the flash kernel, which gives a bias no gradient, and a backward of its own), bias_blocks (any bias)
+# A score bias a block of queries at a time through SDPA: TableBiasAttention (on a CPU, a bias of i - j alone from its
+# table: the flash kernel, which gives a bias no gradient, and a backward of its own), bias_blocks (any bias, by rows)
 
 
 def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:

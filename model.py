@@ -642,8 +642,8 @@ class FIRE(PositionalEncoding):
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
         operands = (c, threshold, w1, b1, w2)
         if chunk.starts is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
-            begun_before = not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())
-            if chunk.cached or not chunk.consecutive or begun_before:  # pair by pair, at each row's positions
+            begun_before = lambda: not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())  # noqa: E731
+            if chunk.cached or not chunk.consecutive or begun_before():  # pair by pair, at each row's positions
                 i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
                 few = i.numel() * j.size(1) <= FIRE_FEW
 

@@ -1168,6 +1168,22 @@ def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
         assert torch.equal(exact[:, window:], torch.zeros_like(exact[:, window:]))
 
 
+def test_key_span_reads_only_the_keys_a_block_of_queries_may_see():
+    """The keys j0 … j1 - 1 of queries i0 … i1 - 1 (own keys at consecutive positions): none in their future, none
+    window or more before the first, none before the earliest start of their documents; every key from a cache."""
+    pos = torch.arange(100, 228)  # 128 consecutive positions from 100
+    assert fast_paths.key_span(64, 128, 128, True, pos, None) == (0, 128)
+    assert fast_paths.key_span(64, 128, 128, True, pos, None, window=9) == (56, 128)
+    assert fast_paths.key_span(0, 64, 128, True, pos, None, window=9) == (0, 64)
+    starts = torch.full((2, 128), 100)
+    starts[0, 60:] = 100 + 70  # row 0's second document begins at index 70; row 1 is one document
+    assert fast_paths.key_span(64, 128, 128, True, pos, starts) == (0, 128)  # row 1 reads from its start
+    starts[1, 30:] = 100 + 80
+    assert fast_paths.key_span(64, 128, 128, True, pos, starts) == (70, 128)
+    assert fast_paths.key_span(64, 128, 128, True, pos, starts, window=9) == (70, 128)
+    assert fast_paths.key_span(64, 128, 300, False, pos, starts, window=9) == (0, 300)
+
+
 def test_diagonal_sums():
     """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a square."""
     m = torch.randn(2, 5, 5, dtype=torch.float64)
@@ -1180,11 +1196,13 @@ def test_diagonal_sums():
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
 def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head dims from 16, and
-    through the materialized bias below (Triton's minimum); logits and gradients, the bias-RPE table's included, are
-    as close to a float64 forward as the eager float32 path is (within 3x its error, or 1e-4): at head dim 128 float32
-    itself is off by up to 1e-3 on these logits, so a fixed 1e-4 between the two float32 paths would fail both. Where
-    the fused kernel does not compile, the model's kernel fallbacks take over, as in train.py, and the path they end
-    on must agree too; up to head dim 64 the default options compile. Runs on the GPU machine."""
+    through the materialized bias below (Triton's minimum); FIRE (no table: whether its queries are within its
+    threshold is data) through its rows a block of queries at a time, at every head dim; logits and gradients, the
+    bias-RPE table's included, are as close to a float64 forward as the eager float32 path is (within 3x its error,
+    or 1e-4): at head dim 128 float32 itself is off by up to 1e-3 on these logits, so a fixed 1e-4 between the two
+    float32 paths would fail both. Where the fused kernel does not compile, the model's kernel fallbacks take over, as
+    in train.py, and the path they end on must agree too; up to head dim 64 the default options compile. Runs on the
+    GPU machine."""
     import copy
 
     calls = []
@@ -1199,6 +1217,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     exact_logits, exact_grads = grads(copy.deepcopy(model).double(), idx)
     ref_logits, ref_grads = grads(model, idx)
     assert not calls
+    paths = taken_paths(monkeypatch)
     compiled, notes = [torch.compile(model)], []
 
     def recompile(options):
@@ -1215,6 +1234,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     # gradient, atomics, is never taken): its rows a block of queries at a time, through SDPA
     fused = head_dim >= 16 and wpe.relative and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
+    assert pe != "fire" or notes or set(paths) == {"bias_blocks"}, paths
     assert (fast_paths.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
 
     def as_exact_as_eager(got, ref, exact):
@@ -1585,7 +1605,7 @@ def test_activation_checkpointing_gives_the_same_step(pe, mode):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mode):
+def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mode, monkeypatch):
     """FIRE past its threshold (no dropout: its bias a block of queries at a time, each block under activation
     checkpointing of its own) under the model's activation checkpointing, one nested in the other: the same logits and
     gradients bit for bit, and fewer tensors kept."""
@@ -1598,6 +1618,7 @@ def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mod
         loss.backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
 
+    monkeypatch.setattr(fast_paths, "TABLE_BLOCK", 5)  # 16 queries: four blocks, the last ragged
     model = tiny("fire").train()
     model.encoding.L_multiplier.data.fill_(0.3)  # L = 4.8 of 16 positions
     logits, grads_, kept = step(model)
