@@ -814,8 +814,10 @@ class Chunk:
         return self.pos - self.starts, self.keys - self.key_starts
 
     def rows(self, i0: int, i1: int, j0: int, j1: int) -> Chunk:
-        """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (a block of them, as fast_paths' bias_blocks asks): its
-        queries are not its keys (consecutive False)."""
+        """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (a block of them, as fast_paths' bias_blocks asks): a chunk
+        whose queries are not its keys (consecutive False); all of a cached chunk's, itself (a decode step's)."""
+        if self.cached and (i0, i1, j0, j1) == (0, len(self.pos), 0, len(self.keys)):
+            return self
         cut = lambda t, a, b: None if t is None else t[..., a:b]  # noqa: E731  the last dim: (T,) or (B, T)
         return replace(
             self,
