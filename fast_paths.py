@@ -391,11 +391,10 @@ def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, c
 
 def bias_blocks(rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple]) -> Callable:
     """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias without a table,
-    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that
-    queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1) (fast_attention's), then SDPA: no (nh, Tq, Tk)
-    tensor. With a gradient each block runs under activation checkpointing, so that its bias and probabilities are
-    computed again in the backward, one block at a time, and autograd takes the bias's gradient into its parameters
-    from there (FIRE's MLP, any formula)."""
+    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1)
+    (fast_attention's), then SDPA: no (nh, Tq, Tk) tensor. With a gradient each block runs under activation
+    checkpointing, so that its bias and probabilities are computed again in the backward, one block at a time, and
+    autograd takes the bias's gradient into its parameters from there (FIRE's MLP, any formula)."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)

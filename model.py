@@ -642,8 +642,10 @@ class FIRE(PositionalEncoding):
         w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
         operands = (c, threshold, w1, b1, w2)
         if chunk.starts is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
-            begun_before = lambda: not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())  # noqa: E731
-            if chunk.cached or not chunk.consecutive or begun_before():  # pair by pair, at each row's positions
+            # pair by pair at each row's positions where the keys are not the queries' own, or a document began
+            # before the chunk (read on the host, eager, only then)
+            own = not chunk.cached and chunk.consecutive
+            if not own or (not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())):
                 i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
                 few = i.numel() * j.size(1) <= FIRE_FEW
 
