@@ -17,9 +17,74 @@ import torch
 from torch.nn import functional as F
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside model.py
-    from .model import GPT, Chunk, KVCache, PositionalEncoding
+    from .model import GPT, Chunk, PositionalEncoding
 except ImportError:
-    from model import GPT, Chunk, KVCache, PositionalEncoding
+    from model import GPT, Chunk, PositionalEncoding
+
+# ----------------------------------------------------------------------------------------------------------------
+# The KV cache: generation's state, which it builds and holds; the model writes a chunk's keys and values into it
+
+
+class KVCache:
+    """Keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots: position p lives in
+    slot p % S, and `pos` (S,) holds each slot's position (EMPTY, in every query's future, where unused). Fixed shapes
+    and in-place writes let a compiled decode step run as one CUDA graph. `claim` is the one method that advances it."""
+
+    EMPTY = 2**62
+
+    def __init__(self, n_layer: int, size: int):
+        if size < 1:
+            raise ValueError(f"KVCache size={size} must be a positive number of slots")
+        self.size = size
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
+        self.starts: torch.Tensor | None = None  # (B, S) packing="documents": where each slot's document starts
+        self.next_pos = 0  # absolute position of the next token
+        self.length = 0  # tokens written so far
+
+    def max_chunk(self, T: int, window: int | None) -> int:
+        """The most tokens one forward may write without evicting a key one of its queries needs (S - W + 1 with a
+        window W); a ValueError where the cache cannot serve the window, or has no room for T more tokens."""
+        if window is not None and self.size < window:
+            raise ValueError(f"a KV cache of {self.size} slots cannot serve a window of {window} tokens")
+        if window is None and self.length + T > self.size:
+            raise ValueError(
+                f"the KV cache holds {self.size} tokens and has {self.length}; {T} more do not fit "
+                "(make a bigger cache, or pass a window to roll it)"
+            )
+        return self.size - self.length if window is None else self.size - window + 1
+
+    def claim(self, pos: torch.Tensor, last: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Take the slots (T,) of a chunk at positions pos (T,), the last of them `last` (a host int: no sync), and
+        under packing="documents" where its tokens' documents start (B, T)."""
+        if self.pos is None:
+            self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
+        slots = pos % self.size
+        self.pos.index_copy_(0, slots, pos)
+        if starts is not None:
+            if self.starts is None:  # an unused slot's document starts nowhere a token's does
+                self.starts = torch.full((len(starts), self.size), -1, dtype=torch.long, device=pos.device)
+            self.starts.index_copy_(1, slots, starts)
+        self.next_pos, self.length = last + 1, self.length + len(pos)
+        return slots
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's k, v (B, nh, T, hs) into the chunk's slots and return every slot's keys and values."""
+        if self.k[layer] is None:
+            shape = (k.size(0), k.size(1), self.size, k.size(3))
+            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop, and sampling
+
 
 
 @torch.no_grad()

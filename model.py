@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,8 @@ try:  # in an export's folder, transformers loads this file as a module of a pac
     from .fast_paths import AttentionOptions, fast_attention
 except ImportError:
     from fast_paths import AttentionOptions, fast_attention
+if TYPE_CHECKING:  # generation's cache, which the model writes and never builds
+    from generate import KVCache
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
@@ -785,7 +787,7 @@ GPTConfig = make_dataclass(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A chunk's positions, and the KV cache
+# A chunk's positions
 
 
 @dataclass(frozen=True)
@@ -802,11 +804,7 @@ class Chunk:
     # only keys of its own start, and a token's position in its document is pos - starts. None: one stream
     starts: torch.Tensor | None = None
     key_starts: torch.Tensor | None = None
-
-    @property
-    def cached(self) -> bool:
-        """The keys come from a KV cache (they are not the queries' own)."""
-        return self.slots is not None
+    cached: bool = False  # the keys come from a KV cache (they are not the queries' own)
 
     def own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries' and keys' positions, each in its document under packing="documents" ((B, T), (B, Tk)),
@@ -830,63 +828,6 @@ class Chunk:
             starts=cut(self.starts, i0, i1),
             key_starts=cut(self.key_starts, j0, j1),
         )
-
-
-class KVCache:
-    """Keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots: position p lives in
-    slot p % S, and `pos` (S,) holds each slot's position (EMPTY, in every query's future, where unused). Fixed shapes
-    and in-place writes let a compiled decode step run as one CUDA graph. `claim` is the one method that advances it."""
-
-    EMPTY = 2**62
-
-    def __init__(self, n_layer: int, size: int):
-        if size < 1:
-            raise ValueError(f"KVCache size={size} must be a positive number of slots")
-        self.size = size
-        self.k: list[torch.Tensor | None] = [None] * n_layer
-        self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
-        self.starts: torch.Tensor | None = None  # (B, S) packing="documents": where each slot's document starts
-        self.next_pos = 0  # absolute position of the next token
-        self.length = 0  # tokens written so far
-
-    def max_chunk(self, T: int, window: int | None) -> int:
-        """The most tokens one forward may write without evicting a key one of its queries needs (S - W + 1 with a
-        window W); a ValueError where the cache cannot serve the window, or has no room for T more tokens."""
-        if window is not None and self.size < window:
-            raise ValueError(f"a KV cache of {self.size} slots cannot serve a window of {window} tokens")
-        if window is None and self.length + T > self.size:
-            raise ValueError(
-                f"the KV cache holds {self.size} tokens and has {self.length}; {T} more do not fit "
-                "(make a bigger cache, or pass a window to roll it)"
-            )
-        return self.size - self.length if window is None else self.size - window + 1
-
-    def claim(self, pos: torch.Tensor, last: int, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """Take the slots (T,) of a chunk at positions pos (T,), the last of them `last` (a host int: no sync), and
-        under packing="documents" where its tokens' documents start (B, T)."""
-        if self.pos is None:
-            self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
-        slots = pos % self.size
-        self.pos.index_copy_(0, slots, pos)
-        if starts is not None:
-            if self.starts is None:  # an unused slot's document starts nowhere a token's does
-                self.starts = torch.full((len(starts), self.size), -1, dtype=torch.long, device=pos.device)
-            self.starts.index_copy_(1, slots, starts)
-        self.next_pos, self.length = last + 1, self.length + len(pos)
-        return slots
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one layer's k, v (B, nh, T, hs) into the chunk's slots and return every slot's keys and values."""
-        if self.k[layer] is None:
-            shape = (k.size(0), k.size(1), self.size, k.size(3))
-            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1006,16 +947,18 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        self.use_encoding(self.transformer.wpe)
         self.attention_options = AttentionOptions()  # what fast_attention reads; replaced, never edited
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    @property
-    def encoding(self) -> PositionalEncoding:
-        """The positional encoding (stored as transformer.wpe, GPT-2's name, so checkpoints keep their keys)."""
-        return self.transformer.wpe
+    def use_encoding(self, encoding: PositionalEncoding) -> None:
+        """Make encoding the model's: stored as transformer.wpe, GPT-2's name, so checkpoints keep their keys, and
+        read as self.encoding, the same module (kept out of the module tree: registered once, under wpe)."""
+        self.transformer.wpe = encoding
+        self.__dict__["encoding"] = encoding
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -1125,7 +1068,7 @@ class GPT(nn.Module):
         if cache is None:
             return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
-        return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts)
+        return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts, cached=True)
 
     def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, doc_start=None):
         """Under packing="documents", the position where each token's document starts (B, T), at its last end-of-text
@@ -1188,7 +1131,7 @@ class GPT(nn.Module):
 
         # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
         cpu = chunk.pos.device.type == "cpu"
-        table = pe.distance_table(first, cfg.n_head, chunk) if cpu or trainable else None
+        table = pe.distance_table(first, cfg.n_head, chunk) if (cpu or trainable) and not chunk.cached else None
         fast = fast_attention(
             self.attention_options,
             lambda h, i, j: pe.score_bias(h + first, i, j),
@@ -1214,7 +1157,7 @@ class GPT(nn.Module):
         if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
         self.config = self.encoding.scaled(self.config, scaling, factor, original_max_len)
-        self.transformer.wpe = type(self.encoding)(self.config)  # it holds no weights: nothing is lost
+        self.use_encoding(type(self.encoding)(self.config))  # it holds no weights: nothing is lost
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """nanoGPT's call: extend idx (B, T) by max_new_tokens sampled tokens, with generate.py's generate (which

@@ -12,7 +12,7 @@ logit comes from model.py, nothing here computes attention or positions.
   Each row's logits are then exactly those it has alone; a padded position's logits are 0.
 - Tokens the model has no embedding for (a character-level tokenizer's <|endoftext|>, which is also its start of text
   and padding) read as config.read_eot_as, a newline: where texts start. A padded position is left out anyway.
-- Generation: transformers' generate() and its loop, with model.py's KVCache behind transformers' Cache interface
+- Generation: transformers' generate() and its loop, with generate.py's KVCache behind transformers' Cache interface
   (NanoPECache), each step the one generate.py's generate (sample.py's generation) takes: the model attends to at
   most config.max_context tokens (default block_size); past that, the absolute encodings (sinusoidal, learned) start
   again from the last max_context tokens at position 0 and the others keep a rolling cache whose keys keep their
@@ -33,8 +33,8 @@ from torch.nn import functional as F
 from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .generate import context_window, next_logits
-from .model import GPT, GPTConfig, KVCache
+from .generate import KVCache, context_window, next_logits
+from .model import GPT, GPTConfig
 
 SUPPORTED = "transformers 5.23 or newer"  # the releases this code is tested on: 5.23 and 5.24
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
@@ -80,7 +80,7 @@ class CodeMismatchError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The cache: model.py's KVCache, behind transformers' Cache interface
+# The cache: generate.py's KVCache, behind transformers' Cache interface
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Rows:
 
 
 class NanoPECache(Cache):
-    """What generate() carries from step to step: one model.py KVCache for each group of rows with the same padding
+    """What generate() carries from step to step: one generate.py KVCache for each group of rows with the same padding
     (positions count from a row's first real token, and a KVCache holds one set of positions), and the tokens each
     group has read. model.py's attention writes the KVCache itself, so update() is never called; the model decides
     what each step feeds it (NanoPEForCausalLM.next_logits). use_kv=False: the tokens alone, each step runs the

@@ -17,7 +17,8 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from model import GPT, POS_ENCODINGS, GPTConfig, KVCache  # noqa: E402
+from generate import KVCache  # noqa: E402
+from model import GPT, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 if not torch.cuda.is_available():
     # FlexAttention called without torch.compile (a CPU's fused path: forward only) runs its math directly instead of

@@ -13,8 +13,8 @@ from conftest import VOCAB, cached_logits, close, tiny
 from torch.nn import functional as F
 
 import fast_paths
-from generate import generate
-from model import GPT, POS_ENCODINGS, Chunk, GPTConfig, KVCache
+from generate import KVCache, generate
+from model import GPT, POS_ENCODINGS, Chunk, GPTConfig
 
 EOT = 0  # the end-of-text token of these tests' vocabulary
 ENCODINGS = list(POS_ENCODINGS)

@@ -502,7 +502,7 @@ def prompts_left_padded() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tenso
 def test_remote_code_generate_is_sample_py_on_our_kv_cache(pe, remote):
     """transformers' generate (greedy) gives sample.py's tokens, within its default window (block_size, 32) and past
     it (the relative encodings' rolling cache, the absolute ones' crop and restart), with the cache and without, each
-    row of a left-padded batch as it would be alone; the cache it carries is a transformers Cache holding model.py's
+    row of a left-padded batch as it would be alone; the cache it carries is a transformers Cache holding generate.py's
     KVCache."""
     _, model, hf = remote[pe]
     prompts, idx, mask = prompts_left_padded()

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import cached_logits, close, greedy_reference, tiny, tokens
 
-from model import ROPE_SCALINGS, GPTConfig, KVCache, RoPE
+from generate import KVCache
+from model import ROPE_SCALINGS, GPTConfig, RoPE
 
 SCALINGS = list(ROPE_SCALINGS)
 

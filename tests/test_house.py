@@ -1,0 +1,156 @@
+"""The house rules, kept by tests: the walk a reader takes through a generation (counted by the interpreter, listed in
+docs/development.md, quoted by the README) and the size budgets of the files a reader holds."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ENCODINGS
+
+from generate import generate
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVELOPMENT = ROOT / "docs" / "development.md"
+
+# The most definitions each encoding's walk may take today (the goals, in docs/development.md, are lower: a change
+# lowers a ceiling as it meets it, and one that needs more makes room first)
+WALK_CEILING = {"rope": 23, "alibi": 29, "none": 21}
+WALK_CEILING_ANY = 33  # every other encoding's
+
+
+def definition(code) -> str | None:
+    """The project's definition a code object belongs to, as `module.Qualified.name` (a class's __init__ as the class,
+    a nested function, lambda or comprehension as the definition around it), or None outside the project's files."""
+    path = Path(code.co_filename)
+    if path.parent != ROOT:
+        return None
+    name = code.co_qualname.split(".<locals>")[0].removesuffix(".__init__")
+    return f"{path.stem}.{name}"
+
+
+def walk(encoding: str) -> list[str]:
+    """Every definition of the project's files that runs while a tiny model generates 3 tokens greedily through its
+    KV cache on a CPU, each once, in the order they first run."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16, pos_encoding=encoding)
+    model, idx = GPT(config).eval(), torch.randint(0, 32, (1, 4))
+    seen: dict[str, None] = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and (name := definition(frame.f_code)):
+            seen.setdefault(name, None)
+
+    sys.setprofile(profile)
+    try:
+        generate(model, idx, 3, temperature=0)
+    finally:
+        sys.setprofile(None)
+    return list(seen)
+
+
+@pytest.fixture(scope="module")
+def walks() -> dict[str, list[str]]:
+    return {e: walk(e) for e in ENCODINGS}
+
+
+def documented_walks() -> tuple[set[str], dict[str, tuple[int, set[str]]]]:
+    """docs/development.md's list of the definitions every walk takes, and its table: each encoding's count and the
+    definitions it takes beyond that list."""
+    text = DEVELOPMENT.read_text()
+    shared = re.search(r"^Every encoding's walk takes these \d+: (.*)$", text, re.M)
+    assert shared, "docs/development.md has no line 'Every encoding's walk takes these N: ...'"
+    rows = {
+        m[1]: (int(m[2]), set(re.findall(r"`([\w.]+)`", m[3])))
+        for m in re.finditer(r"^\| `(\w+)` \| (\d+) \| (.*) \|$", text, re.M)
+    }
+    return set(re.findall(r"`([\w.]+)`", shared[1])), rows
+
+
+def test_the_walk_is_within_its_ceiling(walks):
+    """A new token's walk, for every encoding, takes no more definitions than its ceiling."""
+    for e, names in walks.items():
+        ceiling = WALK_CEILING.get(e, WALK_CEILING_ANY)
+        assert len(names) <= ceiling, f"{e}'s walk takes {len(names)} definitions, over {ceiling}: {names}"
+
+
+def test_the_docs_list_the_walk_the_run_takes(walks):
+    """docs/development.md lists exactly the definitions each encoding's walk runs: the shared ones, then each
+    encoding's own (a change to the walk changes the list)."""
+    shared = set.intersection(*(set(w) for w in walks.values()))
+    documented_shared, rows = documented_walks()
+    assert documented_shared == shared, (
+        f"the shared list differs: the run adds {sorted(shared - documented_shared)}, "
+        f"drops {sorted(documented_shared - shared)}"
+    )
+    assert set(rows) == set(walks), f"the table's encodings {sorted(rows)} are not the registry's {sorted(walks)}"
+    for e, names in walks.items():
+        count, own = rows[e]
+        assert (count, own) == (len(names), set(names) - shared), (
+            f"{e}: the docs say {count} definitions and {sorted(own)}, the run takes {len(names)} and "
+            f"{sorted(set(names) - shared)}"
+        )
+
+
+def test_the_readme_quotes_the_walk(walks):
+    """The README's counts of the walk are the run's, for RoPE and ALiBi."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"(\d+)\s+definitions\s+for\s+RoPE\s+and\s+(\d+)\s+for\s+ALiBi", readme)
+    assert m, "the README has no 'N definitions for RoPE and M for ALiBi'"
+    assert (int(m[1]), int(m[2])) == (len(walks["rope"]), len(walks["alibi"]))
+
+
+def test_the_readme_table_is_the_registry():
+    """The README's table of encodings has a row for each encoding of the registry, and no other (a new encoding
+    meets this test, not a silent gap)."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \|", readme.split("## Quickstart")[0], re.M)[1:]  # after the header
+    assert rows == ENCODINGS, f"the README's table lists {rows}; the registry has {ENCODINGS}: add or remove a row"
+
+
+def test_the_walk_counts_what_runs():
+    """The counter sees a definition that runs and not one that does not: a nested function counts as the one around
+    it, a class's __init__ as the class."""
+    names = walk("rope")
+    assert "model.RoPE.rotate" in names and "generate.KVCache" in names
+    assert "model.ALiBi.score_bias" not in names and not any("<" in n or "__init__" in n for n in names)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sizes: what a reader holds. Ceilings today; the goals (docs/development.md) are lower, and a change lowers a ceiling
+# as it meets it
+
+LINE_CEILINGS = {"model.py": 1193, "train.py": 630}  # lines per file
+CLASS_CEILINGS = {("model.py", "GPT"): 259}  # lines per class
+FUNCTION_CEILING = 60  # lines per function or method of the model's files, a docstring included
+FUNCTION_FILES = ("model.py", "fast_paths.py", "generate.py")
+FUNCTION_EXCEPTIONS = {("fast_paths.py", "fast_attention"): 77}  # over it today, each at most this
+README_CEILING = 15000  # characters
+
+
+def definitions(path: Path):
+    """Every class and function of a file with its length in lines (its decorators and docstring included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node, node.end_lineno - (node.decorator_list[0].lineno if node.decorator_list else node.lineno) + 1
+
+
+def test_the_files_keep_their_size_budgets():
+    """model.py, train.py, the GPT class, every function of the model's files and the README stay within their
+    budgets."""
+    for name, ceiling in LINE_CEILINGS.items():
+        n = len((ROOT / name).read_text().splitlines())
+        assert n <= ceiling, f"{name} has {n} lines, over its budget of {ceiling}: make room first"
+    for (name, cls), ceiling in CLASS_CEILINGS.items():
+        (n,) = [n for node, n in definitions(ROOT / name) if isinstance(node, ast.ClassDef) and node.name == cls]
+        assert n <= ceiling, f"{name}'s {cls} has {n} lines, over its budget of {ceiling}"
+    for name in FUNCTION_FILES:
+        for node, n in definitions(ROOT / name):
+            ceiling = FUNCTION_EXCEPTIONS.get((name, node.name), FUNCTION_CEILING)
+            if not isinstance(node, ast.ClassDef):
+                assert n <= ceiling, f"{name}'s {node.name} has {n} lines, over {ceiling}"
+    n = len((ROOT / "README.md").read_text())
+    assert n <= README_CEILING, f"README.md has {n} characters, over its budget of {README_CEILING}"
