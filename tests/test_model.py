@@ -28,14 +28,13 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
 from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
-from generate import sample_next
+from generate import KVCache, sample_next
 from model import (
     ENCODING_OPTIONS,
     GPT,
     POS_ENCODINGS,
     Chunk,
     GPTConfig,
-    KVCache,
     ModelShape,
     alibi_slopes,
     apply_rotary,
