@@ -253,7 +253,7 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         r["data"] = np.asarray(r["data"][: max(args.eval_tokens, max(lengths)) + 1])
 
     def feasible(r, L):
-        return r["model"].encoding.reaches(L)
+        return L <= r["model"].encoding.max_length
 
     if not any(feasible(r, L) for r in runs for L in lengths):
         longest = max(r["model"].config.block_size for r in runs)

@@ -402,7 +402,7 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
             f"--n_positions={n_positions} is below the training length block_size={T}, which the model would then "
             f"fail to read: use --n_positions >= {T}"
         )
-    if not pe.reaches(n_positions):
+    if n_positions > pe.max_length:
         raise ExportError(f"--n_positions={n_positions}: a learned table has {T} rows; leave it out")
     # float32 values: GPT-2's (n_positions, n_embd) table, built a few times over (init, ours, the copy saved); MPT's
     # (1, nh, 1, n_positions) bias, built again at every forward

@@ -13,6 +13,7 @@ path and why.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -69,15 +70,34 @@ def kernel(
     trainable: bool,
     own_keys: bool,
     device: str,
-    compiling: bool,
     dropout: bool,
-    fits: bool,
     table: bool = False,
+    cached: bool = False,
+    queries: int = 0,
+    head_dim: int | None = None,
+    fits: bool | None = None,
+    compiling: bool | None = None,
 ) -> str | None:
-    """The fast kernel for a forward with a score bias, or None for model.py's reference: the first row of
-    fast_attention's table that matches. table: the bias comes as its table over distances (a bias of i - j alone)."""
+    """The attention of a forward with a score bias: the first row of the table that matches, a kernel of this file's,
+    or None for model.py's reference (SDPA under the bias matrix, -inf where a query does not see a key).
+
+    | fused     | the bias                              | device, compile         | dropout | kernel         |
+    |-----------|---------------------------------------|-------------------------|---------|----------------|
+    | yes, fits | trained: a table of i - j, own keys   | ·                       | no      | flex_table     |
+    | yes, fits | not trained                           | ·                       | no      | flex           |
+    | yes       | trained, no table, own keys           | ·                       | no      | bias_blocks    |
+    | not False | a cached chunk of one block at most   | CPU                     | no      | the reference  |
+    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
+    | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
+
+    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes head_dim on the device (None:
+    flex_fits, asked only where fused). trainable: autograd records the bias's parameters; own_keys: the keys are the
+    queries' own, in order (no cache); table: the bias comes as its table over distances (a bias of i - j alone);
+    cached: the keys are a KV cache's, for `queries` queries (a decode step: one block, the reference's one matrix,
+    computed once for the layers that share it). compiling: None reads torch.compiler.is_compiling()."""
+    compiling = torch.compiler.is_compiling() if compiling is None else compiling
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
-    flex = fused and not dropout and fits
+    flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
     if flex and trainable and table and own_keys:
         return "flex_table"
     if flex and not trainable:
@@ -85,12 +105,13 @@ def kernel(
     if fused and not dropout and trainable and own_keys and not table:  # FIRE on a GPU: never FlexAttention's atomics
         return "bias_blocks"
     cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
-    if cpu:
-        return "bias_table" if table else "bias_blocks"
-    return None
+    if not cpu or (cached and queries <= TABLE_BLOCK):
+        return None
+    return "bias_table" if table else "bias_blocks"
 
 
 def fast_attention(
+    name: str,
     options: AttentionOptions,
     bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
@@ -98,70 +119,42 @@ def fast_attention(
     keys: torch.Tensor,
     window: int | None,
     own_keys: bool,
-    trainable: bool,
-    head_dim: int,
-    dropout_p: float,
     table: torch.Tensor | None = None,
     rows: Callable[[int, int, int, int], torch.Tensor] | None = None,
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """A fast attention (q, k, v) -> y for one layer's score bias over this forward's queries, or None where model.py's
-    reference is the one to take: the kernel of the first row that matches (`kernel` decides).
-
-    | fused     | the bias                              | device, compile         | dropout | kernel         |
-    |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | trained: a table of i - j, own keys   | ·                       | no      | flex_table     |
-    | yes, fits | not trained                           | ·                       | no      | flex           |
-    | yes       | trained, no table, own keys           | ·                       | no      | bias_blocks    |
-    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
-    | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
-
-    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes the head dim on the device.
-    bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,) hold them);
-    query i sees key j where 0 <= i - j < window (None: no window); own_keys: the keys are the queries' own, in order
-    (no cache); trainable: autograd records the bias's parameters. model.py hands a bias of i - j alone as its table
-    too (on a CPU, and where it trains; no cache), its values at distances 0 … D - 1 (nh, D), the last for every
-    longer distance, and any bias by its rows: rows(i0, i1, j0, j1), the bias of queries i0 … i1 - 1 over
-    keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key).
-    starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a query
-    sees only keys of its own document, the bias read at stream positions (pos, keys: the same i - j inside one)."""
-    device = pos.device.type
-    name = kernel(
-        options,
-        trainable=trainable,
-        own_keys=own_keys,
-        device=device,
-        compiling=torch.compiler.is_compiling(),
-        dropout=dropout_p > 0,
-        fits=flex_fits(head_dim, device),
-        table=table is not None,
-    )
-    if name is None:
-        return None
+    attend: Callable | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The attention (q, k, v) -> y of kernel `name` (kernel's answer) for one layer's score bias over this forward's
+    queries. bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,)
+    hold them); query i sees key j where 0 <= i - j < window (None: no window). table: a bias of i - j alone at
+    distances 0 … D - 1 (nh, D), the last for every longer distance; rows(i0, i1, j0, j1): the bias of queries
+    i0 … i1 - 1 over keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a
+    key). starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a
+    query sees only keys of its own document, the bias read at stream positions (the same i - j inside one).
+    attend(q, k, v, bias): model.py's SDPA under a bias, which bias_blocks runs on each block."""
+    query_starts, key_starts = (None, None) if starts is None else starts
     if name == "bias_table":
         # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
-        query_starts, key_starts = (None, None) if starts is None else starts
         other_keys, key_starts = (None, None) if own_keys else (keys, key_starts)
         return lambda q, k, v: TableBiasAttention.apply(
             q, k, v, table, pos, other_keys, window, query_starts, key_starts
         )
     if name == "bias_blocks":
-        query_starts = None if starts is None else starts[0]
-        return bias_blocks(rows, lambda i0, i1: key_span(i0, i1, len(keys), own_keys, pos, query_starts, window))
+        span = lambda i0, i1: key_span(i0, i1, len(keys), own_keys, pos, query_starts, window)  # noqa: E731
+        return bias_blocks(rows, span, attend)
     if starts is None:
         visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
     else:
-        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window) & (starts[0][b, i] == starts[1][b, j])  # noqa: E731
-    batch = None if starts is None else starts[0].size(0)
+        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window) & (query_starts[b, i] == key_starts[b, j])  # noqa: E731
+    batch = None if starts is None else query_starts.size(0)
     block_mask = create_block_mask(visible, batch, None, len(pos), len(keys), device=pos.device)
-    if name == "flex_table":
-        query_starts = None if starts is None else starts[0]  # own keys: the keys' are the queries'
+    if name == "flex_table":  # own keys: the keys' starts are the queries'
         return flex_table(table, pos, keys, window, block_mask, options.flex_kernel_options, query_starts)
     if name == "flex":
         if starts is None:
             score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
         else:  # at positions in each document: a bias that reads the query's own (FIRE's) reads its document's
-            own = lambda b, i, j: (pos[i] - starts[0][b, i], keys[j] - starts[1][b, j])  # noqa: E731
+            own = lambda b, i, j: (pos[i] - query_starts[b, i], keys[j] - key_starts[b, j])  # noqa: E731
             score_mod = lambda s, b, h, i, j: s + bias(h, *own(b, i, j)).to(s.dtype)  # noqa: E731
         return lambda q, k, v: flex_attention(
             q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options.flex_kernel_options
@@ -389,21 +382,19 @@ def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, c
     return starts[:, rows, None] == key_starts[:, None, cols]
 
 
-def bias_blocks(rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple]) -> Callable:
+def bias_blocks(
+    rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple], attend
+) -> Callable:
     """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias without a table,
     FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1)
-    (fast_attention's), then SDPA: no (nh, Tq, Tk) tensor. With a gradient each block runs under activation
-    checkpointing, so that its bias and probabilities are computed again in the backward, one block at a time, and
-    autograd takes the bias's gradient into its parameters from there (FIRE's MLP, any formula)."""
+    (fast_attention's), then attend(q, k, v, bias) (model.py's SDPA under a bias): no (nh, Tq, Tk) tensor. With a
+    gradient each block runs under activation checkpointing, so that its bias and probabilities are computed again in
+    the backward, one block at a time, and autograd takes the bias's gradient into its parameters from there (FIRE's
+    MLP, any formula)."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)
-        bias = rows(i0, i1, j0, j1)  # (nh, bq, nk) or (B, nh, bq, nk)
-        work = torch.promote_types(q.dtype, torch.float32)  # bf16 q: in float32, the bias not rounded
-        bias = (bias if bias.dim() == 4 else bias[None]).to(work)
-        qb, kb, vb = (t.to(work) for t in (q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]))
-        with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
-            return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias).to(q.dtype)
+        return attend(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=rows(i0, i1, j0, j1))
 
     def attention(q, k, v):
         grad = torch.is_grad_enabled()
@@ -412,6 +403,171 @@ def bias_blocks(rows: Callable[[int, int, int, int], torch.Tensor], span: Callab
         return torch.cat([run(q, k, v, i0, min(i0 + TABLE_BLOCK, Tq)) for i0 in range(0, Tq, TABLE_BLOCK)], dim=2)
 
     return attention
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A bias that is a small MLP of each pair's input (FIRE's), computed fast: the MLP once per distance where its input
+# is a function of i - j alone, its units at once for few inputs or one at a time for many, a gradient that keeps
+# the input alone
+
+
+@dataclass(frozen=True)
+class MLPBias:
+    """One layer's bias f(x) as its encoding declares it (model.FIRE.layer_bias): x = input(c, threshold, i, j) of
+    the query and key positions, f(x) = mlp(x, w1, b1, w2, together) summed over its units (the last dim of w1, b1,
+    w2 (nh, units)), and for a query below the threshold (i < threshold) x a function of i - j alone."""
+
+    input: Callable
+    mlp: Callable
+    c: torch.Tensor  # () the input's scale
+    threshold: torch.Tensor  # ()
+    w1: torch.Tensor  # (units,)
+    b1: torch.Tensor  # (units,)
+    w2: torch.Tensor  # (nh, units)
+
+    def operands(self) -> tuple:
+        """What the MLP's evaluations take as tensors (so that checkpointing and torch.cond see them)."""
+        return self.c, self.threshold, self.w1, self.b1, self.w2[:, None, None]  # w2 (nh, 1, 1, units)
+
+
+MLP_FEW = 1 << 14  # MLP inputs up to which its units are kept at once (16,384 x 32 floats: 2 MiB)
+
+
+def recomputed(fn: Callable, recompute: bool) -> Callable:
+    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
+    backward instead of kept."""
+    if not recompute:
+        return fn
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
+
+
+class UnitByUnit(torch.autograd.Function):
+    """mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes its units one at a time in the backward
+    (autograd would keep one bias-sized pre-activation per unit)."""
+
+    @staticmethod
+    def forward(ctx, mlp, x, w1, b1, w2):
+        ctx.save_for_backward(x, w1, b1, w2)
+        return mlp(x, w1, b1, w2)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, b1, w2 = ctx.saved_tensors
+        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for u in range(w1.size(-1)):
+            a = x * w1[..., u] + b1[..., u]
+            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
+            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
+            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
+            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
+            gx = gx + ga * w1[..., u]
+        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
+
+
+def run_mlp(mlp: Callable, x: torch.Tensor, w1, b1, w2, few: bool = False) -> torch.Tensor:
+    """mlp(x, w1, b1, w2) the fastest exact way: its units together for few inputs (a block's distances, a decode
+    step's row) or compiled with a gradient; eager with a gradient, UnitByUnit, which keeps x alone."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
+    if few or (grad and torch.compiler.is_compiling()):
+        return mlp(x, w1, b1, w2, together=True)
+    return UnitByUnit.apply(mlp, x, w1, b1, w2) if grad else mlp(x, w1, b1, w2)
+
+
+def mlp_distances(f: MLPBias, T: int, c, threshold, w1, b1, w2) -> torch.Tensor:
+    """The bias (nh, T) of the distances 0 … T - 1 for queries below the threshold (x of i - j alone), the MLP run
+    once per distance; w2 (nh, 1, units)."""
+    x = f.input(c, threshold, torch.arange(T, device=c.device), 0)
+    return run_mlp(f.mlp, x, w1, b1, w2, few=T <= MLP_FEW)
+
+
+def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
+    """The bias as a table over the distances 0 … T - 1 (nh, T) where every query is below the threshold and the keys
+    are the queries' own at consecutive positions pos (T,), queries (T,) or (B, T) their positions (in documents);
+    else None. Eager on a CPU only: whether every query is below it reads the data (a host sync per layer on a GPU)."""
+    if torch.compiler.is_compiling() or pos.device.type != "cpu":
+        return None
+    if bool(queries.max() >= f.threshold):  # at i = L max(L, i) splits its gradient: by pairs
+        return None
+    return mlp_distances(f, len(pos), f.c, f.threshold, f.w1, f.b1, f.w2[:, None])
+
+
+def mlp_by_document_position(f: MLPBias, pos, own, c, threshold, w1, b1, w2) -> torch.Tensor:
+    """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own, at consecutive
+    positions pos (T,), own (B, T) each query's position in its document: a function of that position p and the
+    distance d alone, so the MLP runs once per (p, d) for the positions past the threshold (every position, compiled:
+    their number is data) and once per d for those below, then each row gathers its own."""
+    T, device = len(pos), pos.device
+    within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))  # p < L
+    table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T): p < L reads d alone
+    p, d = torch.arange(within, T, device=device)[:, None], torch.arange(T, device=device)
+    past = run_mlp(f.mlp, f.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
+    by_position = torch.cat([table[:, None].expand(-1, within, -1), past], dim=1)  # (nh, p, d)
+    rel = (pos[:, None] - pos).clamp(min=0)  # (T, T): i - j, the same in a document
+    return by_position[:, own[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
+
+
+def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool = False) -> torch.Tensor:
+    """The bias at every pair of queries at pos (Tq,) and keys at keys (Tk,), (nh, Tq, Tk), its x and units computed
+    once for the layer; own: under packing="documents" each query's and key's position in its document ((B, Tq),
+    (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries' own at consecutive positions, a query below the
+    threshold has x of i - j alone: its row is a gather from the MLP run on the T distances; only queries past it (a
+    suffix) take the MLP per pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
+    operands = f.operands()
+    if own is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
+        # pair by pair at each row's positions where the keys are not the queries' own, or a document began
+        # before the chunk (read on the host, eager, only then)
+        if not own_keys or (not torch.compiler.is_compiling() and bool(own[0][:, 0].max() > 0)):
+            i, j = own  # (B, Tq), (B, Tk)
+            few = i.numel() * j.size(1) <= MLP_FEW
+
+            def by_rows(c, threshold, w1, b1, w2):  # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
+                return run_mlp(
+                    f.mlp, f.input(c, threshold, i[:, None, :, None], j[:, None, None, :]), w1, b1, w2, few=few
+                )
+
+            return recomputed(by_rows, recompute and not few)(*operands)
+        return mlp_by_document_position(f, pos, own[0], *operands)
+
+    def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
+        few = len(queries) * len(keys) <= MLP_FEW  # little to keep for the backward: nothing to recompute
+
+        def at(c, threshold, w1, b1, w2):
+            return run_mlp(f.mlp, f.input(c, threshold, queries[:, None], keys), w1, b1, w2, few=few)
+
+        return recomputed(at, recompute and not few)
+
+    if not own_keys or len(pos) < 2:
+        return pairs(pos)(*operands)
+    return mlp_suffix(f, pos, pairs, operands)
+
+
+def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) -> torch.Tensor:
+    """mlp_matrix where the keys are the queries' own at consecutive positions pos (T,): the queries below the
+    threshold (a prefix) gather from the distances, those past it take pairs(queries) (the MLP per pair)."""
+    T = len(pos)
+    rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
+
+    def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
+        table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
+        return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
+
+    past = pos >= operands[1]  # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
+    if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
+        R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
+
+        def few_past(*operands):
+            table = by_distance(*operands)  # (nh, T, T)
+            tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
+            return torch.cat([table[:, : T - R], tail], dim=1)
+
+        def some_past(*operands):
+            return torch.cond(past.sum() <= R, few_past, pairs(pos), operands)
+
+        return torch.cond(past.any(), some_past, by_distance, operands)
+    n = int(past.sum())
+    if n == 0 or n == T:
+        return (by_distance if n == 0 else pairs(pos))(*operands)
+    return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
 
 
 KERNELS = (

@@ -17,9 +17,9 @@ import torch
 from torch.nn import functional as F
 
 try:  # in an export's folder, transformers loads this file as a module of a package, beside model.py
-    from .model import GPT, Chunk, PositionalEncoding
+    from .model import GPT, Chunk, PositionalEncoding, document_starts
 except ImportError:
-    from model import GPT, Chunk, PositionalEncoding
+    from model import GPT, Chunk, PositionalEncoding, document_starts
 
 # ----------------------------------------------------------------------------------------------------------------
 # The KV cache: generation's state, which it builds and holds; the model writes a chunk's keys and values into it
@@ -86,7 +86,6 @@ class KVCache:
 # The loop, and sampling
 
 
-
 @torch.no_grad()
 def generate(
     model: GPT,
@@ -130,13 +129,14 @@ def next_logits(
     attending to at most W tokens; and the cache to pass next time. decode: the decode step (compiled or not)."""
     pe = model.encoding
     T = idx.size(1)
-    if not use_cache or not pe.cache_exact(min(T, W)):  # the whole window again
+    if not use_cache or min(T, W) > pe.cache_span:  # the whole window again
         absolute = pe.rolling and not pe.relative and T > W  # FIRE reads the window at its own positions
         pos, doc_start = None, None
         if absolute:  # and in documents, from where the window's first document began, as the rolling cache counts
             pos = torch.arange(T - W, T, device=idx.device)
             if model.config.packing == "documents":
-                doc_start = model.document_starts(idx, torch.arange(T, device=idx.device), None)[:, T - W]  # (B,)
+                everyone = document_starts(idx, torch.arange(T, device=idx.device), model.config.eot_token)  # (B, T)
+                doc_start = everyone[:, T - W]  # (B,)
         return model.lm_head(model.features(idx[:, -W:], pos=pos, doc_start=doc_start)[:, -1]), cache
     window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
     if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
@@ -186,7 +186,7 @@ def context_window(model: GPT, max_context: int | None = None) -> int:
     W = config.block_size if max_context is None else max_context
     if not isinstance(W, int) or W < 1:
         raise ValueError(f"max_context={max_context!r} must be a positive integer")
-    if not model.encoding.reaches(W):
+    if W > model.encoding.max_length:
         raise ValueError(
             f"max_context={W} is longer than pos_encoding={config.pos_encoding!r} can take "
             f"(block_size={config.block_size}); use max_context <= {config.block_size}"

@@ -6,7 +6,7 @@ It reads top to bottom: the positional encodings (each a small class: its formul
 config, a chunk's positions and the KV cache, attention (the reference: SDPA under a mask or the score bias), the
 transformer, and the GPT. Positions travel as one tensor of absolute positions `pos` (T,); everything positional
 derives from it once per forward, as one Chunk. generate.py generates with the model; fast_paths.py holds faster
-paths to the same attention, which GPT.attention asks for in one place.
+paths to the same attention, which attention_for asks for in one place.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py
-    from .fast_paths import AttentionOptions, fast_attention
+try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py (it copies
+    # the files that `from .name import` lines name); read through the module, so that a test's spy on it sees each call
+    from . import fast_paths
+    from .fast_paths import AttentionOptions
 except ImportError:
-    from fast_paths import AttentionOptions, fast_attention
+    import fast_paths
+    from fast_paths import AttentionOptions
 if TYPE_CHECKING:  # generation's cache, which the model writes and never builds
     from generate import KVCache
 
@@ -76,7 +79,8 @@ class PositionalEncoding(nn.Module):
     extrapolates = True  # has an encoding for any position (False: none past the block size)
     has_score_bias = False  # adds a bias to attention scores, so SDPA's causal (flash) path cannot be used
     far_distance = None  # the score bias is a function of i - j alone, one constant from this distance on
-    cache_span = None  # the longest span of positions a KV cache stays exact for (None: any)
+    max_length = math.inf  # the longest sequence it has positions for (a learned table's rows)
+    cache_span = math.inf  # the longest span of positions a KV cache stays exact for
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # a score bias of each layer's own: h in score_bias(h, i, j) counts every layer's heads
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
@@ -105,14 +109,6 @@ class PositionalEncoding(nn.Module):
     def check(cls, config: GPTConfig) -> None:
         """Raise ValueError, naming the fix, where config cannot build this encoding (checks across options)."""
 
-    def reaches(self, length: int) -> bool:
-        """Whether it has positions for sequences of `length` tokens."""
-        return self.extrapolates
-
-    def cache_exact(self, span: int) -> bool:
-        """Whether a KV cache stays exact for queries that see `span` positions."""
-        return self.cache_span is None or span <= self.cache_span
-
     def embed(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None  # (T,) -> (T, C); (B, T) -> (B, T, C) for positions of each row (packing="documents")
 
@@ -123,34 +119,7 @@ class PositionalEncoding(nn.Module):
     def score_bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
 
-    def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-        """One layer's bias (nh, Tq, Tk) at every pair of the chunk, heads first … first + n_head - 1. recompute: in
-        the backward, so autograd keeps the bias and not every intermediate of its formula."""
-        heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + first
-        i, j = chunk.pos[:, None], chunk.keys  # (Tq, 1), (Tk,)
-        if chunk.starts is not None and not self.relative:  # each row's positions in its documents: (B, nh, Tq, Tk)
-            i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
-            heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
-        if recompute:
-            return checkpoint(self.score_bias, heads, i, j, use_reentrant=False)
-        return self.score_bias(heads, i, j)
-
-    def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
-        """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry
-        read for every longer distance, where every query's bias is a function of i - j alone and D is known without
-        reading the positions (the far distance, or the keys the queries' own); else None, and None with a cache (its
-        chunks are a token or a prompt: their bias is read at their pairs)."""
-        if not self.relative or chunk.cached:
-            return None
-        if self.far_distance is not None:  # every distance from it on reads one entry
-            D = self.far_distance + 1
-        elif chunk.consecutive and not chunk.cached:  # the keys are the queries' own: distances up to T - 1
-            D = len(chunk.pos)
-        else:
-            return None
-        D = D if chunk.window is None else min(D, chunk.window)
-        heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + first
-        return self.score_bias(heads, torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
+    layer_bias = None  # or layer -> fast_paths.MLPBias: the score bias as a small MLP of each pair's input (FIRE's)
 
     def no_decay(self) -> list[nn.Parameter]:
         """Parameters AdamW must not decay: a score bias's (a decayed bias is pulled toward "no preference")."""
@@ -214,9 +183,7 @@ class Learned(PositionalEncoding):
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.weight = nn.Parameter(torch.randn(config.block_size, config.n_embd) * 0.02)
-
-    def reaches(self, length):
-        return length <= len(self.weight)
+        self.max_length = config.block_size  # a row per position, none past it
 
     def embed(self, pos):
         return F.embedding(pos, self.weight)
@@ -226,6 +193,7 @@ class Learned(PositionalEncoding):
 
     def crop(self, block_size):
         self.weight = nn.Parameter(self.weight[:block_size].detach().clone())
+        self.max_length = block_size
 
     def extend(self, block_size):
         # position interpolation (Chen et al. 2023): new row p is the old table read at p·L0/block_size, linearly
@@ -236,6 +204,7 @@ class Learned(PositionalEncoding):
         hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
         w = self.weight.detach()
         self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (block_size, C)
+        self.max_length = block_size
 
 
 class BiasRPE(PositionalEncoding):
@@ -391,7 +360,7 @@ class RoPE(PositionalEncoding):
         # NTK's base · s^(d/(d-2)), the exponent as in Hugging Face's dynamic variant (export.py's rope_theta)
         self.theta_base = self.base * self.factor ** (d / (d - 2)) if self.scaling == "ntk" else self.base
         # dynamic NTK changes every key whenever the length passes L0: no cache is exact past it
-        self.cache_span = self.original if self.scaling == "dynamic_ntk" else None
+        self.cache_span = self.original if self.scaling == "dynamic_ntk" else math.inf
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
         dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
         self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
@@ -504,40 +473,6 @@ class ALiBi(PositionalEncoding):
         return -self.slopes[h] * (i - j).float()
 
 
-FIRE_FEW = 1 << 14  # FIRE's MLP inputs up to which its units are kept at once (16,384 x 32 floats: 2 MiB)
-
-
-def recomputed(fn: Callable, recompute: bool) -> Callable:
-    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
-    backward instead of kept."""
-    if not recompute:
-        return fn
-    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
-
-
-class UnitByUnit(torch.autograd.Function):
-    """FIRE's mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes its 32 units one at a time in the
-    backward (autograd would keep 32 bias-sized pre-activations)."""
-
-    @staticmethod
-    def forward(ctx, mlp, x, w1, b1, w2):
-        ctx.save_for_backward(x, w1, b1, w2)
-        return mlp(x, w1, b1, w2)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        for u in range(w1.size(-1)):
-            a = x * w1[..., u] + b1[..., u]
-            ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
-            gw2[..., u] = (g * a.clamp(min=0)).sum_to_size(w2[..., u].shape)
-            gb1[..., u] = ga.sum_to_size(b1[..., u].shape)
-            gw1[..., u] = (ga * x).sum_to_size(w1[..., u].shape)
-            gx = gx + ga * w1[..., u]
-        return None, gx.sum_to_size(x.shape), gw1, gb1, gw2
-
-
 class FIRE(PositionalEncoding):
     """FIRE (Li et al. 2023): f(ψ(i - j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c|·x + 1), f a small MLP (1 -> 32, ReLU,
     -> one output per head) of each layer's own; c and the threshold L = |m|·L0 trainable. Dividing by ψ of the query's
@@ -593,106 +528,10 @@ class FIRE(PositionalEncoding):
             out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
         return out
 
-    def run_mlp(self, x: torch.Tensor, w1, b1, w2, few: bool = False) -> torch.Tensor:
-        """mlp(x, w1, b1, w2) the fastest exact way: its units together for few inputs (a block's distances, a decode
-        step's row) or compiled with a gradient; eager with a gradient, UnitByUnit, which keeps x alone."""
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
-        if few or (grad and torch.compiler.is_compiling()):
-            return self.mlp(x, w1, b1, w2, together=True)
-        return UnitByUnit.apply(self.mlp, x, w1, b1, w2) if grad else self.mlp(x, w1, b1, w2)
-
-    def distance_table(self, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
-        # a query within the threshold L has x of i - j alone: a table where every query of the chunk is, its keys its
-        # own (eager only: whether every query is within L reads the data)
-        # on a GPU the test is a host sync per layer: none there (compiled, the only way a GPU trains fused, has none)
-        if chunk.cached or not chunk.consecutive or torch.compiler.is_compiling() or chunk.pos.device.type != "cpu":
-            return None
-        layer = first // n_head
+    def layer_bias(self, layer: int) -> fast_paths.MLPBias:
+        """Layer `layer`'s bias as an MLP of each pair's input, its parameters read once, for the fast paths."""
         c, threshold = self.c[layer].abs(), self.threshold()[layer]
-        if bool(chunk.own_positions()[0].max() >= threshold):  # at i = L max(L, i) splits its gradient: by pairs
-            return None
-        return self.distance_bias(len(chunk.pos), c, threshold, self.w1[layer], self.b1[layer], self.w2[layer][:, None])
-
-    def distance_bias(self, T: int, c, threshold, w1, b1, w2) -> torch.Tensor:
-        """The bias (nh, T) of the distances 0 … T - 1 for queries within the threshold (x of i - j alone), the MLP
-        run once per distance; w2 (nh, 1, 32)."""
-        x = self.input(c, threshold, torch.arange(T, device=c.device), 0)
-        return self.run_mlp(x, w1, b1, w2, few=T <= FIRE_FEW)
-
-    def by_document_position(self, chunk: Chunk, c, threshold, w1, b1, w2) -> torch.Tensor:
-        """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own: a function of
-        the query's position p in its document and the distance d alone, so the MLP runs once per (p, d) for the
-        positions past the threshold (every position, compiled: their number is data) and once per d for those
-        within, then each row gathers its own."""
-        T, device = len(chunk.pos), chunk.pos.device
-        within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))  # p < L
-        table = self.distance_bias(T, c, threshold, w1, b1, w2[:, 0])  # (nh, T): p < L reads d alone
-        p, d = torch.arange(within, T, device=device)[:, None], torch.arange(T, device=device)
-        past = self.run_mlp(self.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
-        by_position = torch.cat([table[:, None].expand(-1, within, -1), past], dim=1)  # (nh, p, d)
-        rel = (chunk.pos[:, None] - chunk.pos).clamp(min=0)  # (T, T): i - j, the same in a document
-        own = chunk.own_positions()[0]  # (B, T)
-        return by_position[:, own[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
-
-    def score_bias_matrix(self, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-        """score_bias at every pair, for one layer's heads, its x and units computed once for the layer. Where
-        the queries are their own keys at consecutive positions, a query within the threshold L has x of i - j
-        alone: its row is a gather from the MLP run on the T distances. Only queries past L (a suffix) take the MLP
-        per pair."""
-        layer, pos = first // n_head, chunk.pos
-        c, threshold = self.c[layer].abs(), self.threshold()[layer]
-        w1, b1, w2 = self.w1[layer], self.b1[layer], self.w2[layer][:, None, None]  # (32,), (32,), (nh, 1, 1, 32)
-        operands = (c, threshold, w1, b1, w2)
-        if chunk.starts is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
-            # pair by pair at each row's positions where the keys are not the queries' own, or a document began
-            # before the chunk (read on the host, eager, only then)
-            own = not chunk.cached and chunk.consecutive
-            if not own or (not torch.compiler.is_compiling() and bool(chunk.pos[0] > chunk.starts.min())):
-                i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
-                few = i.numel() * j.size(1) <= FIRE_FEW
-
-                def by_rows(c, threshold, w1, b1, w2):  # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
-                    return self.run_mlp(
-                        self.input(c, threshold, i[:, None, :, None], j[:, None, None, :]), w1, b1, w2, few=few
-                    )
-
-                return recomputed(by_rows, recompute and not few)(*operands)
-            return self.by_document_position(chunk, *operands)
-
-        def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
-            few = len(queries) * len(chunk.keys) <= FIRE_FEW  # little to keep for the backward: nothing to recompute
-
-            def f(c, threshold, w1, b1, w2):
-                return self.run_mlp(self.input(c, threshold, queries[:, None], chunk.keys), w1, b1, w2, few=few)
-
-            return recomputed(f, recompute and not few)
-
-        if chunk.cached or not chunk.consecutive or len(pos) < 2:
-            return pairs(pos)(*operands)
-        T = len(pos)
-        rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
-
-        def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
-            table = self.distance_bias(T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
-            return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
-
-        past = pos >= threshold  # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
-        if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
-            R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
-
-            def few_past(*operands):
-                table = by_distance(*operands)  # (nh, T, T)
-                tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
-                return torch.cat([table[:, : T - R], tail], dim=1)
-
-            def some_past(*operands):
-                return torch.cond(past.sum() <= R, few_past, pairs(pos), operands)
-
-            return torch.cond(past.any(), some_past, by_distance, operands)
-        n = int(past.sum())
-        if n == 0 or n == T:
-            return (by_distance if n == 0 else pairs(pos))(*operands)
-        return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
+        return fast_paths.MLPBias(self.input, self.mlp, c, threshold, self.w1[layer], self.b1[layer], self.w2[layer])
 
 
 POS_ENCODINGS = {
@@ -830,6 +669,20 @@ class Chunk:
         )
 
 
+def document_starts(idx: torch.Tensor, pos: torch.Tensor, eot_token: int, cache=None, doc_start=None) -> torch.Tensor:
+    """Under packing="documents", the position where each token's document starts (B, T), at its last end-of-text
+    token, else where the row started (the chunk's first token, or the cache's first, or doc_start (B,): where a
+    document begun before idx began). Positions must increase along the row."""
+    if doc_start is not None:
+        before = doc_start
+    elif cache is None or cache.starts is None:  # the row starts here
+        before = pos[:1].expand(idx.size(0))  # (B,)
+    else:  # the document of the cache's last token goes on
+        before = cache.starts[:, (cache.next_pos - 1) % cache.size]
+    marks = torch.where(idx == eot_token, pos, before[:, None])  # (B, T)
+    return marks.cummax(dim=1).values
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Attention: the reference is SDPA, causal over the chunk's own keys, or under a mask that compares query and key
 # positions, with the score bias in it where the encoding has one. fast_attention may offer a faster path.
@@ -839,18 +692,106 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, dropout_p: float = 0.0
 ) -> torch.Tensor:
     """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where no bias is given, else with bias (nh, Tq,
-    Tk) float32 added to the scores (-inf where a query does not see a key), or (B, nh, Tq, Tk), a row's own."""
+    Tk) added to the scores (-inf where a query does not see a key), or (B, nh, Tq, Tk), a row's own. Under a bias,
+    bf16 or fp16 q attend in float32: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
+    while FlexAttention adds it in float32, so evaluation sees training's bias (the one place this rule is written:
+    fast_paths' blocks attend through here)."""
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     bias = bias if bias.dim() == 4 else bias[None]  # 4-D: CPUs take their flash kernel
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        # a float32 bias with float64 q: as float64 (the CPU flash kernel reads its mask as q's dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p)
-    # a float32 bias with bf16/fp16 q: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
-    # while FlexAttention adds it in float32. Attend in float32, so evaluation sees training's bias.
-    with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias, dropout_p=dropout_p)
+    work = torch.promote_types(q.dtype, torch.float32)  # float64 q: the bias as float64 (the CPU flash kernel's mask)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
+        y = F.scaled_dot_product_attention(
+            q.to(work), k.to(work), v.to(work), attn_mask=bias.to(work), dropout_p=dropout_p
+        )
     return y.to(q.dtype)
+
+
+def pair_bias(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
+    """One layer's bias (nh, Tq, Tk) at every pair of the chunk, heads first … first + n_head - 1: the encoding's
+    score_bias, or where it declares its bias an MLP of each pair's input (FIRE's layer_bias) the fast paths'
+    evaluation of it; by rows (B, nh, Tq, Tk) where it reads positions in documents. recompute: in the backward, so
+    autograd keeps the bias and not every intermediate of its formula."""
+    if pe.layer_bias is not None:
+        own = chunk.own_positions() if chunk.starts is not None else None
+        own_keys = chunk.consecutive and not chunk.cached
+        return fast_paths.mlp_matrix(pe.layer_bias(first // n_head), chunk.pos, chunk.keys, own_keys, own, recompute)
+    heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + first
+    i, j = chunk.pos[:, None], chunk.keys  # (Tq, 1), (Tk,)
+    if chunk.starts is not None and not pe.relative:  # each row's positions in its documents: (B, nh, Tq, Tk)
+        i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
+        heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
+    if recompute:
+        return checkpoint(pe.score_bias, heads, i, j, use_reentrant=False)
+    return pe.score_bias(heads, i, j)
+
+
+def distance_table(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
+    """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry read
+    for every longer distance, where every query's bias is a function of i - j alone and D is known without reading the
+    positions (the far distance, or the keys the queries' own; FIRE's while every query is below its threshold); else
+    None. Not for a cache's chunks (a token or a prompt: their bias is read at their pairs)."""
+    if pe.layer_bias is not None:
+        return (
+            fast_paths.mlp_table(pe.layer_bias(first // n_head), chunk.pos, chunk.own_positions()[0])
+            if chunk.consecutive
+            else None
+        )
+    if not pe.relative:
+        return None
+    if pe.far_distance is not None:  # every distance from it on reads one entry
+        D = pe.far_distance + 1
+    elif chunk.consecutive:  # the keys are the queries' own: distances up to T - 1
+        D = len(chunk.pos)
+    else:
+        return None
+    D = D if chunk.window is None else min(D, chunk.window)
+    heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + first
+    return pe.score_bias(heads, torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
+
+
+def attention_for(
+    chunk: Chunk, pe: PositionalEncoding, config: GPTConfig, options: AttentionOptions, dropout_p: float, layer: int = 0
+) -> Callable:
+    """Attention (q, k, v) -> y for this forward: SDPA, causal where the keys are the queries' own and there is no
+    score bias, else under the mask of what each query sees, or under the score bias (layer picks a per-layer
+    bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
+    documents = chunk.starts is not None
+    if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
+        return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
+
+    def seen(c: Chunk = chunk) -> torch.Tensor:  # whether query i sees key j: causal, in the window and document
+        visible = fast_paths.sees(c.pos[:, None] - c.keys, c.window)  # (Tq, Tk)
+        if not documents:
+            return visible[None]  # (1, Tq, Tk)
+        return (visible & (c.starts[:, :, None] == c.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
+
+    if not pe.has_score_bias:  # SDPA under the mask of what each query sees
+        mask = seen()
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    first = layer * config.n_head if pe.per_layer else 0  # the layer's first head in score_bias
+    trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
+    own_keys = chunk.consecutive and not chunk.cached
+
+    def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:
+        # (nh, Tq, Tk) float32 over the chunk's queries and keys (or a block of them); by rows (B, nh, ...)
+        return pair_bias(pe, first, config.n_head, c, recompute).masked_fill(~seen(c), float("-inf"))
+
+    # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
+    device = chunk.pos.device.type
+    cpu_or_trained = device == "cpu" or trainable
+    table = distance_table(pe, first, config.n_head, chunk) if cpu_or_trained and not chunk.cached else None
+    facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
+    head_dim = config.n_embd // config.n_head
+    name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)
+    if name is None:  # the reference
+        matrix = bias_matrix()
+        return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
+    rows = lambda i0, i1, j0, j1: bias_matrix(chunk.rows(i0, i1, j0, j1), recompute=False)  # noqa: E731
+    starts = (chunk.starts, chunk.key_starts) if documents else None
+    bias = lambda h, i, j: pe.score_bias(h + first, i, j)  # noqa: E731
+    positions = dict(pos=chunk.pos, keys=chunk.keys, window=chunk.window, own_keys=own_keys, starts=starts)
+    return fast_paths.fast_attention(name, options, bias, **positions, table=table, rows=rows, attend=attend)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -867,7 +808,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, x, rope, attention, cache=None, slots=None):
-        """attention: (q, k, v) -> y, GPT.attention's for this forward; with a cache, k and v go to the chunk's slots
+        """attention: (q, k, v) -> y, attention_for's for this forward; with a cache, k and v go to the chunk's slots
         (T,) and attention reads every slot's."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
@@ -1049,14 +990,14 @@ class GPT(nn.Module):
         if pos is None:
             pos = torch.arange(start, start + T, device=device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
-        if not self.encoding.reaches(last + 1):
+        if last + 1 > self.encoding.max_length:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no position past block_size={self.config.block_size} "
                 f"(asked for position {last}); feed at most {self.config.block_size} tokens, or use an encoding that "
                 f"extrapolates ({', '.join(n for n, c in POS_ENCODINGS.items() if c.extrapolates)})"
             )
         span = last + 1 if window is None else min(last + 1, window)
-        if cache is not None and not self.encoding.cache_exact(span):
+        if cache is not None and span > self.encoding.cache_span:
             raise ValueError(
                 f"this encoding changes every key as the length grows past {self.encoding.cache_span} (here {span}; "
                 "RoPE's dynamic_ntk scaling does), so no KV cache can be exact there; run without a cache (generate() "
@@ -1064,24 +1005,11 @@ class GPT(nn.Module):
             )
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
         documents = self.config.packing == "documents"
-        starts = self.document_starts(idx, pos, cache, doc_start) if documents else None
+        starts = document_starts(idx, pos, self.config.eot_token, cache, doc_start) if documents else None
         if cache is None:
             return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
         return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts, cached=True)
-
-    def document_starts(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, doc_start=None):
-        """Under packing="documents", the position where each token's document starts (B, T), at its last end-of-text
-        token, else where the row started (the chunk's first token, or the cache's first, or doc_start (B,): where a
-        document begun before idx began). Positions must increase along the row."""
-        if doc_start is not None:
-            before = doc_start
-        elif cache is None or cache.starts is None:  # the row starts here
-            before = pos[:1].expand(idx.size(0))  # (B,)
-        else:  # the document of the cache's last token goes on
-            before = cache.starts[:, (cache.next_pos - 1) % cache.size]
-        marks = torch.where(idx == self.config.eot_token, pos, before[:, None])  # (B, T)
-        return marks.cummax(dim=1).values
 
     def hidden(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache | None, wrap_attention=None) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""
@@ -1093,63 +1021,14 @@ class GPT(nn.Module):
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
-        attentions = [self.attention(chunk, layer) for layer in layers]
+        dropout_p = self.config.dropout if self.training else 0.0
+        attentions = [attention_for(chunk, pe, self.config, self.attention_options, dropout_p, n) for n in layers]
         if wrap_attention is not None:
             attentions = [wrap_attention(a) for a in attentions]
         rope = pe.rotary(pos, chunk.window)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache, chunk.slots)
         return self.transformer.ln_f(x)
-
-    def attention(self, chunk: Chunk, layer: int = 0) -> Callable:
-        """Attention (q, k, v) -> y for this forward: SDPA, causal where the keys are the queries' own and there is no
-        score bias, else under the mask of what each query sees, or under the score bias (layer picks a per-layer
-        bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
-        pe, cfg = self.encoding, self.config
-        dropout_p = cfg.dropout if self.training else 0.0
-        documents = chunk.starts is not None
-        if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
-            return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
-
-        def sees(c: Chunk = chunk) -> torch.Tensor:  # whether query i sees key j, causal, in the window and document
-            rel = c.pos[:, None] - c.keys  # i - j
-            seen = rel >= 0 if c.window is None else (rel >= 0) & (rel < c.window)  # (Tq, Tk)
-            if not documents:
-                return seen[None]  # (1, Tq, Tk)
-            return (seen & (c.starts[:, :, None] == c.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
-
-        if not pe.has_score_bias:  # SDPA under the mask of what each query sees
-            mask = sees()
-            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        first = layer * cfg.n_head if pe.per_layer else 0  # the layer's first head in score_bias
-        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
-        own_keys = chunk.consecutive and not chunk.cached
-
-        def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:
-            # (nh, Tq, Tk) float32 over the chunk's queries and keys (or a block of them); by rows (B, nh, ...)
-            return pe.score_bias_matrix(first, cfg.n_head, c, recompute=recompute).masked_fill(~sees(c), float("-inf"))
-
-        # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
-        cpu = chunk.pos.device.type == "cpu"
-        table = pe.distance_table(first, cfg.n_head, chunk) if (cpu or trainable) and not chunk.cached else None
-        fast = fast_attention(
-            self.attention_options,
-            lambda h, i, j: pe.score_bias(h + first, i, j),
-            pos=chunk.pos,
-            keys=chunk.keys,
-            window=chunk.window,
-            own_keys=own_keys,
-            trainable=trainable,
-            head_dim=cfg.n_embd // cfg.n_head,
-            dropout_p=dropout_p,
-            table=table,
-            rows=lambda i0, i1, j0, j1: bias_matrix(chunk.rows(i0, i1, j0, j1), recompute=False),
-            starts=(chunk.starts, chunk.key_starts) if documents else None,
-        )
-        if fast is not None:
-            return fast
-        matrix = bias_matrix()
-        return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
 
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
         """Switch RoPE's scaling at inference, no weight changes (yarn, factor 4: read 4x the training length).

@@ -82,7 +82,7 @@ def check_length(model: GPT, length: int) -> None:
         raise ValueError(
             f"--length {length} must exceed the training length {model.config.block_size}: no key is past it before"
         )
-    if not model.encoding.reaches(length):
+    if length > model.encoding.max_length:
         raise ValueError(f"{model.config.pos_encoding} has no positions past its block size")
 
 

@@ -424,7 +424,7 @@ def evaluate_checkpoint(
         B = max(1, min(50, EVAL_MEMORY // forward_bytes(model, L, logits=False)))  # long sequences, a few at a time
         out[L] = (
             scores(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
-            if model.encoding.reaches(L)
+            if L <= model.encoding.max_length
             else None
         )
     return out

@@ -257,7 +257,7 @@ def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batc
                     evaluate_task(model, tok, "passkey", L, n_trials, seed, batch_size, device, depth=d)["accuracy"]
                     for d in depths
                 ]
-                if model.encoding.reaches(L)
+                if L <= model.encoding.max_length
                 else None
             )
             out["passkey_grid"][L] = grid
@@ -265,7 +265,7 @@ def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batc
         for task in (t for t in tasks if t != "passkey"):
             r = (
                 evaluate_task(model, tok, task, L, n_trials, seed, batch_size, device)
-                if model.encoding.reaches(L)
+                if L <= model.encoding.max_length
                 else None
             )
             out.setdefault(task, {})[L] = r and r["accuracy"]
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "tokenizer" not in run.ckpt:
             sys.exit(f"error: {run.path} stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
         tok = tokenizer_from_meta(run.ckpt["tokenizer"])
-        L = max((L for L in lengths if run.model.encoding.reaches(L)), default=0)  # the longest evaluated
+        L = max((L for L in lengths if L <= run.model.encoding.max_length), default=0)  # the longest evaluated
         need = forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L
         if memory and need > memory:
             sys.exit(

@@ -77,7 +77,7 @@ def test_learned_table_is_interpolated_as_positions_are():
     model.extend_block_size(32)
     new = model.encoding.weight.detach()
     assert new.shape == (32, 8) and model.config.block_size == 32
-    assert model.encoding.reaches(32) and not model.encoding.reaches(33)
+    assert model.encoding.max_length == 32
     assert torch.equal(new[::4], old)
     close(new[4 * 2 + 1], old[2] + (old[3] - old[2]) / 4, tol=1e-6)
     close(new[4 * 5 + 3], old[5] + 3 * (old[6] - old[5]) / 4, tol=1e-6)

@@ -27,6 +27,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
+import model as model_py
 from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
 from generate import KVCache, sample_next
 from model import (
@@ -319,7 +320,7 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
 def test_attention_path_follows_its_table(fused, facts, path):
     """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row down (at last
     model.py's reference) where a row's condition fails."""
-    assert path in ("sdpa_causal", "sdpa_mask") or path in fast_paths.fast_attention.__doc__
+    assert path in ("sdpa_causal", "sdpa_mask") or path in fast_paths.kernel.__doc__
     options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})  # kernel options pick no path
     assert attention_path(options, **{**FACTS, **facts}) == path
 
@@ -341,19 +342,19 @@ def test_every_kernel_of_the_table_has_its_builder():
 def taken_paths(monkeypatch) -> list[str]:
     """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for the reference."""
     got, answers = [], []
-    table, attention = fast_paths.kernel, GPT.attention
+    table, attention = fast_paths.kernel, model_py.attention_for
     monkeypatch.setattr(fast_paths, "kernel", lambda *a, **k: answers.append(table(*a, **k)) or answers[-1])
 
-    def recording(self, chunk, layer=0):
+    def recording(chunk, pe, *args):
         answers.clear()
-        built = attention(self, chunk, layer)
-        if self.encoding.has_score_bias:
+        built = attention(chunk, pe, *args)
+        if pe.has_score_bias:
             got.append(answers[-1] or "sdpa_mask")
         else:
             got.append("sdpa_causal" if chunk.window is None and not chunk.cached else "sdpa_mask")
         return built
 
-    monkeypatch.setattr(GPT, "attention", recording)
+    monkeypatch.setattr(model_py, "attention_for", recording)
     return got
 
 
@@ -447,7 +448,8 @@ def test_attention_matches_handwritten_reference(pe):
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
     chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=True)
-    got = cfg_attn(x, model.encoding.rotary(pos), model.attention(chunk), None)
+    attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
+    got = cfg_attn(x, model.encoding.rotary(pos), attention, None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
@@ -1325,7 +1327,7 @@ def test_training_keeps_about_one_bias_per_layer(pe):
 def test_scalar_mlp_gradients_equal_autograd():
     """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's gradients for x and every
     weight, with the weights broadcast per head against x (heads, queries, keys), in float64."""
-    from model import UnitByUnit
+    from fast_paths import UnitByUnit
 
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
@@ -1340,7 +1342,7 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
     """FIRE's bias at every pair with a gradient (positions that skip, too many pairs to keep the hidden units) keeps
     a few bias-sized tensors for the backward, not one per hidden unit (32): what a checkpointed bias's recomputation
     in the backward holds."""
-    T = 160  # 25,600 pairs: past fast_paths.FIRE_FEW
+    T = 160  # 25,600 pairs: past fast_paths.MLP_FEW
     pe = tiny("fire", block_size=2 * T, n_layer=2).train().encoding
     saved = []
 
@@ -1351,7 +1353,7 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
     pos = 2 * torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=False)
-        bias = pe.score_bias_matrix(4, 4, chunk)
+        bias = model_py.pair_bias(pe, 4, 4, chunk)
     bias.sum().backward()
     assert sum(saved) <= 6 * 4 * T * T, sum(saved) / (4 * T * T)
     assert all(p.grad is not None for p in pe.parameters())
@@ -1376,8 +1378,8 @@ def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
 
     pos = torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bias = pe.score_bias_matrix(
-            4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True
+        bias = model_py.pair_bias(
+            pe, 4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True
         )
     bias.sum().backward()
     assert bias.shape == (4, T, T)
@@ -1533,9 +1535,9 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
         model.attention_options = replace(model.attention_options, fused=False)
     ref = copy.deepcopy(model)
     ref.attention_options = replace(ref.attention_options, fused=False)
-    ref.encoding.score_bias_matrix = lambda first, nh, chunk, recompute=False: fire_reference(  # every pair
-        ref.encoding, first // nh, chunk.pos[:, None], chunk.keys
-    )
+    nh = ref.config.n_head
+    ref.encoding.layer_bias = None  # every pair, by the paper's formula
+    ref.encoding.score_bias = lambda h, i, j: fire_reference(ref.encoding, int(h.flatten()[0]) // nh, i, j)
     idx = tokens(2, 24)
 
     def run(m):
@@ -1550,9 +1552,9 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
         (logits**2).mean().backward()
         return logits, {n: p.grad for n, p in m.named_parameters()}
 
-    shapes, run_mlp = [], POS_ENCODINGS["fire"].run_mlp
+    shapes, run_mlp = [], fast_paths.run_mlp
     monkeypatch.setattr(
-        POS_ENCODINGS["fire"],
+        fast_paths,
         "run_mlp",
         lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or run_mlp(f, x, *w, **few),
     )
