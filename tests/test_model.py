@@ -399,9 +399,18 @@ def test_causal_fast_path_equals_materialized_mask(pe):
     close(model(idx)[0], model(idx, window=16)[0])
 
 
+# the encodings reference_attention writes out (sinusoidal, learned and none add nothing to attention itself)
+HANDWRITTEN = ("sinusoidal", "learned", "none", "rope", "alibi", "bias_rpe", "t5", "kerple", "fire")
+
+
 def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as complex numbers."""
     attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
+    if cfg.pos_encoding not in HANDWRITTEN:
+        pytest.fail(
+            f"reference_attention has no formula for pos_encoding={cfg.pos_encoding!r}: write its term of the scores "
+            "(or its rotation) here from its paper, and add it to HANDWRITTEN"
+        )
     B, T, C = x.shape
     hs = C // cfg.n_head
     q, k, v = (t.view(B, T, cfg.n_head, hs).transpose(1, 2).double() for t in attn.c_attn(x).split(C, dim=2))
@@ -438,6 +447,16 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
+
+
+def test_the_handwritten_reference_names_its_encodings():
+    """The hand-written reference's list is the registry's: a new encoding meets a line naming what to add, not a
+    mismatch of numbers; and an encoding it does not know fails with that line."""
+    assert set(HANDWRITTEN) == set(ENCODINGS), f"reference_attention lacks {sorted(set(ENCODINGS) - set(HANDWRITTEN))}"
+    model = tiny("alibi")
+    model.config.pos_encoding = "sandwich"  # as a new encoding would meet it
+    with pytest.raises(pytest.fail.Exception, match="no formula for pos_encoding='sandwich'"):
+        reference_attention(model, torch.randn(1, 4, 32))
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
@@ -934,7 +953,7 @@ def largest_square(fn) -> tuple[int, int]:
 
 @pytest.mark.parametrize(
     "pe, train",
-    [(pe, train) for pe in ["bias_rpe", "t5", "kerple", "alibi", "fire", "fire_past"] for train in (True, False)],
+    [(pe, train) for pe in [*BIASED, "fire_past"] for train in (True, False)],
 )
 def test_a_bias_makes_no_square_tensor_on_a_cpu(pe, train):
     """On a CPU, an encoding whose bias is a function of i - j alone trains and evaluates with no (.., T, T) tensor,
