@@ -12,9 +12,9 @@ with no code of ours:
     alibi -> MPT (MptForCausalLM): the same slopes for any head count, exact GELU, no biases (a model trained with
              bias=False; one with biases is an error that gives the difference dropping them would make)
 
-bias_rpe, t5, kerple and fire (and any encoding with --remote_code) export as a folder that carries its own code,
-loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and remote_code/modeling_nanope.py, a
-transformers wrapper (a config, a Cache around model.py's KVCache, and a PreTrainedModel whose generate steps as
+Every other encoding (hf_architecture None; and any encoding with --remote_code) exports as a folder that carries its
+own code, loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and remote_code/modeling_nanope.py, a
+transformers wrapper (a config, a Cache around generate.py's KVCache, and a PreTrainedModel whose generate steps as
 sample.py does) that imports it. config.json records the code's sha256, and the wrapper refuses to load other code.
 
 The tokenizer: GPT-2's for a GPT-2 BPE run; for a character-level run, its characters and <|endoftext|> after them (the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,8 +28,6 @@ try:  # in an export's folder, transformers loads this file as a module of a pac
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
-if TYPE_CHECKING:  # generation's cache, which the model writes and never builds
-    from generate import KVCache
 
 # ----------------------------------------------------------------------------------------------------------------
 # Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
@@ -302,8 +300,9 @@ class Kerple(PositionalEncoding):
         self.log_r2 = nn.Parameter(torch.rand(n).clamp(min=0.01).log())  # (n,) r2 ~ U(0, 1), the log finite
 
     def score_bias(self, h, i, j):
-        n = (i - j).clamp(min=0).float()
-        return -self.log_r1.exp()[h] * torch.log1p(self.log_r2.exp()[h] * n)
+        dtype = torch.promote_types(self.log_r1.dtype, torch.float32)  # a bf16 model's bias in float32 too
+        n = (i - j).clamp(min=0).to(dtype)
+        return -self.log_r1.to(dtype).exp()[h] * torch.log1p(self.log_r2.to(dtype).exp()[h] * n)
 
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
@@ -467,10 +466,12 @@ class ALiBi(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,)
+        # the slopes as their float32 bits, an integer buffer: it moves with the model, and model.to(bfloat16) leaves a
+        # constant of the formula unrounded (2^-0.5 to 0.70703125: -0.3 at distance 4096)
+        self.register_buffer("slope_bits", alibi_slopes(config.n_head).view(torch.int32), persistent=False)  # (nh,)
 
     def score_bias(self, h, i, j):
-        return -self.slopes[h] * (i - j).float()
+        return -self.slope_bits.view(torch.float32)[h] * (i - j).float()
 
 
 class FIRE(PositionalEncoding):
@@ -960,7 +961,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         pos: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache=None,  # a generate.KVCache: generation's, which the model writes and never builds
         window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) for every position and, given targets (B, T; -1 is ignored), the loss."""
@@ -981,7 +982,7 @@ class GPT(nn.Module):
             return torch.cat([self.features(x, p, cache, window, wrap_attention) for x, p in chunks], dim=1)
         return self.hidden(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
 
-    def chunk(self, idx: torch.Tensor, pos, cache: KVCache | None, window: int | None, doc_start=None) -> Chunk:
+    def chunk(self, idx: torch.Tensor, pos, cache, window: int | None, doc_start=None) -> Chunk:
         """The Chunk of tokens idx (B, T) at positions pos (None: the next T), checked against the encoding, its
         cache slots claimed: the one place a cache advances, before the forward that writes it."""
         T, device = idx.size(1), idx.device
@@ -1011,7 +1012,7 @@ class GPT(nn.Module):
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
         return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts, cached=True)
 
-    def hidden(self, idx: torch.Tensor, chunk: Chunk, cache: KVCache | None, wrap_attention=None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, chunk: Chunk, cache, wrap_attention=None) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)

@@ -3,8 +3,8 @@ Look inside checkpoints: the score bias each head adds by distance, and how far 
 
     python probe.py out-bias_rpe out-alibi --length 1024 --plot probe.png
 
-- **bias by distance**: what each head adds to a score at distance d = i - j, for encodings with a bias (alibi,
-  bias_rpe, t5, kerple, fire), for the last query of a window of --length tokens (FIRE's bias also depends on the
+- **bias by distance**: what each head adds to a score at distance d = i - j, for every encoding with a score
+  bias (has_score_bias), for the last query of a window of --length tokens (FIRE's bias also depends on the
   query's position); the training length is marked.
 - **attention past the training length**: over windows of --length validation tokens, for the queries in the last
   quarter of each window, the share of each head's attention on keys at least block_size tokens back (distances the

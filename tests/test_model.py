@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import fast_paths
 import model as model_py
 from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
-from generate import KVCache, sample_next
+from generate import KVCache, generate, sample_next
 from model import (
     ENCODING_OPTIONS,
     GPT,
@@ -447,6 +447,39 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
+
+
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
+    """A model cast to bf16 computes its positions as the float32 model with the same (rounded) parameters, at 16
+    times its block (or its longest): the embedding, the rotation, and the score bias of the last query over every key.
+    A constant of the formula rounded to bf16 (ALiBi's slope 2^-0.5) or a bias in bf16 arithmetic (KERPLE's log) is
+    off by 0.01 or more there."""
+    m32 = tiny(pe, block_size=16, n_head=12, n_embd=48)
+    mb = copy.deepcopy(m32).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in m32.parameters():
+            p.copy_(p.bfloat16().float())
+    pos = torch.arange(min(16 * 16, m32.encoding.max_length))
+    pairs = [(m32.encoding.embed(pos), mb.encoding.embed(pos))]
+    pairs += list(zip(m32.encoding.rotary(pos) or (), mb.encoding.rotary(pos) or (), strict=True))
+    if m32.encoding.has_score_bias:
+        last = Chunk(pos[-1:], keys=pos, slots=None, window=None, consecutive=False)
+        pairs.append(tuple(model_py.pair_bias(m.encoding, 0, 12, last) for m in (m32, mb)))  # (nh, 1, T)
+    for exact, cast in pairs:
+        if exact is not None:
+            torch.testing.assert_close(cast.float(), exact, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("pe", BIASED)
+def test_a_decode_step_computes_a_shared_bias_once(pe, monkeypatch):
+    """Generating through the cache, each forward (the prefill, then a token) computes its score bias once when the
+    layers share it, and once per layer for a bias of each layer's own: never once per layer for a shared one."""
+    model = tiny(pe, n_layer=3)
+    calls, pair_bias = [], model_py.pair_bias
+    monkeypatch.setattr(model_py, "pair_bias", lambda *a, **k: calls.append(1) or pair_bias(*a, **k))
+    generate(model, tokens(1, 5), 4, temperature=0)  # a prefill and 3 decode steps
+    assert len(calls) == 4 * (3 if model.encoding.per_layer else 1)
 
 
 def test_the_handwritten_reference_names_its_encodings():
