@@ -17,8 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from configurator import ConfigError
-from tasks import TaskError, check_tasks
 from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -456,7 +454,8 @@ class Data:
 
 def load_data(cfg: dict, procs) -> Data:
     """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
-    training; the tasks checked against its vocabulary and the block size. A synthetic task has no files."""
+    training, and the tokenizer of its retrieval tasks (tasks.check_training_tasks checks them). A synthetic task has no
+    files."""
     if cfg["task"]:
         V = cfg["task_vocab"]
         return Data(None, task_meta(V), V, None)
@@ -468,10 +467,34 @@ def load_data(cfg: dict, procs) -> Data:
         procs.barrier()
     meta = load_meta(data_dir, block_size=cfg["block_size"])
     n = meta["vocab_size"]
-    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None
-    if task_tok is not None:
-        try:
-            check_tasks(task_tok, cfg["block_size"])
-        except TaskError as e:
-            raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
+    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None  # tasks.py checks them
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
+
+
+def no_documents(cfg: dict) -> str:
+    """Why packing="documents" cannot train on the options' data, which marks no documents, and the fix."""
+    return (
+        f"packing='documents' needs data that marks its documents, and {data_name(cfg)} does not (its meta.json names "
+        "no end-of-text token, 'eot'): use --dataset=shakespeare_char_scenes, prepare your text with "
+        "data/text/prepare.py --separator=..., re-run the dataset's prepare.py (a GPT-2 dataset an earlier version "
+        'prepared with <|endoftext|> between documents needs only "eot": 50256 in its meta.json), or train with '
+        "--packing=stream"
+    )
+
+
+def model_data_problem(config, cfg: dict, data: Data) -> str | None:
+    """Why a model of this config (model.GPTConfig) cannot train on this data with these options, or None: more tokens
+    than its vocabulary, a block longer than its own, documents marked otherwise than it packs them."""
+    if data.meta["vocab_size"] > config.vocab_size:
+        return f"dataset {cfg['dataset']!r} has {data.meta['vocab_size']} tokens but the model only {config.vocab_size}"
+    if cfg["block_size"] > config.block_size:
+        return f"block_size={cfg['block_size']} is longer than the model's {config.block_size}"
+    if config.packing == "documents" and data.meta.get("eot") != config.eot_token:
+        marks = "marks none" if data.meta.get("eot") is None else f"begins them at token {data.meta['eot']}"
+        return (
+            f"the model ({cfg['out_dir'] if cfg['init_from'] == 'resume' else cfg['init_from']}) packs documents, each "
+            f"begun at token {config.eot_token}, and "
+            f"{data_name(cfg)} {marks}: train it on data that marks its documents as the model's did (the dataset it "
+            "trained on)"
+        )
+    return None

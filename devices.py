@@ -6,7 +6,7 @@ lives once.
 
 import importlib.util
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -149,6 +149,19 @@ def activation_bytes(model, B: int, T: int, device: str, dtype: str = "float32")
     return max(0, round(B * fit(per_row, T) + fit(shared, T))), max(0, round(fit(shared, T, square_only=True)))
 
 
+@contextmanager
+def checkpointing(model, mode: str):
+    """model (a GPT) with every block's activation checkpointing set to mode, then as it was."""
+    modes = [block.checkpointing for block in model.transformer.h]
+    for block in model.transformer.h:
+        block.checkpointing = mode
+    try:
+        yield
+    finally:
+        for block, was in zip(model.transformer.h, modes, strict=True):
+            block.checkpointing = was
+
+
 def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", shards: int = 1) -> dict[str, int]:
     """A training step's peak memory per process, by part: the float32 weights, their gradients and AdamW's two
     moments (the last two split over `shards` processes under FSDP), the activations the forward keeps for the
@@ -160,13 +173,8 @@ def training_bytes(model, B: int, T: int, device: str, dtype: str = "float32", s
     kept, bias = activation_bytes(model, B, T, device, dtype)
     every, every_bias = kept, bias  # what the forward keeps without checkpointing
     if modes[0] != "none":
-        for block in model.transformer.h:
-            block.checkpointing = "none"
-        try:
+        with checkpointing(model, "none"):
             every, every_bias = activation_bytes(model, B, T, device, dtype)
-        finally:
-            for block, mode in zip(model.transformer.h, modes, strict=True):
-                block.checkpointing = mode
         # the score bias matrices stay alive for the recompute, whether or not they are saved, and the backward
         # recomputes one with its gradient where the bias is trained (ALiBi's is not)
         one = every_bias // (model.config.n_layer if model.encoding.per_layer else 1)
@@ -198,11 +206,8 @@ def check_memory(model, cfg: dict, procs, shards: int) -> None:
     fixes = []
     mode = cfg["activation_checkpointing"]
     if mode != "full":
-        from model import set_activation_checkpointing
-
-        set_activation_checkpointing(model, "full")
-        fixes.append(f"--activation_checkpointing=full ({peak(B, T)})")
-        set_activation_checkpointing(model, mode)
+        with checkpointing(model, "full"):
+            fixes.append(f"--activation_checkpointing=full ({peak(B, T)})")
     if B > 1:
         accum = f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps'] * 2}"
         fixes.append(f"--batch_size={B // 2} {accum} ({peak(B // 2, T)})")

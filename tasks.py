@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from configurator import ConfigError
 from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -165,6 +166,16 @@ def check_tasks(tok, length: int, names=tuple(TEXT_TASKS)) -> None:
     """Raise TaskError if a task cannot be made at this length with this tokenizer (before any training)."""
     for name in names:
         TEXT_TASKS[name](tok, length, np.random.default_rng(0))
+
+
+def check_training_tasks(cfg: dict, tok) -> None:
+    """A training run's tasks (task_fraction > 0, written by tok, the data's tokenizer; None without tasks) fit its
+    block_size: a ConfigError before any training where one does not."""
+    if tok is not None:
+        try:
+            check_tasks(tok, cfg["block_size"])
+        except TaskError as e:
+            raise ConfigError(f"task_fraction={cfg['task_fraction']}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,7 +323,6 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
 
 def main(argv: list[str] | None = None) -> dict:
     from checkpoint import CheckpointError
-    from configurator import ConfigError
     from datafiles import DataError
     from devices import check_device, device_memory, forward_bytes, gb
     from runs import load_run

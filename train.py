@@ -31,6 +31,8 @@ from datafiles import (
     data_name,
     get_batch,
     load_data,
+    model_data_problem,
+    no_documents,
     tokenizer_difference,
     trained_distances,
 )
@@ -39,7 +41,7 @@ from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
 from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
-from tasks import mix_tasks
+from tasks import check_training_tasks, mix_tasks
 from tokenizer import GPT2Tokenizer
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -63,24 +65,21 @@ defaults = dict(
     wandb_run_name="",  # default: <pos_encoding>
     wandb_group="",  # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit together
     # data
-    dataset="",  # a folder of data/, or a path to a prepared one; default shakespeare_char (it and shakespeare are
-    # prepared automatically the first time)
+    dataset="",  # a folder of data/ or a prepared one's path; default shakespeare_char (embedded: prepared at once)
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
     packing="stream",  # stream (nanoGPT's: documents joined by the end-of-text token, every token sees its whole
     # window) | documents (each end-of-text token begins a document: positions restart and attention stays inside
     # it; the dataset must mark its documents, e.g. shakespeare_char_scenes, openwebtext, tinystories, wikitext103)
-    task_fraction=0.0,  # the fraction of training sequences that are retrieval tasks (tasks.py: passkey, recall,
-    # copy; answers-only targets), e.g. 0.05; validation stays text
+    task_fraction=0.0,  # training rows that are retrieval tasks (tasks.py: passkey, recall, copy), e.g. 0.05; val: text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
     # synthetic token-level tasks instead of text (synthetic.py; config/<task>.py have their recipes)
     task="",  # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers only
     task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
     task_pairs=8,  # mqar: key-value pairs per sequence
     task_queries=4,  # mqar: keys asked per sequence, each one trial
-    task_layout="scattered",  # mqar: scattered (pairs at random places in filler, the queries at the end) | zoology
-    # (the pairs together first, the queries at random places after them)
+    task_layout="scattered",  # mqar: scattered (pairs in filler, queries last) | zoology (pairs first, queries after)
     task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
     # then found through the marker); validation has the task's rows alone
     task_prev_tokens=False,  # training rows also ask, at every position that is not an answer, for the token before
@@ -95,8 +94,7 @@ defaults = dict(
     bias=False,  # biases in Linears and LayerNorms (GPT-2 has them)
     # AdamW
     learning_rate=1e-3,
-    pe_lr_scale=None,  # the positional encoding's parameters learn this many times faster; None: the encoding's own
-    # (30 for a table of biases that starts at zero, which Adam moves about learning_rate per step; else 1)
+    pe_lr_scale=None,  # the encoding's parameters learn this many times faster; None: its own (30: zero-started biases)
     max_iters=5000,
     weight_decay=1e-1,
     beta1=0.9,
@@ -176,6 +174,7 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     parallel = strategy(cfg["parallel"], procs)
     log = procs.log
     data = load_data(cfg, procs)
+    check_training_tasks(cfg, data.task_tok)
     resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
     shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
     model = build_model(cfg, data, resumed, source, log, shards=shards)
@@ -260,7 +259,7 @@ def build_model(
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
     eot = data.meta.get("eot") if cfg["packing"] == "documents" else None  # the model reads documents from it
     if cfg["packing"] == "documents" and eot is None and cfg["init_from"] != "resume" and source is None:
-        raise TrainError(no_documents(cfg, data))
+        raise TrainError(no_documents(cfg))
     if cfg["init_from"] == "scratch":
         try:
             config = GPTConfig(
@@ -296,35 +295,11 @@ def build_model(
         if getattr(model.config, k) != cfg[k]:
             log(f"note: {k}={getattr(model.config, k)!r} from {cfg['init_from']} (config says {cfg[k]!r})")
             cfg[k] = getattr(model.config, k)
-    if data.meta["vocab_size"] > model.config.vocab_size:
-        raise TrainError(
-            f"dataset {cfg['dataset']!r} has {data.meta['vocab_size']} tokens but the model only "
-            f"{model.config.vocab_size}"
-        )
-    if cfg["block_size"] > model.config.block_size:
-        raise TrainError(f"block_size={cfg['block_size']} is longer than the model's {model.config.block_size}")
-    if model.config.packing == "documents" and data.meta.get("eot") != model.config.eot_token:
-        marks = "marks none" if data.meta.get("eot") is None else f"begins them at token {data.meta['eot']}"
-        raise TrainError(
-            f"the model ({cfg['out_dir'] if cfg['init_from'] == 'resume' else cfg['init_from']}) packs documents, each "
-            f"begun at token {model.config.eot_token}, and "
-            f"{data_name(cfg)} {marks}: train it on data that marks its documents as the model's did (the dataset it "
-            "trained on)"
-        )
+    if problem := model_data_problem(model.config, cfg, data):
+        raise TrainError(problem)
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
         cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
     return model
-
-
-def no_documents(cfg: dict, data: Data) -> str:
-    """Why packing="documents" cannot train on this data, and the fix."""
-    return (
-        f"packing='documents' needs data that marks its documents, and {data_name(cfg)} does not (its meta.json names "
-        "no end-of-text token, 'eot'): use --dataset=shakespeare_char_scenes, prepare your text with "
-        "data/text/prepare.py --separator=..., re-run the dataset's prepare.py (a GPT-2 dataset an earlier version "
-        'prepared with <|endoftext|> between documents needs only "eot": 50256 in its meta.json), or train with '
-        "--packing=stream"
-    )
 
 
 def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
@@ -565,14 +540,8 @@ def start_wandb(run: Run):
     import wandb
 
     cfg = run.cfg
-    wrun = wandb.init(
-        project=cfg["wandb_project"],
-        name=cfg["wandb_run_name"],
-        group=cfg["wandb_group"],
-        config=cfg,
-        id=run.wandb_run_id,
-        resume="allow",
-    )
+    names = dict(project=cfg["wandb_project"], name=cfg["wandb_run_name"], group=cfg["wandb_group"])
+    wrun = wandb.init(**names, config=cfg, id=run.wandb_run_id, resume="allow")
     run.wandb_run_id = wrun.id
     wandb.define_metric("*", step_metric="iter")
     return wandb

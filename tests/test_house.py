@@ -130,7 +130,7 @@ def test_the_walk_counts_what_runs():
 # Sizes: what a reader holds. Ceilings today; the goals (docs/development.md) are lower, and a change lowers a ceiling
 # as it meets it
 
-LINE_CEILINGS = {"model.py": 1075, "train.py": 630}  # lines per file
+LINE_CEILINGS = {"model.py": 1075, "train.py": 600}  # lines per file
 CLASS_CEILINGS = {("model.py", "GPT"): 200}  # lines per class
 FUNCTION_CEILING = 60  # lines per function or method of the model's files, a docstring included
 FUNCTION_FILES = ("model.py", "fast_paths.py", "generate.py")
