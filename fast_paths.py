@@ -425,19 +425,12 @@ class MLPBias:
     b1: torch.Tensor  # (units,)
     w2: torch.Tensor  # (nh, units)
 
-    def operands(self) -> tuple:
-        """What the MLP's evaluations take as tensors (so that checkpointing and torch.cond see them)."""
-        return self.c, self.threshold, self.w1, self.b1, self.w2[:, None, None]  # w2 (nh, 1, 1, units)
-
 
 MLP_FEW = 1 << 14  # MLP inputs up to which its units are kept at once (16,384 x 32 floats: 2 MiB)
 
 
-def recomputed(fn: Callable, recompute: bool) -> Callable:
-    """fn, or with recompute fn under activation checkpointing: its intermediates are computed again in the
-    backward instead of kept."""
-    if not recompute:
-        return fn
+def recomputed(fn: Callable) -> Callable:
+    """fn under activation checkpointing: its intermediates are computed again in the backward instead of kept."""
     return lambda *args: checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -512,7 +505,8 @@ def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool 
     (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries' own at consecutive positions, a query below the
     threshold has x of i - j alone: its row is a gather from the MLP run on the T distances; only queries past it (a
     suffix) take the MLP per pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
-    operands = f.operands()
+    # the tensors the MLP's evaluations take (so that checkpointing and torch.cond see them); w2 (nh, 1, 1, units)
+    operands = f.c, f.threshold, f.w1, f.b1, f.w2[:, None, None]
     if own is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
         # pair by pair at each row's positions where the keys are not the queries' own, or a document began
         # before the chunk (read on the host, eager, only then)
@@ -525,7 +519,7 @@ def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool 
                     f.mlp, f.input(c, threshold, i[:, None, :, None], j[:, None, None, :]), w1, b1, w2, few=few
                 )
 
-            return recomputed(by_rows, recompute and not few)(*operands)
+            return (recomputed(by_rows) if recompute and not few else by_rows)(*operands)
         return mlp_by_document_position(f, pos, own[0], *operands)
 
     def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
@@ -534,7 +528,7 @@ def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool 
         def at(c, threshold, w1, b1, w2):
             return run_mlp(f.mlp, f.input(c, threshold, queries[:, None], keys), w1, b1, w2, few=few)
 
-        return recomputed(at, recompute and not few)
+        return recomputed(at) if recompute and not few else at
 
     if not own_keys or len(pos) < 2:
         return pairs(pos)(*operands)

@@ -1,13 +1,6 @@
-"""
-nanoPE's model: one decoder-only GPT (GPT-2's architecture) whose attention takes any positional encoding of
-POS_ENCODINGS, or none, and a KV cache whose decoding equals the model's own full forward.
-
-It reads top to bottom: the positional encodings (each a small class: its formula as a few hooks, its options), the
-config, a chunk's positions and the KV cache, attention (the reference: SDPA under a mask or the score bias), the
-transformer, and the GPT. Positions travel as one tensor of absolute positions `pos` (T,); everything positional
-derives from it once per forward, as one Chunk. generate.py generates with the model; fast_paths.py holds faster
-paths to the same attention, which attention_for asks for in one place.
-"""
+"""nanoPE's model: a decoder-only GPT (GPT-2's architecture) whose attention takes any positional encoding of
+POS_ENCODINGS, or none; its decoding with generate.py's KV cache equals its full forward. Top to bottom: encodings,
+config, chunk positions, attention, the transformer, the GPT. Positions travel as `pos` (T,), a Chunk per forward."""
 
 from __future__ import annotations
 
@@ -21,25 +14,20 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-try:  # in an export's folder, transformers loads this file as a module of a package, beside fast_paths.py (it copies
-    # the files that `from .name import` lines name); read through the module, so that a test's spy on it sees each call
+try:  # an export's folder is a package (transformers copies what `from .` imports); via the module, for tests' spies
     from . import fast_paths
     from .fast_paths import AttentionOptions
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
 
-# ----------------------------------------------------------------------------------------------------------------
-# Positional encodings: each a small module with no-op hooks, overriding only what it needs, and declaring its own
-# options. No code outside this section asks for an encoding by name: code elsewhere asks the object (or its class,
-# through POS_ENCODINGS), and GPTConfig's checks, train.py's keys and --help read the options from the registry.
+# ---- Positional encodings: nothing outside this section names one; code asks the object or POS_ENCODINGS.
 
 
 @dataclass(frozen=True)
 class Option:
-    """One setting of an encoding, a field of GPTConfig and a key of train.py: its default, a one-line help, and a
-    check that says what is wrong with a value, or None. derive fills a default of None from the rest of the config;
-    idle says why a value the user gives does nothing with the rest of the options (train.py's, a dict), or None."""
+    """An encoding's setting (a GPTConfig field, a train.py key). check: what is wrong with a value, or None; derive: a
+    default of None from the config; idle: why a given value does nothing among train.py's options (a dict), or None."""
 
     default: Any
     help: str
@@ -69,8 +57,7 @@ def greater(bound: float, rule: str, equal: bool = False) -> Callable[[Any], str
 
 
 class PositionalEncoding(nn.Module):
-    """The base of every encoding: no positional information. A subclass overrides the hooks it needs: `embed`
-    (added to the token embeddings), `rotary` (rotates q and k), `score_bias` (added to attention scores)."""
+    """The base of every encoding (no positions); a subclass overrides the hooks: `embed`, `rotary`, `score_bias`."""
 
     relative = True  # depends on positions only through i - j: a rolling KV cache stays exact past the window
     rolling = True  # generation past the window keeps positions counting (a rolling cache); False: crop, restart at 0
@@ -82,9 +69,7 @@ class PositionalEncoding(nn.Module):
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # a score bias of each layer's own: h in score_bias(h, i, j) counts every layer's heads
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
-    # the Hugging Face transformers architecture that computes it exactly: gpt2, gpt_neox, mpt; None: none does, and
-    # export.py exports it with nanoPE's own code (this file and a transformers wrapper, loaded with trust_remote_code)
-    hf_architecture: str | None = None
+    hf_architecture: str | None = None  # transformers' exact equivalent; None: export.py ships nanoPE's own code
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
     summary = ""  # one line for --help
 
@@ -93,8 +78,7 @@ class PositionalEncoding(nn.Module):
 
     @classmethod
     def resolve(cls, config: GPTConfig) -> None:
-        """Fill the derived defaults of this encoding's options, then check them and check(config): a ValueError
-        naming the option, the rule and the fix."""
+        """Fill the options' derived defaults, check each and check(config): a ValueError naming rule and fix."""
         for name, opt in cls.options.items():
             if getattr(config, name) is None and opt.derive is not None:
                 setattr(config, name, opt.derive(config))
@@ -111,8 +95,7 @@ class PositionalEncoding(nn.Module):
         return None  # (T,) -> (T, C); (B, T) -> (B, T, C) for positions of each row (packing="documents")
 
     def rotary(self, pos: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # (T,) -> cos, sin, each (T, hs/2) float32, by which attention rotates q and k (apply_rotary);
-        # (B, T) -> each (B, 1, T, hs/2)
+        return None  # (T,) -> cos, sin, each (T, hs/2) float32, for apply_rotary; (B, T) -> each (B, 1, T, hs/2)
 
     def score_bias(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
@@ -142,8 +125,7 @@ class NoPE(PositionalEncoding):
 
 
 class Sinusoidal(PositionalEncoding):
-    """Fixed sin/cos of the absolute position added to the token embeddings (Vaswani et al. 2017, §3.5), scaled by
-    1/√C: the paper scales the tokens by √C instead, the same ratio; unscaled, it drowns GPT-2's 0.02-std tokens."""
+    """Sin/cos of the position added to the tokens (Vaswani et al. 2017, §3.5), /√C lest it drown GPT-2's tokens."""
 
     summary = "fixed sin/cos of the position added to the token embeddings"
     hf_architecture = "gpt2"
@@ -168,8 +150,7 @@ class Sinusoidal(PositionalEncoding):
 
 
 class Learned(PositionalEncoding):
-    """A trainable table of absolute-position embeddings, GPT-2's `wpe` (Radford et al. 2019): a row per position up
-    to block_size, none past it."""
+    """A trainable table of absolute positions, GPT-2's `wpe` (Radford et al. 2019): a row per position < block_size."""
 
     summary = "a trainable table of positions added to the token embeddings (GPT-2's)"
     hf_architecture = "gpt2"
@@ -194,9 +175,7 @@ class Learned(PositionalEncoding):
         self.max_length = block_size
 
     def extend(self, block_size):
-        # position interpolation (Chen et al. 2023): new row p is the old table read at p·L0/block_size, linearly
-        # between rows (L0: the old table's length, the training length as elsewhere)
-        L0 = self.weight.size(0)
+        L0 = self.weight.size(0)  # position interpolation (Chen et al. 2023): row p lerps old rows at p·L0/block_size
         x = (torch.arange(block_size, dtype=torch.float64) * L0 / block_size).clamp(max=L0 - 1)  # (block_size,)
         lo = x.floor().long()
         hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
@@ -206,14 +185,12 @@ class Learned(PositionalEncoding):
 
 
 class BiasRPE(PositionalEncoding):
-    """A trainable scalar per head and clamped distance i - j, added to the scores (Shaw et al. 2018, as scalars in
-    T5), shared by the layers. Its biases start at zero, so they learn 30 times faster (Adam moves a parameter
-    about one learning rate per step)."""
+    """A trainable scalar per head and clamped i - j added to the scores (Shaw et al. 2018), shared by the layers."""
 
     summary = "a trainable bias per head and clamped distance, added to attention scores"
 
     has_score_bias = True
-    lr_scale = 30.0
+    lr_scale = 30.0  # its biases start at zero: Adam moves a parameter about one learning rate per step
     options = {
         "rpe_max_distance": Option(
             None,
@@ -236,14 +213,12 @@ class BiasRPE(PositionalEncoding):
 
 
 class T5(PositionalEncoding):
-    """T5's relative attention bias (Raffel et al. 2020, §2.1), causal: a trainable scalar per head and bucket of the
-    distance n = i - j, shared by the layers. Half the buckets hold n exactly, half are log-spaced up to
-    max_distance (Mesh TensorFlow's `_relative_position_bucket`). Learns 30 times faster, as bias_rpe's."""
+    """T5's bias (Raffel et al. 2020, §2.1), causal: a scalar per head and bucket of i - j (half exact, half log)."""
 
     summary = "a trainable bias per head and log-spaced bucket of distances (T5's)"
 
     has_score_bias = True
-    lr_scale = 30.0
+    lr_scale = 30.0  # as bias_rpe's
     options = {
         "t5_num_buckets": Option(32, "biases per head, half exact distances, half log-spaced", positive_int),
         "t5_max_distance": Option(
@@ -270,7 +245,7 @@ class T5(PositionalEncoding):
                 "at least 2 buckets and a max distance above half of them (e.g. 32 and 128)"
             )
 
-    def bucket(self, n: torch.Tensor) -> torch.Tensor:
+    def bucket(self, n: torch.Tensor) -> torch.Tensor:  # Mesh TensorFlow's _relative_position_bucket
         exact = self.num_buckets // 2
         n = n.clamp(min=0)  # the future is masked anyway
         log_ratio = torch.log(n.clamp(min=exact).float() / exact) / math.log(self.max_distance / exact)
@@ -282,8 +257,7 @@ class T5(PositionalEncoding):
 
 
 class Kerple(PositionalEncoding):
-    """KERPLE's logarithmic variant (Chi et al. 2022): -r1·log(1 + r2·(i - j)), r1, r2 > 0 trainable per head, as the
-    paper's code initialises them. Shared by the layers, as ALiBi's slopes are (kerple_per_layer: the paper's)."""
+    """KERPLE's log variant (Chi et al. 2022): -r1·log(1 + r2·(i - j)), r1, r2 > 0 trainable per head, paper's init."""
 
     summary = "a bias -r1·log(1 + r2·distance), r1 and r2 trainable per head (KERPLE)"
 
@@ -313,9 +287,9 @@ WITHOUT_SCALING = "does nothing without a RoPE scaling: add --rope_scaling (line
 
 
 class RoPE(PositionalEncoding):
-    """Rotary position embedding (Su et al. 2021): rotate each pair (2k, 2k+1) of q and k by p·θ_k,
-    θ_k = base^(-2k/d), so q·k depends on i - j alone. rope_fraction < 1 rotates only the fastest pairs (p-RoPE);
-    the scalings read past L0 = rope_original_max_len, s = rope_factor times (docs/development.md has each)."""
+    """Rotary embedding (Su et al. 2021): rotate each pair (2k, 2k+1) of q and k by p·θ_k, θ_k = base^(-2k/d), so q·k
+    depends on i - j alone; rope_fraction < 1: the fastest pairs only (p-RoPE). Scalings (docs/development.md) read
+    past L0 = rope_original_max_len, s = rope_factor times."""
 
     summary = "rotates q and k by the position (rotary); scalings read past the training length"
     hf_architecture = "gpt_neox"
@@ -358,8 +332,7 @@ class RoPE(PositionalEncoding):
         self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
         # NTK's base · s^(d/(d-2)), the exponent as in Hugging Face's dynamic variant (export.py's rope_theta)
         self.theta_base = self.base * self.factor ** (d / (d - 2)) if self.scaling == "ntk" else self.base
-        # dynamic NTK changes every key whenever the length passes L0: no cache is exact past it
-        self.cache_span = self.original if self.scaling == "dynamic_ntk" else math.inf
+        self.cache_span = self.original if self.scaling == "dynamic_ntk" else math.inf  # dynamic_ntk re-keys past L0
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
         dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
         self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
@@ -374,8 +347,7 @@ class RoPE(PositionalEncoding):
 
     @staticmethod
     def default_factor(scaling: str, length: int, train_len: int) -> float:
-        """The s that reads `length` tokens of a model trained at `train_len` (1 for dynamic_ntk, which scales
-        with the length by itself: s = L / L0 would square it)."""
+        """The s that reads `length` tokens of a model trained at `train_len`; 1 for dynamic_ntk (it scales itself)."""
         return 1.0 if scaling == "dynamic_ntk" else max(1.0, length / train_len)
 
     @classmethod
@@ -392,8 +364,7 @@ class RoPE(PositionalEncoding):
             raise ValueError(f"rope_fraction={config.rope_fraction} rotates no pair of a head dim of {d}; raise it")
 
     def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
-        """θ_k (hs/2,) float32, scaled; length (0-d, the sequence's length; (B, T, 1) each token's document's, then
-        θ is (B, T, hs/2)) matters for dynamic_ntk only."""
+        """θ_k (hs/2,) float32, scaled; length (0-d, or (B, T, 1) by documents: θ (B, T, hs/2)): dynamic_ntk's only."""
         d, s = self.head_dim, self.factor
         k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
         theta = self.theta_base ** (-2 * k / d)
@@ -419,15 +390,13 @@ class RoPE(PositionalEncoding):
         angle = pos.float()[..., None] * self.inv_freq(pos.device, length)  # (T, hs/2)
         if angle.dim() == 3:  # positions of each row (B, T): (B, 1, T, hs/2), over the heads
             angle = angle[:, None]
-        # YaRN's temperature 0.1·ln(s) + 1 on the rotated pairs alone, as Hugging Face's partial rotary
         turning = torch.arange(self.head_dim // 2, device=pos.device) < self.rotating
-        scale = torch.where(turning, self.mscale, 1.0)  # (hs/2,)
+        scale = torch.where(turning, self.mscale, 1.0)  # (hs/2,) YaRN's 0.1·ln(s) + 1, rotated pairs only (as HF)
         return angle.cos() * scale, angle.sin() * scale
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate adjacent pairs (x1, x2) of x (B, nh, T, hs) to (x1·cos - x2·sin, x1·sin + x2·cos), cos and sin
-        (T, hs/2), in float32: (x1 + i·x2)(cos + i·sin)."""
+        """Rotate pairs (x1, x2) of x (B, nh, T, hs) by cos, sin (T, hs/2) in float32: (x1 + i·x2)(cos + i·sin)."""
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, nh, T, hs/2) each
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
@@ -436,16 +405,14 @@ apply_rotary = RoPE.rotate  # attention rotates q and k by what `rotary` gives (
 
 
 def document_lengths(pos: torch.Tensor) -> torch.Tensor:
-    """Each token's document's length in the chunk (B, T), from positions in documents (B, T), where a document
-    begins at position 0 (the last position of its tokens + 1): the span a document's queries see alone."""
+    """Each token's document's length (B, T), from positions in documents (B, T), each from 0: what its queries see."""
     doc = (pos == 0).cumsum(1)  # (B, T): the document of each token, counted along the row
     last = pos.new_zeros(pos.size(0), pos.size(1) + 1).scatter_reduce(1, doc, pos, "amax")
     return last.gather(1, doc) + 1
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
-    """ALiBi's head slopes as the paper's code (Press et al. 2021): 2^(-8/n)…, for n not a power of two the largest
-    power of two c's, then every other slope of 2c's (12 heads: 1/2 … 1/256, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5)."""
+    """ALiBi's slopes as the paper's code: 2^(-8/n)…; else the largest power of two c's, then every other of 2c's."""
 
     def geometric(n):
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
@@ -456,8 +423,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class ALiBi(PositionalEncoding):
-    """Attention with linear biases (Press et al. 2021): add -m_h·(i - j) to the score of query i and key j, from
-    i - j in float32 (never from j alone, which would grow with the position)."""
+    """ALiBi (Press et al. 2021): -m_h·(i - j) on score (i, j), from i - j in float32 (not j alone, which grows)."""
 
     summary = "a bias -slope·distance per head, the paper's fixed slopes (ALiBi)"
     hf_architecture = "mpt"
@@ -466,8 +432,7 @@ class ALiBi(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        # the slopes as their float32 bits, an integer buffer: it moves with the model, and model.to(bfloat16) leaves a
-        # constant of the formula unrounded (2^-0.5 to 0.70703125: -0.3 at distance 4096)
+        # float32 bits in an int buffer: it moves with the model, and .to(bfloat16) can't round 2^-0.5 to 0.70703125
         self.register_buffer("slope_bits", alibi_slopes(config.n_head).view(torch.int32), persistent=False)  # (nh,)
 
     def score_bias(self, h, i, j):
@@ -475,9 +440,8 @@ class ALiBi(PositionalEncoding):
 
 
 class FIRE(PositionalEncoding):
-    """FIRE (Li et al. 2023): f(ψ(i - j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c|·x + 1), f a small MLP (1 -> 32, ReLU,
-    -> one output per head) of each layer's own; c and the threshold L = |m|·L0 trainable. Dividing by ψ of the query's
-    position maps every distance into [0, 1], so longer contexts interpolate: the bias reads i, not only i - j."""
+    """FIRE (Li et al. 2023): f(ψ(i - j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c|·x + 1), f a ReLU MLP (1 -> 32 -> nh) per
+    layer; c, L = |m|·L0 trainable. Dividing by ψ(max(L, i)) maps distances into [0, 1]: long contexts interpolate."""
 
     summary = "a learned MLP of the distance over the query's position, per layer (FIRE)"
 
@@ -503,8 +467,7 @@ class FIRE(PositionalEncoding):
         return (self.L_multiplier * self.init_L).abs()
 
     def score_bias(self, h, i, j):
-        # each parameter as a row per (layer, head), read at h: inductor's CPU backend fails to compile the gradient
-        # of a row read by several heads at once (h // n_head)
+        # a row per (layer, head), read at h: inductor's CPU backend fails on the gradient of rows read by h // n_head
         per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (layers, ...) -> (layers·nh, ...)
         c, threshold = per_head(self.c).abs()[h], per_head(self.threshold())[h]
         w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
@@ -518,10 +481,7 @@ class FIRE(PositionalEncoding):
 
     @staticmethod
     def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, together: bool = False):
-        """f(x) = Σ_u relu(x·w1_u + b1_u)·w2_u over its units u (the last dim of w1, b1, w2, whose other dims
-        broadcast against x's): a unit at a time, the memory of one output, not one per unit; or with together, every
-        unit at once (one broadcast expression: few inputs, or compiled, where inductor fuses it without storing the
-        units)."""
+        """f(x) = Σ_u relu(x·w1_u + b1_u)·w2_u, u the last dim: a unit at a time (one output's memory), or together."""
         if together:
             return (torch.relu(x[..., None] * w1 + b1) * w2).sum(-1)
         out = torch.relu(x * w1[..., 0] + b1[..., 0]) * w2[..., 0]
@@ -548,13 +508,8 @@ POS_ENCODINGS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The config: the model's shape, and every encoding's options (declared by the encoding, a field here)
-
-# How a row's documents relate. stream: nanoGPT's, documents joined by the end-of-text token and every token attends
-# to every earlier one of its row. documents: each end-of-text token begins a document (the row's first token too):
-# positions count from its first token, and attention never crosses into another document (block-causal).
-PACKINGS = ("stream", "documents")
+# ---- The config: the model's shape, and every encoding's options (declared by the encoding, a field here)
+PACKINGS = ("stream", "documents")  # stream: nanoGPT's, causal; documents: each end-of-text begins one, block-causal
 
 
 @dataclass
@@ -600,8 +555,7 @@ class ModelShape:
             )
 
 
-# every encoding's options by name, with the encoding they belong to
-ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {
+ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {  # option name -> (its encoding, the Option)
     name: (enc, opt) for enc, cls in POS_ENCODINGS.items() for name, opt in cls.options.items()
 }
 
@@ -612,8 +566,6 @@ def resolve_encoding_options(config: ModelShape) -> None:
     POS_ENCODINGS[config.pos_encoding].resolve(config)
 
 
-# The model's shape and every encoding's options: a field per option, of the option's name and default (the encoding
-# declares each, once)
 GPTConfig = make_dataclass(
     "GPTConfig",
     [(name, Any, field(default=opt.default)) for name, (_, opt) in ENCODING_OPTIONS.items()],
@@ -626,36 +578,30 @@ GPTConfig = make_dataclass(
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# A chunk's positions
+# ---- A chunk's positions
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """The positions of one forward's tokens, derived once (GPT.chunk) and read by everything positional after it:
-    the embedding and RoPE read `pos`; the mask and the score bias compare `pos` with `keys`."""
+    """A forward's positions, derived once (GPT.chunk): embedding, RoPE read `pos`; mask, bias compare it to `keys`."""
 
     pos: torch.Tensor  # (T,) the tokens' absolute positions, the queries'
     keys: torch.Tensor  # (Tk,) the keys' positions: pos, or with a cache every slot's (KVCache.EMPTY where unused)
     slots: torch.Tensor | None  # (T,) the cache slots the chunk's keys and values go to; None without a cache
     window: int | None  # query i sees key j only where i - j < window; None: every key up to its own position
     consecutive: bool  # the positions step by one, so that a band of i - j is a band of distances
-    # packing="documents": where each token's document starts, (B, T) the queries', (B, Tk) the keys'; a query sees
-    # only keys of its own start, and a token's position in its document is pos - starts. None: one stream
-    starts: torch.Tensor | None = None
-    key_starts: torch.Tensor | None = None
+    starts: torch.Tensor | None = None  # packing="documents": each query's document's start (B, T); None: one stream
+    key_starts: torch.Tensor | None = None  # (B, Tk) each key's
     cached: bool = False  # the keys come from a KV cache (they are not the queries' own)
 
     def own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries' and keys' positions, each in its document under packing="documents" ((B, T), (B, Tk)),
-        else pos and keys."""
+        """The queries' and keys' positions, in their documents under packing="documents" ((B, T), (B, Tk))."""
         if self.starts is None:
             return self.pos, self.keys
         return self.pos - self.starts, self.keys - self.key_starts
 
     def rows(self, i0: int, i1: int, j0: int, j1: int) -> Chunk:
-        """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (a block of them, as fast_paths' bias_blocks asks): a chunk
-        whose queries are not its keys (consecutive False); all of a cached chunk's, itself (a decode step's)."""
+        """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (bias_blocks'), not consecutive; a cached chunk's whole: itself."""
         if self.cached and (i0, i1, j0, j1) == (0, len(self.pos), 0, len(self.keys)):
             return self
         cut = lambda t, a, b: None if t is None else t[..., a:b]  # noqa: E731  the last dim: (T,) or (B, T)
@@ -671,9 +617,8 @@ class Chunk:
 
 
 def document_starts(idx: torch.Tensor, pos: torch.Tensor, eot_token: int, cache=None, doc_start=None) -> torch.Tensor:
-    """Under packing="documents", the position where each token's document starts (B, T), at its last end-of-text
-    token, else where the row started (the chunk's first token, or the cache's first, or doc_start (B,): where a
-    document begun before idx began). Positions must increase along the row."""
+    """Where each token's document starts (B, T): its last end-of-text token, else the row's start (the chunk's, the
+    cache's, or doc_start (B,), where a document begun before idx began). Positions must increase along the row."""
     if doc_start is not None:
         before = doc_start
     elif cache is None or cache.starts is None:  # the row starts here
@@ -684,19 +629,14 @@ def document_starts(idx: torch.Tensor, pos: torch.Tensor, eot_token: int, cache=
     return marks.cummax(dim=1).values
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Attention: the reference is SDPA, causal over the chunk's own keys, or under a mask that compares query and key
-# positions, with the score bias in it where the encoding has one. fast_attention may offer a faster path.
+# ---- Attention: the reference is SDPA, causal or under a mask of positions, plus any score bias; or a fast_paths one
 
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal where no bias is given, else with bias (nh, Tq,
-    Tk) added to the scores (-inf where a query does not see a key), or (B, nh, Tq, Tk), a row's own. Under a bias,
-    bf16 or fp16 q attend in float32: SDPA would round the bias to q's dtype (ALiBi's -m·3000 to steps of 1/16),
-    while FlexAttention adds it in float32, so evaluation sees training's bias (the one place this rule is written:
-    fast_paths' blocks attend through here)."""
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal, or plus bias (nh, Tq, Tk) or (B, nh, Tq, Tk), -inf
+    where unseen; under a bias, bf16 q attend in float32 like FlexAttention (SDPA would round it; fast_paths' too)."""
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     bias = bias if bias.dim() == 4 else bias[None]  # 4-D: CPUs take their flash kernel
@@ -709,10 +649,8 @@ def attend(
 
 
 def pair_bias(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-    """One layer's bias (nh, Tq, Tk) at every pair of the chunk, heads first … first + n_head - 1: the encoding's
-    score_bias, or where it declares its bias an MLP of each pair's input (FIRE's layer_bias) the fast paths'
-    evaluation of it; by rows (B, nh, Tq, Tk) where it reads positions in documents. recompute: in the backward, so
-    autograd keeps the bias and not every intermediate of its formula."""
+    """One layer's bias (nh, Tq, Tk), or (B, nh, Tq, Tk) by documents, heads first … first + n_head - 1: score_bias, or
+    the fast paths' evaluation of a layer_bias (FIRE's). recompute: in the backward, so autograd keeps only the bias."""
     if pe.layer_bias is not None:
         own = chunk.own_positions() if chunk.starts is not None else None
         own_keys = chunk.consecutive and not chunk.cached
@@ -728,10 +666,8 @@ def pair_bias(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk, rec
 
 
 def distance_table(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
-    """One layer's bias as a table over the distances 0 … D - 1 the chunk's queries see (nh, D), the last entry read
-    for every longer distance, where every query's bias is a function of i - j alone and D is known without reading the
-    positions (the far distance, or the keys the queries' own; FIRE's while every query is below its threshold); else
-    None. Not for a cache's chunks (a token or a prompt: their bias is read at their pairs)."""
+    """One layer's bias (nh, D) over distances 0 … D - 1 (the last for every longer one) where it is a function of
+    i - j alone (FIRE's: below its threshold) and D is known without reading positions; else None. Not for a cache."""
     if pe.layer_bias is not None:
         return (
             fast_paths.mlp_table(pe.layer_bias(first // n_head), chunk.pos, chunk.own_positions()[0])
@@ -754,9 +690,7 @@ def distance_table(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk
 def attention_for(
     chunk: Chunk, pe: PositionalEncoding, config: GPTConfig, options: AttentionOptions, dropout_p: float, layer: int = 0
 ) -> Callable:
-    """Attention (q, k, v) -> y for this forward: SDPA, causal where the keys are the queries' own and there is no
-    score bias, else under the mask of what each query sees, or under the score bias (layer picks a per-layer
-    bias's heads) with -inf where a query does not see a key; fast_paths.py's kernel instead where it has one."""
+    """This forward's attention (q, k, v) -> y: SDPA causal, masked or biased (layer: per-layer bias's), or a kernel."""
     documents = chunk.starts is not None
     if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
         return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
@@ -774,12 +708,10 @@ def attention_for(
     trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
     own_keys = chunk.consecutive and not chunk.cached
 
-    def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:
-        # (nh, Tq, Tk) float32 over the chunk's queries and keys (or a block of them); by rows (B, nh, ...)
+    def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:  # (nh, Tq, Tk) or (B, nh, ...)
         return pair_bias(pe, first, config.n_head, c, recompute).masked_fill(~seen(c), float("-inf"))
 
-    # a bias of i - j alone comes as its table over distances (on a CPU, and where it trains), any bias by its rows
-    device = chunk.pos.device.type
+    device = chunk.pos.device.type  # a bias of i - j alone as its table (on a CPU, or training), any bias by rows
     cpu_or_trained = device == "cpu" or trainable
     table = distance_table(pe, first, config.n_head, chunk) if cpu_or_trained and not chunk.cached else None
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
@@ -795,8 +727,7 @@ def attention_for(
     return fast_paths.fast_attention(name, options, bias, **positions, table=table, rows=rows, attend=attend)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The transformer
+# ---- The transformer
 
 
 class CausalSelfAttention(nn.Module):
@@ -809,8 +740,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, x, rope, attention, cache=None, slots=None):
-        """attention: (q, k, v) -> y, attention_for's for this forward; with a cache, k and v go to the chunk's slots
-        (T,) and attention reads every slot's."""
+        """attention: attention_for's (q, k, v) -> y; with a cache, k and v go to slots (T,), attention reads all."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -849,7 +779,6 @@ class Block(nn.Module):
         mlp_sublayer = lambda x: x + self.mlp(self.ln_2(x))  # noqa: E731
         if cache is not None or not torch.is_grad_enabled() or self.checkpointing == "none":
             return mlp_sublayer(attention_sublayer(x))
-        # activation checkpointing: what a sublayer computes is not kept for the backward but computed again there
         x = checkpoint(attention_sublayer, x, use_reentrant=False)  # "selective": where (T, T) tensors live
         return checkpoint(mlp_sublayer, x, use_reentrant=False) if self.checkpointing == "full" else mlp_sublayer(x)
 
@@ -858,19 +787,15 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Recompute in the backward what each block's forward computed, instead of keeping it: every sublayer ("full"),
-    the attention alone ("selective"), or nothing ("none"). The same numbers, less memory, more time."""
+    """Recompute in the backward rather than keep: all sublayers ("full"), attention ("selective"), or none ("none")."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={mode!r}: choose {', '.join(ACTIVATION_CHECKPOINTING)}")
     for block in model.transformer.h:
         block.checkpointing = mode
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The GPT
-
-# GPT-2's weights that transformers' Conv1D stores (in, out), transposed from nn.Linear's (out, in): from_hf and
-# export.py's GPT-2 export read them
+# ---- The GPT
+# GPT-2's weights that transformers' Conv1D stores (in, out), nn.Linear's transposed: from_hf and export.py read them
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -897,8 +822,7 @@ class GPT(nn.Module):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def use_encoding(self, encoding: PositionalEncoding) -> None:
-        """Make encoding the model's: stored as transformer.wpe, GPT-2's name, so checkpoints keep their keys, and
-        read as self.encoding, the same module (kept out of the module tree: registered once, under wpe)."""
+        """Make encoding the model's: transformer.wpe (GPT-2's checkpoint key), read as self.encoding (unregistered)."""
         self.transformer.wpe = encoding
         self.__dict__["encoding"] = encoding
 
@@ -930,8 +854,7 @@ class GPT(nn.Module):
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple, device_type: str, pe_lr_scale: float = 1.0
     ) -> torch.optim.AdamW:
-        """AdamW, decaying matrices and embeddings only (not biases, norms, or a score bias's parameters). pe_lr_scale
-        puts the encoding's parameters in groups whose "lr_scale" multiplies the rate (train.py applies it)."""
+        """AdamW decaying matrices only (no biases, norms, score bias); pe_lr_scale: the encoding's groups' lr_scale."""
         no_decay = {id(p) for p in self.encoding.no_decay()}
         encoding = {id(p) for p in self.encoding.parameters()} if pe_lr_scale != 1.0 else set()
         groups = {}
@@ -953,8 +876,7 @@ class GPT(nn.Module):
         flops_per_token = 6 * self.get_num_params() + 12 * layers * H * Q * T
         return flops_per_token * tokens_per_iter / dt / peak_flops
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Forward: the chunk's positions, the attention each forward takes, the hidden states, logits and loss
+    # ---- Forward: the chunk's positions, the attention each forward takes, the hidden states, logits and loss
 
     def forward(
         self,
@@ -972,10 +894,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def features(self, idx, pos=None, cache=None, window=None, wrap_attention=None, doc_start=None) -> torch.Tensor:
-        """Final hidden states (B, T, C) of tokens idx (B, T) at positions pos (T,): by default arange(T), or
-        continuing the cache. With a window W, query i sees only keys j with i - j < W. wrap_attention(fn) -> fn,
-        if given, wraps each forward's attention (probe.py reads its probabilities). doc_start (B,): under
-        packing="documents", the position where the document of idx's first token began (default: there)."""
+        """Final states (B, T, C) of idx (B, T) at pos (T,) (default arange(T), or on from the cache). window W: i sees
+        j iff i - j < W; wrap_attention(fn) -> fn wraps each attention (probe); doc_start (B,): see document_starts."""
         T = idx.size(1)
         if cache is not None and T > (most := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
             chunks = [(idx[:, i : i + most], None if pos is None else pos[i : i + most]) for i in range(0, T, most)]
@@ -983,8 +903,7 @@ class GPT(nn.Module):
         return self.hidden(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
 
     def chunk(self, idx: torch.Tensor, pos, cache, window: int | None, doc_start=None) -> Chunk:
-        """The Chunk of tokens idx (B, T) at positions pos (None: the next T), checked against the encoding, its
-        cache slots claimed: the one place a cache advances, before the forward that writes it."""
+        """The Chunk of idx (B, T) at pos (None: the next T), checked, its cache slots claimed: where caches advance."""
         T, device = idx.size(1), idx.device
         start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
@@ -1032,16 +951,14 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def set_rope_scaling(self, scaling: str, factor: float = 1.0, original_max_len: int | None = None) -> None:
-        """Switch RoPE's scaling at inference, no weight changes (yarn, factor 4: read 4x the training length).
-        original_max_len (L0) defaults to the config's, else block_size."""
+        """Switch RoPE's scaling at inference (yarn, factor 4: 4x the training length); L0: the config's by default."""
         if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
         self.config = self.encoding.scaled(self.config, scaling, factor, original_max_len)
         self.use_encoding(type(self.encoding)(self.config))  # it holds no weights: nothing is lost
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
-        """nanoGPT's call: extend idx (B, T) by max_new_tokens sampled tokens, with generate.py's generate (which
-        lists the options)."""
+        """nanoGPT's call: extend idx (B, T) by max_new_tokens tokens with generate.py's generate (its options)."""
         from generate import generate  # generation is a module of its own, which imports this one
 
         return generate(self, idx, max_new_tokens, **options)

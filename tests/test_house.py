@@ -19,7 +19,7 @@ DEVELOPMENT = ROOT / "docs" / "development.md"
 # The most definitions each encoding's walk may take today (the goals, in docs/development.md, are lower: a change
 # lowers a ceiling as it meets it, and one that needs more makes room first)
 WALK_CEILING = {"rope": 22, "alibi": 24, "none": 20}
-WALK_CEILING_ANY = 31  # every other encoding's
+WALK_CEILING_ANY = 29  # every other encoding's
 
 
 def definition(code) -> str | None:
@@ -130,7 +130,7 @@ def test_the_walk_counts_what_runs():
 # Sizes: what a reader holds. Ceilings today; the goals (docs/development.md) are lower, and a change lowers a ceiling
 # as it meets it
 
-LINE_CEILINGS = {"model.py": 1075, "train.py": 600}  # lines per file
+LINE_CEILINGS = {"model.py": 1000, "train.py": 600}  # lines per file
 CLASS_CEILINGS = {("model.py", "GPT"): 200}  # lines per class
 FUNCTION_CEILING = 60  # lines per function or method of the model's files, a docstring included
 FUNCTION_FILES = ("model.py", "fast_paths.py", "generate.py")
