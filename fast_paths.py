@@ -116,18 +116,18 @@ def fast_attention(
     bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     pos: torch.Tensor,
-    keys: torch.Tensor,
+    key_pos: torch.Tensor,
     window: int | None,
     own_keys: bool,
     table: torch.Tensor | None = None,
-    rows: Callable[[int, int, int, int], torch.Tensor] | None = None,
+    block_bias: Callable[[int, int, int, int], torch.Tensor] | None = None,
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
     attend: Callable | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The attention (q, k, v) -> y of kernel `name` (kernel's answer) for one layer's score bias over this forward's
-    queries. bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and keys (Tk,)
+    queries. bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and key_pos (Tk,)
     hold them); query i sees key j where 0 <= i - j < window (None: no window). table: a bias of i - j alone at
-    distances 0 … D - 1 (nh, D), the last for every longer distance; rows(i0, i1, j0, j1): the bias of queries
+    distances 0 … D - 1 (nh, D), the last for every longer distance; block_bias(i0, i1, j0, j1): the bias of queries
     i0 … i1 - 1 over keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a
     key). starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a
     query sees only keys of its own document, the bias read at stream positions (the same i - j inside one).
@@ -135,27 +135,27 @@ def fast_attention(
     query_starts, key_starts = (None, None) if starts is None else starts
     if name == "bias_table":
         # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
-        other_keys, key_starts = (None, None) if own_keys else (keys, key_starts)
+        other_pos, key_starts = (None, None) if own_keys else (key_pos, key_starts)
         return lambda q, k, v: TableBiasAttention.apply(
-            q, k, v, table, pos, other_keys, window, query_starts, key_starts
+            q, k, v, table, pos, other_pos, window, query_starts, key_starts
         )
     if name == "bias_blocks":
-        span = lambda i0, i1: key_span(i0, i1, len(keys), own_keys, pos, query_starts, window)  # noqa: E731
-        return bias_blocks(rows, span, attend)
+        span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
+        return bias_blocks(block_bias, span, attend)
     if starts is None:
-        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window)  # noqa: E731  query and key indices -> bool
+        visible = lambda b, h, i, j: sees(pos[i] - key_pos[j], window)  # noqa: E731  query and key indices -> bool
     else:
-        visible = lambda b, h, i, j: sees(pos[i] - keys[j], window) & (query_starts[b, i] == key_starts[b, j])  # noqa: E731
+        visible = lambda b, h, i, j: sees(pos[i] - key_pos[j], window) & (query_starts[b, i] == key_starts[b, j])  # noqa: E731
     batch = None if starts is None else query_starts.size(0)
-    block_mask = create_block_mask(visible, batch, None, len(pos), len(keys), device=pos.device)
+    block_mask = create_block_mask(visible, batch, None, len(pos), len(key_pos), device=pos.device)
     if name == "flex_table":  # own keys: the keys' starts are the queries'
-        return flex_table(table, pos, keys, window, block_mask, options.flex_kernel_options, query_starts)
+        return flex_table(table, pos, key_pos, window, block_mask, options.flex_kernel_options, query_starts)
     if name == "flex":
         if starts is None:
-            score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], keys[j]).to(s.dtype)  # noqa: E731
+            score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], key_pos[j]).to(s.dtype)  # noqa: E731
         else:  # at positions in each document: a bias that reads the query's own (FIRE's) reads its document's
-            own = lambda b, i, j: (pos[i] - query_starts[b, i], keys[j] - key_starts[b, j])  # noqa: E731
-            score_mod = lambda s, b, h, i, j: s + bias(h, *own(b, i, j)).to(s.dtype)  # noqa: E731
+            doc_pos = lambda b, i, j: (pos[i] - query_starts[b, i], key_pos[j] - key_starts[b, j])  # noqa: E731
+            score_mod = lambda s, b, h, i, j: s + bias(h, *doc_pos(b, i, j)).to(s.dtype)  # noqa: E731
         return lambda q, k, v: flex_attention(
             q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options.flex_kernel_options
         )
@@ -171,12 +171,12 @@ def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
 
 
-def flex_table(table, pos, keys, window, block_mask, kernel_options: dict | None, starts=None) -> Callable:
+def flex_table(table, pos, key_pos, window, block_mask, kernel_options: dict | None, starts=None) -> Callable:
     """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the distances 0 … R (the
     last for every longer one), which TableGrad gives its gradient. starts (B, T): where each token's document starts
     (packing="documents"), else None."""
     frozen, R = table.detach(), table.size(1) - 1
-    score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - keys[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
+    score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - key_pos[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
 
     def attention(q, k, v):
         y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
@@ -269,8 +269,8 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
     """The sums of the diagonals of m (..., n, n): out[..., o + n - 1] sums m[..., r, c] over r - c = o. Each row
     shifted by its index (a pad and a reshape) puts a diagonal in one column: a plain sum, no scatter."""
     n = m.size(-1)
-    rows = F.pad(m.flip(-1), (0, n)).flatten(-2)[..., : n * (2 * n - 1)]  # row r, column c' = n - 1 - c at r + c'
-    return rows.unflatten(-1, (n, 2 * n - 1)).sum(-2)
+    shifted = F.pad(m.flip(-1), (0, n)).flatten(-2)[..., : n * (2 * n - 1)]  # row r, column c' = n - 1 - c at r + c'
+    return shifted.unflatten(-1, (n, 2 * n - 1)).sum(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,8 +300,8 @@ class TableBiasAttention(torch.autograd.Function):
     and adds the bias's gradient into the table's entries, in order (deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, pos, keys, window, starts=None, key_starts=None):
-        own_keys, keys = keys is None, pos if keys is None else keys  # None: the queries' own
+    def forward(ctx, q, k, v, table, pos, key_pos, window, starts=None, key_starts=None):
+        own_keys, key_pos = key_pos is None, pos if key_pos is None else key_pos  # None: the queries' own
         key_starts = starts if key_starts is None else key_starts
         (B, nh, Tq, _), Tk = q.shape, k.size(2)
         y = q.new_empty(B, nh, Tq, v.size(-1))
@@ -309,16 +309,16 @@ class TableBiasAttention(torch.autograd.Function):
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts, window)
-            bias, _ = table_block(table, pos[i0:i1], keys[j0:j1], window)  # (nh, bq, j1 - j0)
+            bias, _ = table_block(table, pos[i0:i1], key_pos[j0:j1], window)  # (nh, bq, j1 - j0)
             bias = in_documents(bias, starts, key_starts, slice(i0, i1), slice(j0, j1))
             y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
-        ctx.save_for_backward(q, k, v, table, pos, keys, y, lse, starts, key_starts)
+        ctx.save_for_backward(q, k, v, table, pos, key_pos, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, table, pos, keys, y, lse, starts, key_starts = ctx.saved_tensors
+        q, k, v, table, pos, key_pos, y, lse, starts, key_starts = ctx.saved_tensors
         dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 in, float32 arithmetic
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
         scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
@@ -327,7 +327,7 @@ class TableBiasAttention(torch.autograd.Function):
         for i0 in range(0, Tq, TABLE_BLOCK):
             i1 = min(i0 + TABLE_BLOCK, Tq)
             j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts, ctx.window)
-            bias, index = table_block(table, pos[i0:i1], keys[j0:j1], ctx.window)  # (nh, bq, nk), (bq, nk)
+            bias, index = table_block(table, pos[i0:i1], key_pos[j0:j1], ctx.window)  # (nh, bq, nk), (bq, nk)
             qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
             if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
@@ -358,35 +358,35 @@ def key_span(
     return j0, i1
 
 
-def table_block(table: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> tuple:
-    """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys (Tk,), -inf where a query does not see a key,
-    and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1."""
-    rel = pos[:, None] - keys[None, :]
+def table_block(table: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> tuple:
+    """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys at key_pos (Tk,), -inf where a query does not
+    see a key, and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1."""
+    rel = pos[:, None] - key_pos[None, :]
     index = rel.clamp(0, table.size(1) - 1)
     bias = table[:, index].to(torch.promote_types(table.dtype, torch.float32))
     return bias.masked_fill(~sees(rel, window), float("-inf")), index
 
 
-def in_documents(bias: torch.Tensor, starts, key_starts, rows: slice, cols: slice) -> torch.Tensor:
+def in_documents(bias: torch.Tensor, starts, key_starts, query_slice: slice, key_slice: slice) -> torch.Tensor:
     """A block's bias (nh, bq, nk) of the queries in rows over the keys in cols, -inf where they are in different
     documents ((B, nh, bq, nk); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
     without documents (starts None)."""
     if starts is None:
         return bias
-    same = same_document(starts, key_starts, rows, cols)
+    same = same_document(starts, key_starts, query_slice, key_slice)
     return torch.where(same[:, None], bias, float("-inf"))  # one pass (masked_fill would copy, then fill)
 
 
-def same_document(starts: torch.Tensor, key_starts: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+def same_document(starts: torch.Tensor, key_starts: torch.Tensor, query_slice: slice, key_slice: slice) -> torch.Tensor:
     """Whether the queries in rows and the keys in cols are in one document (B, bq, nk)."""
-    return starts[:, rows, None] == key_starts[:, None, cols]
+    return starts[:, query_slice, None] == key_starts[:, None, key_slice]
 
 
 def bias_blocks(
-    rows: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple], attend
+    block_bias: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple], attend
 ) -> Callable:
     """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias without a table,
-    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see, their bias rows(i0, i1, j0, j1)
+    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see, their bias block_bias(i0, i1, j0, j1)
     (fast_attention's), then attend(q, k, v, bias) (model.py's SDPA under a bias): no (nh, Tq, Tk) tensor. With a
     gradient each block runs under activation checkpointing, so that its bias and probabilities are computed again in
     the backward, one block at a time, and autograd takes the bias's gradient into its parameters from there (FIRE's
@@ -394,7 +394,7 @@ def bias_blocks(
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)
-        return attend(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=rows(i0, i1, j0, j1))
+        return attend(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=block_bias(i0, i1, j0, j1))
 
     def attention(q, k, v):
         grad = torch.is_grad_enabled()
@@ -484,9 +484,9 @@ def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Ten
     return mlp_distances(f, len(pos), f.c, f.threshold, f.w1, f.b1, f.w2[:, None])
 
 
-def mlp_by_document_position(f: MLPBias, pos, own, c, threshold, w1, b1, w2) -> torch.Tensor:
+def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2) -> torch.Tensor:
     """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own, at consecutive
-    positions pos (T,), own (B, T) each query's position in its document: a function of that position p and the
+    positions pos (T,), doc_pos (B, T) each query's position in its document: a function of that position p and the
     distance d alone, so the MLP runs once per (p, d) for the positions past the threshold (every position, compiled:
     their number is data) and once per d for those below, then each row gathers its own."""
     T, device = len(pos), pos.device
@@ -496,22 +496,22 @@ def mlp_by_document_position(f: MLPBias, pos, own, c, threshold, w1, b1, w2) -> 
     past = run_mlp(f.mlp, f.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
     by_position = torch.cat([table[:, None].expand(-1, within, -1), past], dim=1)  # (nh, p, d)
     rel = (pos[:, None] - pos).clamp(min=0)  # (T, T): i - j, the same in a document
-    return by_position[:, own[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
+    return by_position[:, doc_pos[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
 
 
-def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool = False) -> torch.Tensor:
-    """The bias at every pair of queries at pos (Tq,) and keys at keys (Tk,), (nh, Tq, Tk), its x and units computed
-    once for the layer; own: under packing="documents" each query's and key's position in its document ((B, Tq),
+def mlp_matrix(f: MLPBias, pos, key_pos, own_keys: bool, doc_pos=None, recompute: bool = False) -> torch.Tensor:
+    """The bias at every pair of queries at pos (Tq,) and keys at key_pos (Tk,), (nh, Tq, Tk), its x and units computed
+    once for the layer; doc_pos: under packing="documents" each query's and key's position in its document ((B, Tq),
     (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries' own at consecutive positions, a query below the
     threshold has x of i - j alone: its row is a gather from the MLP run on the T distances; only queries past it (a
     suffix) take the MLP per pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
     # the tensors the MLP's evaluations take (so that checkpointing and torch.cond see them); w2 (nh, 1, 1, units)
     operands = f.c, f.threshold, f.w1, f.b1, f.w2[:, None, None]
-    if own is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
+    if doc_pos is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
         # pair by pair at each row's positions where the keys are not the queries' own, or a document began
         # before the chunk (read on the host, eager, only then)
-        if not own_keys or (not torch.compiler.is_compiling() and bool(own[0][:, 0].max() > 0)):
-            i, j = own  # (B, Tq), (B, Tk)
+        if not own_keys or (not torch.compiler.is_compiling() and bool(doc_pos[0][:, 0].max() > 0)):
+            i, j = doc_pos  # (B, Tq), (B, Tk)
             few = i.numel() * j.size(1) <= MLP_FEW
 
             def by_rows(c, threshold, w1, b1, w2):  # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
@@ -520,13 +520,13 @@ def mlp_matrix(f: MLPBias, pos, keys, own_keys: bool, own=None, recompute: bool 
                 )
 
             return (recomputed(by_rows) if recompute and not few else by_rows)(*operands)
-        return mlp_by_document_position(f, pos, own[0], *operands)
+        return mlp_by_document_position(f, pos, doc_pos[0], *operands)
 
     def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
-        few = len(queries) * len(keys) <= MLP_FEW  # little to keep for the backward: nothing to recompute
+        few = len(queries) * len(key_pos) <= MLP_FEW  # little to keep for the backward: nothing to recompute
 
         def at(c, threshold, w1, b1, w2):
-            return run_mlp(f.mlp, f.input(c, threshold, queries[:, None], keys), w1, b1, w2, few=few)
+            return run_mlp(f.mlp, f.input(c, threshold, queries[:, None], key_pos), w1, b1, w2, few=few)
 
         return recomputed(at) if recompute and not few else at
 
@@ -541,9 +541,9 @@ def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) 
     T = len(pos)
     rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
 
-    def by_distance(c, threshold, w1, b1, w2, rows: int = T):  # the first `rows` queries, within L
+    def by_distance(c, threshold, w1, b1, w2, prefix: int = T):  # the first `prefix` queries, within L
         table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
-        return table[:, rel[:rows]]  # (nh, rows, T); keeps little for the backward: nothing to recompute
+        return table[:, rel[:prefix]]  # (nh, prefix, T); keeps little for the backward: nothing to recompute
 
     past = pos >= operands[1]  # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
     if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
@@ -561,7 +561,7 @@ def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) 
     n = int(past.sum())
     if n == 0 or n == T:
         return (by_distance if n == 0 else pairs(pos))(*operands)
-    return torch.cat([by_distance(*operands, rows=T - n), pairs(pos[T - n :])(*operands)], dim=1)
+    return torch.cat([by_distance(*operands, prefix=T - n), pairs(pos[T - n :])(*operands)], dim=1)
 
 
 KERNELS = (

@@ -149,7 +149,7 @@ def next_logits(
 
 def decode_step(model: GPT, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:
     """Logits (B, vocab_size) of one new token idx (B, 1) at chunk.pos, its slot claimed: the unit compiled."""
-    return model.lm_head(model.hidden(idx, chunk, cache)[:, -1])
+    return model.lm_head(model.chunk_features(idx, chunk, cache)[:, -1])
 
 
 # a model's compiled decode step, and the encoding it was compiled for (set_rope_scaling replaces the encoding); held

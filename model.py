@@ -586,7 +586,7 @@ class Chunk:
     """A forward's positions, derived once (GPT.chunk): embedding, RoPE read `pos`; mask, bias compare it to `keys`."""
 
     pos: torch.Tensor  # (T,) the tokens' absolute positions, the queries'
-    keys: torch.Tensor  # (Tk,) the keys' positions: pos, or with a cache every slot's (KVCache.EMPTY where unused)
+    key_pos: torch.Tensor  # (Tk,) the keys' positions: pos, or with a cache every slot's (KVCache.EMPTY where unused)
     slots: torch.Tensor | None  # (T,) the cache slots the chunk's keys and values go to; None without a cache
     window: int | None  # query i sees key j only where i - j < window; None: every key up to its own position
     consecutive: bool  # the positions step by one, so that a band of i - j is a band of distances
@@ -594,21 +594,21 @@ class Chunk:
     key_starts: torch.Tensor | None = None  # (B, Tk) each key's
     cached: bool = False  # the keys come from a KV cache (they are not the queries' own)
 
-    def own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def document_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries' and keys' positions, in their documents under packing="documents" ((B, T), (B, Tk))."""
         if self.starts is None:
-            return self.pos, self.keys
-        return self.pos - self.starts, self.keys - self.key_starts
+            return self.pos, self.key_pos
+        return self.pos - self.starts, self.key_pos - self.key_starts
 
-    def rows(self, i0: int, i1: int, j0: int, j1: int) -> Chunk:
+    def block(self, i0: int, i1: int, j0: int, j1: int) -> Chunk:
         """Queries i0 … i1 - 1 over keys j0 … j1 - 1 (bias_blocks'), not consecutive; a cached chunk's whole: itself."""
-        if self.cached and (i0, i1, j0, j1) == (0, len(self.pos), 0, len(self.keys)):
+        if self.cached and (i0, i1, j0, j1) == (0, len(self.pos), 0, len(self.key_pos)):
             return self
         cut = lambda t, a, b: None if t is None else t[..., a:b]  # noqa: E731  the last dim: (T,) or (B, T)
         return replace(
             self,
             pos=self.pos[i0:i1],
-            keys=self.keys[j0:j1],
+            key_pos=self.key_pos[j0:j1],
             slots=cut(self.slots, i0, i1),
             consecutive=False,
             starts=cut(self.starts, i0, i1),
@@ -648,29 +648,29 @@ def attend(
     return y.to(q.dtype)
 
 
-def pair_bias(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
+def pair_bias(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
     """One layer's bias (nh, Tq, Tk), or (B, nh, Tq, Tk) by documents, heads first … first + n_head - 1: score_bias, or
     the fast paths' evaluation of a layer_bias (FIRE's). recompute: in the backward, so autograd keeps only the bias."""
     if pe.layer_bias is not None:
-        own = chunk.own_positions() if chunk.starts is not None else None
+        doc_pos = chunk.document_positions() if chunk.starts is not None else None
         own_keys = chunk.consecutive and not chunk.cached
-        return fast_paths.mlp_matrix(pe.layer_bias(first // n_head), chunk.pos, chunk.keys, own_keys, own, recompute)
-    heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + first
-    i, j = chunk.pos[:, None], chunk.keys  # (Tq, 1), (Tk,)
+        return fast_paths.mlp_matrix(pe.layer_bias(layer), chunk.pos, chunk.key_pos, own_keys, doc_pos, recompute)
+    heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + (layer * n_head if pe.per_layer else 0)
+    i, j = chunk.pos[:, None], chunk.key_pos  # (Tq, 1), (Tk,)
     if chunk.starts is not None and not pe.relative:  # each row's positions in its documents: (B, nh, Tq, Tk)
-        i, j = chunk.own_positions()  # (B, Tq), (B, Tk)
+        i, j = chunk.document_positions()  # (B, Tq), (B, Tk)
         heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
     if recompute:
         return checkpoint(pe.score_bias, heads, i, j, use_reentrant=False)
     return pe.score_bias(heads, i, j)
 
 
-def distance_table(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
+def distance_table(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
     """One layer's bias (nh, D) over distances 0 … D - 1 (the last for every longer one) where it is a function of
     i - j alone (FIRE's: below its threshold) and D is known without reading positions; else None. Not for a cache."""
     if pe.layer_bias is not None:
         return (
-            fast_paths.mlp_table(pe.layer_bias(first // n_head), chunk.pos, chunk.own_positions()[0])
+            fast_paths.mlp_table(pe.layer_bias(layer), chunk.pos, chunk.document_positions()[0])
             if chunk.consecutive
             else None
         )
@@ -683,7 +683,7 @@ def distance_table(pe: PositionalEncoding, first: int, n_head: int, chunk: Chunk
     else:
         return None
     D = D if chunk.window is None else min(D, chunk.window)
-    heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + first
+    heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + (layer * n_head if pe.per_layer else 0)
     return pe.score_bias(heads, torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
 
 
@@ -696,7 +696,7 @@ def attention_for(
         return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
 
     def seen(c: Chunk = chunk) -> torch.Tensor:  # whether query i sees key j: causal, in the window and document
-        visible = fast_paths.sees(c.pos[:, None] - c.keys, c.window)  # (Tq, Tk)
+        visible = fast_paths.sees(c.pos[:, None] - c.key_pos, c.window)  # (Tq, Tk)
         if not documents:
             return visible[None]  # (1, Tq, Tk)
         return (visible & (c.starts[:, :, None] == c.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
@@ -709,22 +709,24 @@ def attention_for(
     own_keys = chunk.consecutive and not chunk.cached
 
     def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:  # (nh, Tq, Tk) or (B, nh, ...)
-        return pair_bias(pe, first, config.n_head, c, recompute).masked_fill(~seen(c), float("-inf"))
+        return pair_bias(pe, layer, config.n_head, c, recompute).masked_fill(~seen(c), float("-inf"))
 
     device = chunk.pos.device.type  # a bias of i - j alone as its table (on a CPU, or training), any bias by rows
     cpu_or_trained = device == "cpu" or trainable
-    table = distance_table(pe, first, config.n_head, chunk) if cpu_or_trained and not chunk.cached else None
+    table = distance_table(pe, layer, config.n_head, chunk) if cpu_or_trained and not chunk.cached else None
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
     head_dim = config.n_embd // config.n_head
     name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)
     if name is None:  # the reference
         matrix = bias_matrix()
         return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
-    rows = lambda i0, i1, j0, j1: bias_matrix(chunk.rows(i0, i1, j0, j1), recompute=False)  # noqa: E731
+    block_bias = lambda i0, i1, j0, j1: bias_matrix(chunk.block(i0, i1, j0, j1), recompute=False)  # noqa: E731
     starts = (chunk.starts, chunk.key_starts) if documents else None
     bias = lambda h, i, j: pe.score_bias(h + first, i, j)  # noqa: E731
-    positions = dict(pos=chunk.pos, keys=chunk.keys, window=chunk.window, own_keys=own_keys, starts=starts)
-    return fast_paths.fast_attention(name, options, bias, **positions, table=table, rows=rows, attend=attend)
+    positions = dict(pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts)
+    return fast_paths.fast_attention(
+        name, options, bias, **positions, table=table, block_bias=block_bias, attend=attend
+    )
 
 
 # ---- The transformer
@@ -900,7 +902,7 @@ class GPT(nn.Module):
         if cache is not None and T > (most := cache.max_chunk(T, window)):  # a chunk must not evict its own keys
             chunks = [(idx[:, i : i + most], None if pos is None else pos[i : i + most]) for i in range(0, T, most)]
             return torch.cat([self.features(x, p, cache, window, wrap_attention) for x, p in chunks], dim=1)
-        return self.hidden(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
+        return self.chunk_features(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
 
     def chunk(self, idx: torch.Tensor, pos, cache, window: int | None, doc_start=None) -> Chunk:
         """The Chunk of idx (B, T) at pos (None: the next T), checked, its cache slots claimed: where caches advance."""
@@ -931,11 +933,11 @@ class GPT(nn.Module):
         slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
         return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts, cached=True)
 
-    def hidden(self, idx: torch.Tensor, chunk: Chunk, cache, wrap_attention=None) -> torch.Tensor:
+    def chunk_features(self, idx: torch.Tensor, chunk: Chunk, cache, wrap_attention=None) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
-        pos = chunk.pos if chunk.starts is None else chunk.own_positions()[0]  # or (B, T), in each document
+        pos = chunk.pos if chunk.starts is None else chunk.document_positions()[0]  # or (B, T), in each document
         emb = pe.embed(pos)
         if emb is not None:
             x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32

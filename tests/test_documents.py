@@ -123,7 +123,7 @@ def test_documents_alone_in_evaluation_and_with_a_window(pe, monkeypatch):
         assert None not in taken
 
 
-def test_fire_past_its_threshold_reads_each_document_at_its_own_positions(monkeypatch):
+def test_fire_past_its_threshold_reads_each_document_at_its_document_positions(monkeypatch):
     """FIRE's bias reads the query's position, not only i - j: past its threshold L a packed row's bias is each row's
     own, on a CPU a block of 16 queries at a time (no table: bias_blocks, its keys from the block's earliest document
     on), and each document still gets what it gets alone, logits and gradients."""
@@ -264,8 +264,8 @@ def test_the_restart_changes_nothing_for_the_relative_encodings(pe, monkeypatch)
     rows = torch.stack([torch.cat(documents(lengths, seed)) for seed, lengths in enumerate(LAYOUTS)])
     with torch.no_grad():
         restarted, _ = model(rows)
-        stream = lambda chunk: (chunk.pos.expand(len(rows), -1), chunk.keys.expand(len(rows), -1))  # noqa: E731
-        monkeypatch.setattr(Chunk, "own_positions", stream)
+        stream = lambda chunk: (chunk.pos.expand(len(rows), -1), chunk.key_pos.expand(len(rows), -1))  # noqa: E731
+        monkeypatch.setattr(Chunk, "document_positions", stream)
         counted_on, _ = model(rows)
     if pe in RELATIVE:  # RoPE's angles p·θ are float32: other positions, other roundings
         close(counted_on, restarted, tol=1e-5 if pe == "rope" else 1e-10)

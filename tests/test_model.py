@@ -153,10 +153,10 @@ def test_generation_past_max_context_keeps_absolute_positions(pe, T):
     windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
 
-    def at_own_positions(m, x):
+    def at_document_positions(m, x):
         return m(x[:, -W:], pos=torch.arange(max(0, x.size(1) - W), x.size(1)))[0][:, -1]
 
-    cropped = greedy_reference(model, idx, steps, at_own_positions)
+    cropped = greedy_reference(model, idx, steps, at_document_positions)
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
 
 
@@ -464,7 +464,7 @@ def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
     pairs = [(m32.encoding.embed(pos), mb.encoding.embed(pos))]
     pairs += list(zip(m32.encoding.rotary(pos) or (), mb.encoding.rotary(pos) or (), strict=True))
     if m32.encoding.has_score_bias:
-        last = Chunk(pos[-1:], keys=pos, slots=None, window=None, consecutive=False)
+        last = Chunk(pos[-1:], key_pos=pos, slots=None, window=None, consecutive=False)
         pairs.append(tuple(model_py.pair_bias(m.encoding, 0, 12, last) for m in (m32, mb)))  # (nh, 1, T)
     for exact, cast in pairs:
         if exact is not None:
@@ -499,7 +499,7 @@ def test_attention_matches_handwritten_reference(pe):
     x = torch.randn(2, 12, 32)
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
-    chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=True)
+    chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True)
     attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
     got = cfg_attn(x, model.encoding.rotary(pos), attention, None)
     close(got, reference_attention(model, x), tol=1e-4)
@@ -1404,8 +1404,8 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
 
     pos = 2 * torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunk = Chunk(pos, keys=pos, slots=None, window=None, consecutive=False)
-        bias = model_py.pair_bias(pe, 4, 4, chunk)
+        chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=False)
+        bias = model_py.pair_bias(pe, 1, 4, chunk)
     bias.sum().backward()
     assert sum(saved) <= 6 * 4 * T * T, sum(saved) / (4 * T * T)
     assert all(p.grad is not None for p in pe.parameters())
@@ -1431,7 +1431,7 @@ def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
     pos = torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         bias = model_py.pair_bias(
-            pe, 4, 4, Chunk(pos, keys=pos, slots=None, window=None, consecutive=True), recompute=True
+            pe, 1, 4, Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True), recompute=True
         )
     bias.sum().backward()
     assert bias.shape == (4, T, T)
