@@ -18,7 +18,7 @@ DEVELOPMENT = ROOT / "docs" / "development.md"
 
 # The most definitions each encoding's walk may take today (the goals, in docs/development.md, are lower: a change
 # lowers a ceiling as it meets it, and one that needs more makes room first)
-WALK_CEILING = {"rope": 22, "alibi": 24, "none": 20}
+WALK_CEILING = {"rope": 22, "alibi": 24}
 WALK_CEILING_ANY = 29  # every other encoding's
 
 
@@ -161,3 +161,19 @@ def test_the_files_keep_their_size_budgets():
                 assert n <= ceiling, f"{name}'s {node.name} has {n} lines, over {ceiling}"
     n = len((ROOT / "README.md").read_text())
     assert n <= README_CEILING, f"README.md has {n} characters, over its budget of {README_CEILING}"
+
+
+def test_the_docs_state_the_budgets():
+    """docs/development.md's table of budgets states this file's ceilings."""
+    text = DEVELOPMENT.read_text().split("### Budgets")[1].split("###")[0]
+    rows = {m[1]: int(m[2]) for m in re.finditer(r"^\| (.+?) \| (\d+) \| \d+ \|$", text, re.M)}
+    assert rows == {
+        "`model.py`, lines": LINE_CEILINGS["model.py"],
+        "`train.py`, lines": LINE_CEILINGS["train.py"],
+        "the `GPT` class, lines": CLASS_CEILINGS[("model.py", "GPT")],
+        "a function or method of `model.py`, `fast_paths.py`, `generate.py`, lines": FUNCTION_CEILING,
+        "`README.md`, characters": README_CEILING,
+        "the walk (below) of RoPE, definitions": WALK_CEILING["rope"],
+        "the walk of ALiBi, definitions": WALK_CEILING["alibi"],
+        "the walk of any other encoding, definitions": WALK_CEILING_ANY,
+    }
