@@ -142,7 +142,9 @@ def next_logits(
     if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
         cache = KVCache(model.config.n_layer, cache_size(pe, W, new.size(1)))
         tokens = new if pe.rolling else idx[:, -W:]
-        return model.lm_head(model.features(tokens, cache=cache, window=window)[:, -1]), cache
+        for piece in tokens.split(W, dim=1):  # the decode step over the prompt, W tokens at most at once (cache_size)
+            logits = decode_step(model, piece, model.chunk(piece, None, cache, window), cache)
+        return logits, cache
     # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
     return (decode or decode_step)(model, new, model.chunk(new, None, cache, window), cache), cache
 
