@@ -699,7 +699,8 @@ def attention_for(
         visible = fast_paths.sees(c.pos[:, None] - c.key_pos, c.window)  # (Tq, Tk)
         if not documents:
             return visible[None]  # (1, Tq, Tk)
-        return (visible & (c.starts[:, :, None] == c.key_starts[:, None, :]))[:, None]  # (B, 1, Tq, Tk)
+        every = slice(None)
+        return (visible & fast_paths.same_document(c.starts, c.key_starts, every, every))[:, None]  # (B, 1, Tq, Tk)
 
     if not pe.has_score_bias:  # SDPA under the mask of what each query sees
         mask = seen()
