@@ -9,6 +9,7 @@ whole window again where no cache can be exact.
 
 from __future__ import annotations
 
+import math
 import types
 import weakref
 from collections.abc import Callable
@@ -102,7 +103,21 @@ def generate(
     """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. The model attends to at most
     max_context tokens (default block_size): past it, the absolute encodings crop to the last max_context tokens and
     restart at position 0 (nanoGPT's way), the others roll their cache, keys keeping their positions.
-    use_cache=False re-runs the window every token; compile=True compiles the decode step."""
+    use_cache=False re-runs the window every token; compile=True compiles the decode step. A bad argument is a
+    ValueError naming it, its value and what is allowed, before any work."""
+    if problem := sampling_problem(temperature, top_k, top_p):
+        name, rule = problem
+        raise ValueError(f"{name}={dict(temperature=temperature, top_k=top_k, top_p=top_p)[name]!r} {rule}")
+    if not (type(max_new_tokens) is int and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if not (isinstance(idx, torch.Tensor) and idx.dim() == 2 and not idx.dtype.is_floating_point and idx.numel()):
+        got = f"a {tuple(idx.shape)} {idx.dtype} tensor" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(
+            f"idx must be a (B, T) tensor of token ids, B and T >= 1 (e.g. torch.tensor([[1, 2]])); got {got}"
+        )
+    V = model.config.vocab_size
+    if (low := int(idx.min())) < 0 or (high := int(idx.max())) >= V:
+        raise ValueError(f"idx holds token id {low if low < 0 else high}: the model's vocabulary is 0 … {V - 1}")
     W = context_window(model, max_context)
     decode = compiled(model, idx.device.type) if compile and use_cache else decode_step
     cache, new = None, idx  # new: the tokens the model has not seen yet
@@ -194,6 +209,21 @@ def context_window(model: GPT, max_context: int | None = None) -> int:
             f"(block_size={config.block_size}); use max_context <= {config.block_size}"
         )
     return W
+
+
+def sampling_problem(temperature: float, top_k: int | None, top_p: float | None) -> tuple[str, str] | None:
+    """The first sampling argument out of its range, as (name, what is allowed), or None: the one rule that generate()
+    and sample.py check."""
+    real = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
+    if not (real(temperature) and temperature >= 0):
+        return "temperature", "must be >= 0 (0: greedy)"
+    if 0 < temperature < 1e-6:  # logits / temperature overflow float32 near 1e-36; long before, it is greedy anyway
+        return "temperature", "below 1e-6 it is greedy: use 0"
+    if not (top_k is None or (type(top_k) is int and top_k >= 1)):
+        return "top_k", "must be an integer >= 1, or None (all)"
+    if not (top_p is None or (real(top_p) and 0 < top_p <= 1)):
+        return "top_p", "must be in (0, 1], or None (all)"
+    return None
 
 
 def sample_next(

@@ -30,8 +30,8 @@ from devices import (
     gb,
     missing,
 )
-from generate import cache_size, context_window, generate
-from model import GPT, ROPE_SCALINGS, number
+from generate import cache_size, context_window, generate, sampling_problem
+from model import GPT, ROPE_SCALINGS
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -60,16 +60,11 @@ def check_options(cfg: dict) -> None:
     """The ranges of the sampling options, checked before any work; each error names the value and the rule."""
 
     need = partial(require, cfg, sep=": ")
-    finite = lambda x: number(x) and math.isfinite(x)  # noqa: E731
 
     need(cfg["num_samples"] >= 1, "num_samples", "must be >= 1")
     need(cfg["max_new_tokens"] >= 1, "max_new_tokens", "must be >= 1")
-    need(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0, "temperature", "must be >= 0 (0: greedy)")
-    # logits / temperature overflow float32 near 1e-36; long before that, sampling is greedy anyway
-    need(not 0 < cfg["temperature"] < 1e-6, "temperature", "below 1e-6 it is greedy: use 0")
-    top_k, top_p = cfg["top_k"], cfg["top_p"]
-    need(top_k is None or (type(top_k) is int and top_k >= 1), "top_k", "must be an integer >= 1, or None (all)")
-    need(top_p is None or (finite(top_p) and 0 < top_p <= 1), "top_p", "must be in (0, 1], or None (all)")
+    if problem := sampling_problem(cfg["temperature"], cfg["top_k"], cfg["top_p"]):  # generate()'s rule
+        need(False, *problem)
     mc = cfg["max_context"]
     need(mc is None or (type(mc) is int and mc >= 1), "max_context", "must be an integer >= 1, or None (block_size)")
     need(cfg["rope_scaling"] in ("", *ROPE_SCALINGS), "rope_scaling", f"choose one of {', '.join(ROPE_SCALINGS)}")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, tiny
 
 import sample
 from checkpoint import Checkpointer, CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, configure
+from generate import generate
 from model import GPT, GPTConfig
 from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
@@ -374,3 +375,33 @@ def test_synthetic_model_prompt_example_is_token_ids(tmp_path):
     assert r.returncode == 1 and "--start='0 17 5'" in r.stderr
     r = sample_here(f"--out_dir={tmp_path}", "--start=0 17 5", "--max_new_tokens=3", "--num_samples=1")
     assert r.returncode == 0 and len(r.stdout.split()) == 6 and r.stdout.startswith("0 17 5 ")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (dict(max_new_tokens=-3), "max_new_tokens=-3"),
+        (dict(max_new_tokens=2.0), "max_new_tokens=2.0"),
+        (dict(idx=torch.zeros(1, 0, dtype=torch.long)), "got a (1, 0)"),
+        (dict(idx=torch.tensor([1, 2])), "got a (2,)"),
+        (dict(idx=torch.zeros(1, 2, 2, dtype=torch.long)), "got a (1, 2, 2)"),
+        (dict(idx=torch.tensor([[1.0, 2.0]])), "torch.float32"),
+        (dict(idx=torch.tensor([[3, 64]])), "token id 64: the model's vocabulary is 0 … 63"),
+        (dict(idx=torch.tensor([[-1, 3]])), "token id -1"),
+        (dict(temperature=-1), "temperature=-1 must be >= 0"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(top_k=0), "top_k=0 must be an integer >= 1"),
+        (dict(top_p=0), "top_p=0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+    ],
+)
+def test_generate_refuses_bad_arguments_by_name(args, words):
+    """generate() from Python checks what sample.py checks (one rule for the sampling arguments) and its prompt: a bad
+    value is one ValueError naming the argument, its value and what is allowed, never an IndexError or a silently
+    wrong sample."""
+    model = tiny("rope")
+    kw = dict(idx=torch.tensor([[1, 2, 3]]), max_new_tokens=3) | args
+    with pytest.raises(ValueError) as e:
+        generate(model, kw.pop("idx"), kw.pop("max_new_tokens"), **kw)
+    assert words in str(e.value), str(e.value)
+    assert torch.equal(generate(model, torch.tensor([[1, 2, 3]]), 0), torch.tensor([[1, 2, 3]]))  # 0: the prompt
