@@ -49,6 +49,14 @@ def code_sha256(folder: Path, names) -> dict[str, str | None]:
     return {name: hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None for name, f in files.items()}
 
 
+# what forward() and generate() answer to positions handed to them, which a nanoPE model computes itself
+POSITIONS_REFUSED = (
+    "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask; a model trained with "
+    "packing=documents also restarts them at each end-of-text token, and keeps the documents apart: join packed "
+    "examples with it); leave out position_ids and inputs_embeds"
+)
+
+
 class NanoPEConfig(PretrainedConfig):
     """model_args: GPTConfig's fields, as the checkpoint stores them; code_sha256: each code file's at export;
     max_context: the longest context generation attends to (sample.py's --max_context; None: block_size);
@@ -247,11 +255,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         past_key_values (generate() passes both), the logits (B, 1, V) of the next token only, and the cache. Positions
         come from attention_mask alone: position_ids and inputs_embeds are errors, not silently ignored."""
         if position_ids is not None or inputs_embeds is not None:
-            raise ValueError(
-                "a nanoPE model takes input_ids and attention_mask only (positions follow from the mask; a model "
-                "trained with packing=documents also restarts them at each end-of-text token, and keeps the documents "
-                "apart: join packed examples with it); leave out position_ids and inputs_embeds"
-            )
+            raise ValueError(POSITIONS_REFUSED)
         idx = self.readable(input_ids)
         past_key_values = cache if cache is not None else past_key_values  # its name since transformers 5.24
         if past_key_values is None and not use_cache:
@@ -274,6 +278,8 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         """What each of generate()'s steps feeds forward(): the tokens the cache has not read, and the cache, which
         without use_cache holds the tokens alone (a NanoPECache is made here then, as forward() would not make one)."""
+        if kw.get("position_ids") is not None or kw.get("inputs_embeds") is not None:  # generate() would drop them
+            raise ValueError(POSITIONS_REFUSED)
         past_key_values = cache if cache is not None else past_key_values
         if past_key_values is None:
             past_key_values = NanoPECache(use_kv=use_cache)

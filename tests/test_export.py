@@ -897,3 +897,6 @@ def test_a_documents_model_exports_its_rule(tmp_path):
     with pytest.raises(ValueError, match="join packed examples with it") as e:
         hf(row, position_ids=restarting)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="join packed examples with it") as e:  # generate() refuses them too
+        hf.generate(row, attention_mask=torch.ones_like(row), position_ids=restarting, max_new_tokens=3)
+    assert "\n" not in str(e.value)
