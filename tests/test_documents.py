@@ -6,6 +6,7 @@ attention path, through the KV cache and in generation."""
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -500,3 +501,19 @@ def test_documents_alone_on_cuda_compiled(pe):
     model = packed_model(pe, n_head=2, n_embd=64).float().cuda()  # FlexAttention needs a head dim of 16 or more
     rows = [[d.cuda() for d in documents(lengths, seed)] for seed, lengths in enumerate(LAYOUTS)]
     assert_documents_alone(torch.compile(model), rows, tol=2e-4)
+
+
+@pytest.mark.parametrize("separator", ["§", "═══", "\n—\n", "\\u00a7"])
+def test_a_separator_is_the_characters_typed(separator, tmp_path):
+    """data/text/prepare.py --separator splits at the characters typed, non-ASCII ones too ('§', '═══', a dash
+    between newlines), and still reads an escape (\\u00a7 is '§'): four documents joined by three separators."""
+    import subprocess
+    import sys
+
+    sep = "§" if separator == "\\u00a7" else separator
+    text = sep.join(f"document {i} says hello there.\n" * 20 for i in range(4))
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    prepare = Path(__file__).resolve().parents[1] / "data" / "text" / "prepare.py"
+    cmd = [sys.executable, str(prepare), "--input", str(tmp_path / "in.txt"), "--out_dir", str(tmp_path / "out")]
+    out = subprocess.run([*cmd, f"--separator={separator}"], capture_output=True, text=True, check=True).stdout
+    assert "3 + 1 documents" in out, out

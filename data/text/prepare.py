@@ -7,6 +7,7 @@ documents.
 """
 
 import argparse
+import codecs
 import sys
 from pathlib import Path
 
@@ -23,7 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--separator", help="the string between documents, e.g. '\\n\\n\\n' (default: one stream)")
     args = parser.parse_args(argv)
     try:
-        separator = None if args.separator is None else args.separator.encode().decode("unicode_escape")
+        # the characters typed, with escapes (\n, \u00a7) read: characters past Latin-1 as escapes first, so that
+        # unicode_escape (which reads bytes as Latin-1) keeps '§' and '═' as they are
+        typed = args.separator
+        separator = (
+            None if typed is None else codecs.decode(typed.encode("latin-1", "backslashreplace"), "unicode_escape")
+        )
         if separator == "":
             raise DataError("--separator is empty: give the string that separates documents, e.g. '\\n\\n\\n'")
         text = Path(args.input).read_text(encoding="utf-8")
