@@ -53,6 +53,7 @@ import synthetic
 import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure
+from datafiles import dataset_dir, no_documents
 from model import PACKINGS, POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
 from outputs import cannot_write, write_atomic
 from sweep_report import (
@@ -993,6 +994,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     if args.lengths and min(args.lengths) < 2:
         p.error(f"--lengths: every length must be >= 2, not {min(args.lengths)}")
     check_train_options(p, args.train)
+    given = [a.split("=", 1)[1] for a in args.train if a.startswith("--dataset=")]
+    meta = dataset_dir(given[-1]) / "meta.json" if given else None  # a dataset prepared already: read before any run
+    if args.packing and "documents" in args.packing and meta and meta.is_file():
+        if "eot" not in json.loads(meta.read_text()):
+            p.error(no_documents({"dataset": given[-1]}))
     if args.recipes:  # an option the recipes differ in, given to every run, would make the grid compare nothing
         varied = {k for t in args.synthetic for k in recipe_varies(t)}
         for opt in args.train:

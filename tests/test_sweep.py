@@ -215,6 +215,18 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, me
     assert not list(tmp_path.glob("sweep/*"))
 
 
+def test_a_documents_study_checks_its_data_before_any_run(tmp_path, capsys, monkeypatch):
+    """--packing stream documents on a prepared dataset that marks no documents stops before the first run (the
+    stream one would train and save, then the documents one fail), with the line train.py gives."""
+    monkeypatch.setattr(sweep, "train_all", lambda *a: pytest.fail("trained before the checks"))
+    prepare_text(read_embedded_corpus()[:20000], tmp_path / "plain", "char")
+    with pytest.raises(SystemExit) as e:
+        sweep.main([f"--out_dir={tmp_path / 'sweep'}", "--packing", "stream", "documents", "--train",
+                    f"--dataset={tmp_path / 'plain'}"])  # fmt: skip
+    assert e.value.code == 2 and "packing='documents' needs data that marks its documents" in capsys.readouterr().err
+    assert not list(tmp_path.glob("sweep/*"))
+
+
 @pytest.mark.slow
 def test_sweep_with_and_without_document_packing(tmp_path):
     """--packing stream documents trains each encoding both ways on one dataset that marks its documents, the
