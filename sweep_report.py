@@ -122,8 +122,12 @@ def pct(xs: list[float | None] | None) -> str:
 
 
 def commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+    """The code the study ran: the commit, marked where the tree has changes it does not hold (a new encoding being
+    tried: edited files, or new ones git does not ignore)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=normal")
+    return f"{head} with uncommitted changes" if head != "unknown" and dirty else head
 
 
 def machine() -> str:

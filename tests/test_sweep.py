@@ -3,6 +3,7 @@ second run reuses finished runs instead of training them again."""
 
 import json
 import re
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -479,3 +480,16 @@ def test_a_finished_run_with_derived_options_is_reused():
         asked = sweep.asked_config([f"config/{enc}.py", "config/cpu.py", "--block_size=128"])
         assert asked[name] == getattr(GPTConfig(block_size=128, pos_encoding=enc), name) == 64
         assert sweep.trained_differently({"config": dict(asked)}, asked) is None
+
+
+def test_the_report_names_the_code_it_ran(tmp_path):
+    """The report's commit is marked where the tree holds changes the commit does not (an edited file, a new one git
+    does not ignore), and plain where it holds none."""
+    root = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+    ask = [sys.executable, "-c", "import sweep_report; print(sweep_report.commit())"]
+    said = lambda: subprocess.run(ask, cwd=clone, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+    assert said() and "uncommitted" not in said()
+    (clone / "config" / "sandwich.py").write_text('pos_encoding = "sandwich"\n')  # an encoding being tried
+    assert said().endswith("with uncommitted changes")
