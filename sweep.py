@@ -62,6 +62,7 @@ from sweep_report import (
     Study,
     TaskScore,
     TextRun,
+    commit,
     extend_report,
     extension_name,
     recipe_report,
@@ -285,6 +286,8 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
             while queue and len(running) < n_parallel:
                 d, cmd = queue.pop(0)
                 d.mkdir(parents=True, exist_ok=True)
+                ran = (d / "code.txt").read_text() if (d / "code.txt").is_file() else ""  # each start: the code it ran
+                write_atomic(d / "code.txt", f"{ran}{time.strftime('%Y-%m-%d %H:%M:%S')} {commit()}\n")
                 print(f"[sweep] {d.parent.name}/{d.name}: {' '.join(cmd[1:])}", flush=True)
                 log = open(d / "train.log", "a") if n_parallel > 1 else None
                 # a session of its own: a Ctrl-C in the terminal reaches the sweep alone, which stops each run once

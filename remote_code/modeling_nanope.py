@@ -273,13 +273,18 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # forward() makes its own cache, a NanoPECache, on the first step
 
+    def generate(self, *args, position_ids=None, inputs_embeds=None, **kwargs):
+        """transformers' generate(), refusing positions handed to it as forward() does (its steps would drop them:
+        the positions generate() makes itself from attention_mask, prepare_inputs_for_generation leaves out)."""
+        if position_ids is not None or inputs_embeds is not None:
+            raise ValueError(POSITIONS_REFUSED)
+        return super().generate(*args, **kwargs)
+
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, cache=None, **kw
     ):
         """What each of generate()'s steps feeds forward(): the tokens the cache has not read, and the cache, which
         without use_cache holds the tokens alone (a NanoPECache is made here then, as forward() would not make one)."""
-        if kw.get("position_ids") is not None or kw.get("inputs_embeds") is not None:  # generate() would drop them
-            raise ValueError(POSITIONS_REFUSED)
         past_key_values = cache if cache is not None else past_key_values
         if past_key_values is None:
             past_key_values = NanoPECache(use_kv=use_cache)

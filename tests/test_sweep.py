@@ -15,6 +15,7 @@ from test_synthetic import synthetic_checkpoint
 from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 import sweep
+import sweep_report
 from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
@@ -53,6 +54,9 @@ def test_sweep_trains_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
     assert r.stdout.count("finished earlier, not trained again") == 1
     runs = json.loads((out / "runs.json").read_text())
     assert sorted((x["enc"], x["seed"]) for x in runs) == sorted((e, s) for e in ("rope", "learned") for s in (1, 2))
+    trained = [Path(x["dir"]) for x in runs if (Path(x["dir"]) / "code.txt").is_file()]
+    assert len(trained) == 3  # the runs this sweep trained record the code each start ran (one had finished before)
+    assert all(sweep_report.commit() in (d / "code.txt").read_text() for d in trained)
     report = (out / "report.md").read_text()
     for row in ("| rope | ", "| rope+yarn (s=L/32) | ", "| rope+dynamic_ntk | ", "| learned | "):
         assert row in report
