@@ -71,10 +71,15 @@ class PositionalEncoding(nn.Module):
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
     hf_architecture: str | None = None  # transformers' exact equivalent; None: export.py ships nanoPE's own code
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
+    embeds = rotates = False  # it overrides embed / rotary (derived for each subclass: the model calls no no-op)
     summary = ""  # one line for --help
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.embeds, cls.rotates = cls.embed is not PositionalEncoding.embed, cls.rotary is not PositionalEncoding.rotary
 
     @classmethod
     def resolve(cls, config: GPTConfig) -> None:
@@ -939,16 +944,15 @@ class GPT(nn.Module):
         pe = self.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
         pos = chunk.pos if chunk.starts is None else chunk.document_positions()[0]  # or (B, T), in each document
-        emb = pe.embed(pos)
-        if emb is not None:
-            x = x + emb.to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
+        if pe.embeds:
+            x = x + pe.embed(pos).to(x.dtype)  # a float32 table must not turn a bf16 model's activations to float32
         x = self.transformer.drop(x)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
         dropout_p = self.config.dropout if self.training else 0.0
         attentions = [attention_for(chunk, pe, self.config, self.attention_options, dropout_p, n) for n in layers]
         if wrap_attention is not None:
             attentions = [wrap_attention(a) for a in attentions]
-        rope = pe.rotary(pos, chunk.window)
+        rope = pe.rotary(pos, chunk.window) if pe.rotates else None
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, attentions[i % len(attentions)], cache, chunk.slots)
         return self.transformer.ln_f(x)
