@@ -486,14 +486,18 @@ def test_a_finished_run_with_derived_options_is_reused():
         assert sweep.trained_differently({"config": dict(asked)}, asked) is None
 
 
-def test_the_report_names_the_code_it_ran(tmp_path):
+def test_the_report_names_the_code_it_ran(tmp_path, monkeypatch):
     """The report's commit is marked where the tree holds changes the commit does not (an edited file, a new one git
     does not ignore), and plain where it holds none."""
-    root = Path(__file__).resolve().parents[1]
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
-    ask = [sys.executable, "-c", "import sweep_report; print(sweep_report.commit())"]
-    said = lambda: subprocess.run(ask, cwd=clone, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
-    assert said() and "uncommitted" not in said()
-    (clone / "config" / "sandwich.py").write_text('pos_encoding = "sandwich"\n')  # an encoding being tried
-    assert said().endswith("with uncommitted changes")
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("out*/\n")
+    (tmp_path / "model.py").write_text("# the model\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a commit")
+    monkeypatch.setattr(sweep_report, "ROOT", tmp_path)
+    (tmp_path / "out-rope").mkdir()
+    (tmp_path / "out-rope" / "ckpt.pt").write_text("")  # ignored: a run's output
+    assert sweep_report.commit() and "uncommitted" not in sweep_report.commit()
+    (tmp_path / "sandwich.py").write_text('pos_encoding = "sandwich"\n')  # an encoding being tried
+    assert sweep_report.commit().endswith("with uncommitted changes")
