@@ -504,16 +504,16 @@ def test_documents_alone_on_cuda_compiled(pe):
 
 
 @pytest.mark.parametrize("separator", ["§", "═══", "\n—\n", "\\u00a7"])
-def test_a_separator_is_the_characters_typed(separator, tmp_path):
+def test_a_separator_is_the_characters_typed(separator, tmp_path, capsys, monkeypatch):
     """data/text/prepare.py --separator splits at the characters typed, non-ASCII ones too ('§', '═══', a dash
     between newlines), and still reads an escape (\\u00a7 is '§'): four documents joined by three separators."""
-    import subprocess
-    import sys
+    import runpy
 
     sep = "§" if separator == "\\u00a7" else separator
     text = sep.join(f"document {i} says hello there.\n" * 20 for i in range(4))
     (tmp_path / "in.txt").write_text(text, encoding="utf-8")
     prepare = Path(__file__).resolve().parents[1] / "data" / "text" / "prepare.py"
-    cmd = [sys.executable, str(prepare), "--input", str(tmp_path / "in.txt"), "--out_dir", str(tmp_path / "out")]
-    out = subprocess.run([*cmd, f"--separator={separator}"], capture_output=True, text=True, check=True).stdout
-    assert "3 + 1 documents" in out, out
+    argv = ["prepare.py", "--input", str(tmp_path / "in.txt"), "--out_dir", str(tmp_path / "out")]
+    monkeypatch.setattr("sys.argv", [*argv, f"--separator={separator}"])  # as the command line gives it
+    runpy.run_path(str(prepare), run_name="__main__")
+    assert "3 + 1 documents" in capsys.readouterr().out
