@@ -653,15 +653,14 @@ def attend(
     return y.to(q.dtype)
 
 
-def pair_bias(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk, recompute: bool = False) -> torch.Tensor:
-    """One layer's bias (nh, Tq, Tk), or (B, nh, Tq, Tk) by documents, heads first … first + n_head - 1: score_bias, or
-    the fast paths' evaluation of a layer_bias (FIRE's). recompute: in the backward, so autograd keeps only the bias."""
+def pair_bias(pe: PositionalEncoding, layer: int, heads: torch.Tensor, chunk: Chunk, recompute: bool = False):
+    """One layer's bias (nh, Tq, Tk), or (B, nh, Tq, Tk) by documents, at its heads (nh,) as score_bias counts them:
+    score_bias, or the fast paths' evaluation of a layer_bias (FIRE's). recompute: autograd keeps only the bias."""
     if pe.layer_bias is not None:
         doc_pos = chunk.document_positions() if chunk.starts is not None else None
         own_keys = chunk.consecutive and not chunk.cached
         return fast_paths.mlp_matrix(pe.layer_bias(layer), chunk.pos, chunk.key_pos, own_keys, doc_pos, recompute)
-    heads = torch.arange(n_head, device=chunk.pos.device)[:, None, None] + (layer * n_head if pe.per_layer else 0)
-    i, j = chunk.pos[:, None], chunk.key_pos  # (Tq, 1), (Tk,)
+    heads, i, j = heads[:, None, None], chunk.pos[:, None], chunk.key_pos  # (nh, 1, 1), (Tq, 1), (Tk,)
     if chunk.starts is not None and not pe.relative:  # each row's positions in its documents: (B, nh, Tq, Tk)
         i, j = chunk.document_positions()  # (B, Tq), (B, Tk)
         heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
@@ -670,7 +669,7 @@ def pair_bias(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk, rec
     return pe.score_bias(heads, i, j)
 
 
-def distance_table(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk) -> torch.Tensor | None:
+def distance_table(pe: PositionalEncoding, layer: int, heads: torch.Tensor, chunk: Chunk) -> torch.Tensor | None:
     """One layer's bias (nh, D) over distances 0 … D - 1 (the last for every longer one) where it is a function of
     i - j alone (FIRE's: below its threshold) and D is known without reading positions; else None. Not for a cache."""
     if pe.layer_bias is not None:
@@ -688,14 +687,15 @@ def distance_table(pe: PositionalEncoding, layer: int, n_head: int, chunk: Chunk
     else:
         return None
     D = D if chunk.window is None else min(D, chunk.window)
-    heads = torch.arange(n_head, device=chunk.pos.device)[:, None] + (layer * n_head if pe.per_layer else 0)
-    return pe.score_bias(heads, torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
+    return pe.score_bias(heads[:, None], torch.arange(D, device=chunk.pos.device)[None], 0)  # (nh, D)
 
 
 def attention_for(
     chunk: Chunk, pe: PositionalEncoding, config: GPTConfig, options: AttentionOptions, dropout_p: float, layer: int = 0
 ) -> Callable:
-    """This forward's attention (q, k, v) -> y: SDPA causal, masked or biased (layer: per-layer bias's), or a kernel."""
+    """This forward's attention (q, k, v) -> y, chosen here once: SDPA causal over the queries' own keys, or under the
+    mask of what each query sees; with a score bias (layer's, for a per-layer one) fast_paths.kernel's answer, or the
+    reference: the bias at every pair, -inf where a query does not see a key."""
     documents = chunk.starts is not None
     if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
         return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
@@ -711,15 +711,16 @@ def attention_for(
         mask = seen()
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     first = layer * config.n_head if pe.per_layer else 0  # the layer's first head in score_bias
+    heads = torch.arange(config.n_head, device=chunk.pos.device) + first  # (nh,)
     trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
     own_keys = chunk.consecutive and not chunk.cached
 
     def bias_matrix(c: Chunk = chunk, recompute: bool = trainable) -> torch.Tensor:  # (nh, Tq, Tk) or (B, nh, ...)
-        return pair_bias(pe, layer, config.n_head, c, recompute).masked_fill(~seen(c), float("-inf"))
+        return pair_bias(pe, layer, heads, c, recompute).masked_fill(~seen(c), float("-inf"))
 
     device = chunk.pos.device.type  # a bias of i - j alone as its table (on a CPU, or training), any bias by rows
     cpu_or_trained = device == "cpu" or trainable
-    table = distance_table(pe, layer, config.n_head, chunk) if cpu_or_trained and not chunk.cached else None
+    table = distance_table(pe, layer, heads, chunk) if cpu_or_trained and not chunk.cached else None
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
     head_dim = config.n_embd // config.n_head
     name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)

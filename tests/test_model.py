@@ -465,7 +465,7 @@ def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
     pairs += list(zip(m32.encoding.rotary(pos) or (), mb.encoding.rotary(pos) or (), strict=True))
     if m32.encoding.has_score_bias:
         last = Chunk(pos[-1:], key_pos=pos, slots=None, window=None, consecutive=False)
-        pairs.append(tuple(model_py.pair_bias(m.encoding, 0, 12, last) for m in (m32, mb)))  # (nh, 1, T)
+        pairs.append(tuple(model_py.pair_bias(m.encoding, 0, torch.arange(12), last) for m in (m32, mb)))  # (nh, 1, T)
     for exact, cast in pairs:
         if exact is not None:
             torch.testing.assert_close(cast.float(), exact, rtol=1e-6, atol=0.0)
@@ -1405,7 +1405,7 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
     pos = 2 * torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=False)
-        bias = model_py.pair_bias(pe, 1, 4, chunk)
+        bias = model_py.pair_bias(pe, 1, torch.arange(4, 8), chunk)
     bias.sum().backward()
     assert sum(saved) <= 6 * 4 * T * T, sum(saved) / (4 * T * T)
     assert all(p.grad is not None for p in pe.parameters())
@@ -1431,7 +1431,11 @@ def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
     pos = torch.arange(T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         bias = model_py.pair_bias(
-            pe, 1, 4, Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True), recompute=True
+            pe,
+            1,
+            torch.arange(4, 8),
+            Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True),
+            recompute=True,
         )
     bias.sum().backward()
     assert bias.shape == (4, T, T)
