@@ -439,9 +439,11 @@ class ALiBi(PositionalEncoding):
         super().__init__(config)
         # float32 bits in an int buffer: it moves with the model, and .to(bfloat16) can't round 2^-0.5 to 0.70703125
         self.register_buffer("slope_bits", alibi_slopes(config.n_head).view(torch.int32), persistent=False)  # (nh,)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (nh,) in the model's dtype
 
     def score_bias(self, h, i, j):
-        return -self.slope_bits.view(torch.float32)[h] * (i - j).float()
+        exact = self.slopes.dtype in (torch.float32, torch.float64)  # a half-precision model's are rounded: the bits
+        return -(self.slopes if exact else self.slope_bits.view(torch.float32))[h] * (i - j).float()
 
 
 class FIRE(PositionalEncoding):

@@ -250,6 +250,7 @@ FACTS = dict(
     compiling=False,
     dropout=False,
     fits=True,
+    queries=100,  # more than one block of queries (a decode step has 1)
 )
 CUDA_COMPILED = dict(device="cuda", compiling=True)
 
@@ -259,7 +260,7 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     bias or fast_paths.kernel has no row for it, else that kernel."""
     if not bias:
         return "sdpa_causal" if not window and not cached else "sdpa_mask"
-    return kernel(options, own_keys=consecutive and not cached, **facts) or "sdpa_mask"
+    return kernel(options, own_keys=consecutive and not cached, cached=cached, **facts) or "sdpa_mask"
 
 
 @pytest.mark.parametrize(
@@ -298,6 +299,12 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (None, dict(table=False), "bias_blocks"),
         (True, dict(table=False), "bias_blocks"),
         (None, dict(table=False, cached=True, window=True, consecutive=False), "bias_blocks"),
+        # the reference: a cached chunk of one block of queries at most on a CPU (a decode step), whose one block
+        # would be the reference's matrix
+        (None, dict(table=False, trainable=False, cached=True, queries=1), "sdpa_mask"),
+        (None, dict(table=False, trainable=False, cached=True, queries=64), "sdpa_mask"),
+        (None, dict(table=False, trainable=False, cached=True, queries=65), "bias_blocks"),
+        (True, dict(trainable=False, cached=True, queries=1), "flex"),  # fused: FlexAttention first
         (None, dict(table=False, compiling=True), "bias_blocks"),
         (None, dict(table=False, compiling=True, window=True), "bias_blocks"),
         (False, dict(table=False), "sdpa_mask"),
