@@ -1,9 +1,10 @@
 """
-The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py asks
-`fast_attention()` once per forward (once per layer for a bias of each layer's own), handing it tensors (the positions,
-the bias's table of distances where it has one), the bias by blocks of its rows, and the layer's score bias as a
-function of (head, query position, key position); where the answer is None it takes its reference attention. Nothing
-here imports the project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the options.
+The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py's attention_for
+asks `kernel()` once per forward (once per layer for a bias of each layer's own); where it names a kernel,
+`fast_attention()` builds it from tensors (the positions, the bias's table of distances where it has one), the bias by
+blocks of queries, model.py's SDPA and the layer's score bias as a function of (head, query position, key position).
+Nothing here imports the project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the
+options.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block of queries at a
 time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and for FIRE's training on a GPU), the
@@ -368,7 +369,7 @@ def table_block(table: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, w
 
 
 def in_documents(bias: torch.Tensor, starts, key_starts, query_slice: slice, key_slice: slice) -> torch.Tensor:
-    """A block's bias (nh, bq, nk) of the queries in rows over the keys in cols, -inf where they are in different
+    """A block's bias (nh, bq, nk) of the queries in query_slice over the keys in key_slice, -inf where in different
     documents ((B, nh, bq, nk); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
     without documents (starts None)."""
     if starts is None:
@@ -378,7 +379,7 @@ def in_documents(bias: torch.Tensor, starts, key_starts, query_slice: slice, key
 
 
 def same_document(starts: torch.Tensor, key_starts: torch.Tensor, query_slice: slice, key_slice: slice) -> torch.Tensor:
-    """Whether the queries in rows and the keys in cols are in one document (B, bq, nk)."""
+    """Whether the queries in query_slice and the keys in key_slice are in one document (B, bq, nk)."""
     return starts[:, query_slice, None] == key_starts[:, None, key_slice]
 
 

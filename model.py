@@ -167,7 +167,10 @@ class Learned(PositionalEncoding):
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.weight = nn.Parameter(torch.randn(config.block_size, config.n_embd) * 0.02)
-        self.max_length = config.block_size  # a row per position, none past it
+
+    @property
+    def max_length(self) -> int:
+        return len(self.weight)  # a row per position, none past it
 
     def embed(self, pos):
         return F.embedding(pos, self.weight)
@@ -177,7 +180,6 @@ class Learned(PositionalEncoding):
 
     def crop(self, block_size):
         self.weight = nn.Parameter(self.weight[:block_size].detach().clone())
-        self.max_length = block_size
 
     def extend(self, block_size):
         L0 = self.weight.size(0)  # position interpolation (Chen et al. 2023): row p lerps old rows at p·L0/block_size
@@ -186,7 +188,6 @@ class Learned(PositionalEncoding):
         hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
         w = self.weight.detach()
         self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (block_size, C)
-        self.max_length = block_size
 
 
 class BiasRPE(PositionalEncoding):
@@ -292,9 +293,8 @@ WITHOUT_SCALING = "does nothing without a RoPE scaling: add --rope_scaling (line
 
 
 class RoPE(PositionalEncoding):
-    """Rotary embedding (Su et al. 2021): rotate each pair (2k, 2k+1) of q and k by p·θ_k, θ_k = base^(-2k/d), so q·k
-    depends on i - j alone; rope_fraction < 1: the fastest pairs only (p-RoPE). Scalings (docs/development.md) read
-    past L0 = rope_original_max_len, s = rope_factor times."""
+    """Rotary (Su et al. 2021): each pair (2k, 2k+1) of q, k turned by p·θ_k, θ_k = base^(-2k/d), so q·k reads i - j;
+    rope_fraction < 1: the fastest pairs (p-RoPE); scalings read rope_factor times past L0 = rope_original_max_len."""
 
     summary = "rotates q and k by the position (rotary); scalings read past the training length"
     hf_architecture = "gpt_neox"
@@ -590,7 +590,7 @@ GPTConfig = make_dataclass(
 
 @dataclass(frozen=True)
 class Chunk:
-    """A forward's positions, derived once (GPT.chunk): embedding, RoPE read `pos`; mask, bias compare it to `keys`."""
+    """A forward's positions, derived once (GPT.chunk): embedding, RoPE read `pos`; mask, bias compare it to key_pos."""
 
     pos: torch.Tensor  # (T,) the tokens' absolute positions, the queries'
     key_pos: torch.Tensor  # (Tk,) the keys' positions: pos, or with a cache every slot's (KVCache.EMPTY where unused)
