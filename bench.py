@@ -30,8 +30,9 @@ import torch
 from devices import allow_tf32, autocast, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
 from generate import generate
-from model import GPT, PACKINGS, POS_ENCODINGS, GPTConfig
+from model import GPT, POS_ENCODINGS, GPTConfig
 from parallel import STRATEGIES
+from shape import PACKINGS
 
 ENCODINGS = list(POS_ENCODINGS)
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_score_bias]  # the attention table's encodings

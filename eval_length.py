@@ -35,9 +35,10 @@ from checkpoint import CheckpointError, model_from_checkpoint
 from configurator import ConfigError
 from datafiles import DataError, dataset_dir, load_meta, validation_tokens
 from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
-from model import GPT, PACKINGS, ROPE_SCALINGS
+from model import GPT, ROPE_SCALINGS
 from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 from runs import load_run
+from shape import PACKINGS
 
 MODES = ("nonoverlapping", "sliding")
 

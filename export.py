@@ -51,10 +51,11 @@ from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# the code a remote-code export carries: nanoPE's model.py, fast_paths.py and generate.py as they are, and the
+# the code a remote-code export carries: nanoPE's model.py, shape.py, fast_paths.py and generate.py as they are, and the
 # transformers wrapper that imports them; config.json records each one's sha256, which the wrapper checks at load
 CODE_FILES = (
     Path(__file__).resolve().parent / "model.py",
+    Path(__file__).resolve().parent / "shape.py",
     Path(__file__).resolve().parent / "fast_paths.py",
     Path(__file__).resolve().parent / "generate.py",
     Path(__file__).resolve().parent / "remote_code" / "modeling_nanope.py",

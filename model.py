@@ -17,43 +17,13 @@ from torch.utils.checkpoint import checkpoint
 try:  # an export's folder is a package (transformers copies what `from .` imports); via the module, for tests' spies
     from . import fast_paths
     from .fast_paths import AttentionOptions
+    from .shape import ModelShape, Option, boolean, greater, number, optional, positive_int
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
+    from shape import ModelShape, Option, boolean, greater, number, optional, positive_int
 
 # ---- Positional encodings: nothing outside this section names one; code asks the object or POS_ENCODINGS.
-
-
-@dataclass(frozen=True)
-class Option:
-    """An encoding's setting (a GPTConfig field, a train.py key). check: what is wrong with a value, or None; derive: a
-    default of None from the config; idle: why a given value does nothing among train.py's options (a dict), or None."""
-
-    default: Any
-    help: str
-    check: Callable[[Any], str | None] = lambda value: None
-    derive: Callable[[Any], Any] | None = None
-    idle: Callable[[dict], str | None] = lambda options: None
-
-
-def number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def positive_int(v: Any) -> str | None:
-    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "must be a positive integer"
-
-
-def boolean(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "must be True or False"
-
-
-def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    return lambda v: None if v is None else check(v)
-
-
-def greater(bound: float, rule: str, equal: bool = False) -> Callable[[Any], str | None]:
-    return lambda v: None if number(v) and (v >= bound if equal else v > bound) else rule
 
 
 class PositionalEncoding(nn.Module):
@@ -343,6 +313,8 @@ class RoPE(PositionalEncoding):
         self.low, self.high = max(math.floor(dim(YARN_BETA)), 0), min(math.ceil(dim(YARN_ALPHA)), d - 1)
         if self.high == self.low:
             self.high += 0.001  # a step, not a division by zero
+        # θ is fixed by the config (dynamic_ntk's alone moves with the length): float32 bits, as ALiBi's slopes
+        self.register_buffer("theta_bits", self.inv_freq(torch.device("cpu")).view(torch.int32), persistent=False)
 
     @staticmethod
     def scaled(config: GPTConfig, scaling: str, factor: float, original_max_len: int | None) -> GPTConfig:
@@ -392,7 +364,8 @@ class RoPE(PositionalEncoding):
         if self.scaling == "dynamic_ntk":  # L is the span the queries see: the last position + 1, at most the window
             length = pos.max() + 1 if pos.dim() == 1 else document_lengths(pos)[..., None]  # (B, T, 1) by documents
             length = length if window is None else length.clamp(max=window)
-        angle = pos.float()[..., None] * self.inv_freq(pos.device, length)  # (T, hs/2)
+        theta = self.theta_bits.view(torch.float32) if length is None else self.inv_freq(pos.device, length)
+        angle = pos.float()[..., None] * theta  # (T, hs/2)
         if angle.dim() == 3:  # positions of each row (B, T): (B, 1, T, hs/2), over the heads
             angle = angle[:, None]
         turning = torch.arange(self.head_dim // 2, device=pos.device) < self.rotating
@@ -515,52 +488,7 @@ POS_ENCODINGS = {
 }
 
 
-# ---- The config: the model's shape, and every encoding's options (declared by the encoding, a field here)
-PACKINGS = ("stream", "documents")  # stream: nanoGPT's, causal; documents: each end-of-text begins one, block-causal
-
-
-@dataclass
-class ModelShape:
-    """The model's shape: GPTConfig's fields that every model has; GPTConfig adds every encoding's options."""
-
-    block_size: int = 1024  # training context length (the most a `learned` model can take)
-    vocab_size: int = 50304  # GPT-2's 50257, padded up to a multiple of 64 for speed
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
-    pos_encoding: str = "learned"  # a name of POS_ENCODINGS
-    gelu: str = "exact"  # exact (nanoGPT's, faster on CPU) | tanh (GPT-2's own; from_hf uses it)
-    packing: str = "stream"  # a name of PACKINGS: whether the documents of a row see each other
-    eot_token: int | None = None  # packing="documents": the token that begins each document (the data's end-of-text)
-
-    def __post_init__(self):
-        if self.pos_encoding not in POS_ENCODINGS:
-            raise ValueError(
-                f"pos_encoding={self.pos_encoding!r} is not a positional encoding; "
-                f"valid choices: {', '.join(POS_ENCODINGS)}"
-            )
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if problem := positive_int(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} {problem}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.gelu not in ("exact", "tanh"):
-            raise ValueError(f"gelu={self.gelu!r} is not a GELU; valid choices: exact, tanh")
-        if self.packing not in PACKINGS:
-            raise ValueError(f"packing={self.packing!r} is not a packing; valid choices: {', '.join(PACKINGS)}")
-        eot = self.eot_token
-        if self.packing == "documents" and not (
-            isinstance(eot, int) and not isinstance(eot, bool) and 0 <= eot < self.vocab_size
-        ):
-            raise ValueError(
-                f"packing='documents' needs eot_token, the token id that begins each document (below vocab_size="
-                f"{self.vocab_size}), got {self.eot_token!r}; train.py reads it from the dataset"
-            )
-
+# ---- The config: the model's shape (shape.py), and every encoding's options (declared by the encoding, a field here)
 
 ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {  # option name -> (its encoding, the Option)
     name: (enc, opt) for enc, cls in POS_ENCODINGS.items() for name, opt in cls.options.items()
@@ -569,6 +497,9 @@ ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {  # option name -> (its encod
 
 def resolve_encoding_options(config: ModelShape) -> None:
     """The chosen encoding's options: derived defaults filled, values checked (only the chosen encoding's)."""
+    if config.pos_encoding not in POS_ENCODINGS:
+        choices = ", ".join(POS_ENCODINGS)
+        raise ValueError(f"pos_encoding={config.pos_encoding!r} is not a positional encoding; valid choices: {choices}")
     ModelShape.__post_init__(config)
     POS_ENCODINGS[config.pos_encoding].resolve(config)
 
@@ -721,8 +652,7 @@ def attention_for(
         return pair_bias(pe, layer, heads, c, recompute).masked_fill(~seen(c), float("-inf"))
 
     device = chunk.pos.device.type  # a bias of i - j alone as its table (on a CPU, or training), any bias by rows
-    cpu_or_trained = device == "cpu" or trainable
-    table = distance_table(pe, layer, heads, chunk) if cpu_or_trained and not chunk.cached else None
+    table = distance_table(pe, layer, heads, chunk) if (device == "cpu" or trainable) and not chunk.cached else None
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
     head_dim = config.n_embd // config.n_head
     name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)
@@ -965,7 +895,7 @@ class GPT(nn.Module):
         if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
         self.config = self.encoding.scaled(self.config, scaling, factor, original_max_len)
-        self.use_encoding(type(self.encoding)(self.config))  # it holds no weights: nothing is lost
+        self.use_encoding(type(self.encoding)(self.config).to(self.lm_head.weight.device))  # it holds no weights
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """nanoGPT's call: extend idx (B, T) by max_new_tokens tokens with generate.py's generate (its options)."""
@@ -983,13 +913,11 @@ class GPT(nn.Module):
         config = GPTConfig(**shape, n_embd=c.n_embd, dropout=dropout, bias=True, pos_encoding="learned", gelu="tanh")
         model = cls(config)
         sd, sd_hf = model.state_dict(), hf_model.state_dict()
-        missing = [k for k in sd if k not in sd_hf]
-        if missing:
+        if missing := [k for k in sd if k not in sd_hf]:
             raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
         with torch.no_grad():
             for k in sd:
-                w = sd_hf[k]
-                sd[k].copy_(w.t() if k.endswith(CONV1D_WEIGHTS) else w)
+                sd[k].copy_(sd_hf[k].t() if k.endswith(CONV1D_WEIGHTS) else sd_hf[k])
         return model
 
     @classmethod

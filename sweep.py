@@ -54,8 +54,9 @@ import tasks
 from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, configure
 from datafiles import dataset_dir, no_documents
-from model import PACKINGS, POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
+from model import POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
 from outputs import cannot_write, write_atomic
+from shape import PACKINGS
 from sweep_report import (
     Cell,
     Extension,

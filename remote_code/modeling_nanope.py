@@ -1,6 +1,6 @@
 """
 nanoPE's GPT as a Hugging Face transformers model, for an export folder that carries its own code (export.py copies
-this file into the folder beside nanoPE's model.py, fast_paths.py and generate.py, byte for byte). Loaded with
+this file into the folder beside nanoPE's model.py, shape.py, fast_paths.py and generate.py, byte for byte). Loaded with
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
@@ -18,9 +18,9 @@ logit comes from model.py, nothing here computes attention or positions.
   again from the last max_context tokens at position 0 and the others keep a rolling cache whose keys keep their
   positions; dynamic NTK past its training length runs the window again each step, and so does every step of
   generate(use_cache=False), as sample.py --no_cache. A forward without a cache (scoring) reads the whole sequence.
-- The code check: config.json records the sha256 of model.py, fast_paths.py, generate.py and this file at export; a
-  folder whose code differs (edited, or mixed with another export's files) is refused at load, as its weights were
-  trained for other code.
+- The code check: config.json records the sha256 of model.py, shape.py, fast_paths.py, generate.py and this file at
+  export; a folder whose code differs (edited, or mixed with another export's files) is refused at load, as its
+  weights were trained for other code.
 """
 
 import hashlib

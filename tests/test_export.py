@@ -550,19 +550,20 @@ def test_remote_code_pipeline_pads_and_samples(remote):
 
 
 def test_bundled_code_is_our_model_and_recorded(remote):
-    """The folder's model.py, fast_paths.py and generate.py are nanoPE's byte for byte, its modeling_nanope.py the
-    repository's wrapper; config.json maps the Auto classes to them and records their sha256."""
+    """The folder's model.py, shape.py, fast_paths.py and generate.py are nanoPE's byte for byte, its
+    modeling_nanope.py the repository's wrapper; config.json maps the Auto classes to them and records their sha256."""
     import hashlib
 
     out, _, hf = remote["bias_rpe"]
     assert (out / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
+    assert (out / "shape.py").read_bytes() == (ROOT / "shape.py").read_bytes()
     assert (out / "fast_paths.py").read_bytes() == (ROOT / "fast_paths.py").read_bytes()
     assert (out / "generate.py").read_bytes() == (ROOT / "generate.py").read_bytes()
     assert (out / "modeling_nanope.py").read_bytes() == (ROOT / "remote_code" / "modeling_nanope.py").read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["code_sha256"] == {
         name: hashlib.sha256((out / name).read_bytes()).hexdigest()
-        for name in ("model.py", "fast_paths.py", "generate.py", "modeling_nanope.py")
+        for name in ("model.py", "shape.py", "fast_paths.py", "generate.py", "modeling_nanope.py")
     }
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nanope.NanoPEForCausalLM"
     assert config["model_args"]["pos_encoding"] == "bias_rpe" and (out / "model.safetensors").exists()

@@ -18,7 +18,7 @@ DEVELOPMENT = ROOT / "docs" / "development.md"
 
 # The most definitions each encoding's walk may take today (the goals, in docs/development.md, are lower: a change
 # lowers a ceiling as it meets it, and one that needs more makes room first)
-WALK_CEILING = {"rope": 20, "alibi": 21}
+WALK_CEILING = {"rope": 19, "alibi": 21}
 WALK_CEILING_ANY = 26  # every other encoding's
 
 
