@@ -411,7 +411,7 @@ def memory_cell(
     high-water mark on a CPU, torch.cuda.max_memory_allocated on a GPU), its time (ms, the median of `steps`) and
     devices.training_bytes's estimate (MiB)."""
     from devices import training_bytes
-    from model import set_activation_checkpointing
+    from shape import set_activation_checkpointing
 
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=T, vocab_size=65, n_layer=n_layer, n_head=6, n_embd=384, bias=False, pos_encoding=enc)
@@ -437,7 +437,7 @@ def memory_cell(
 def longest_block(enc: str, mode: str, B: int, budget: float, n_layer: int = 6) -> int:
     """The longest power-of-two block (from 256) whose estimated step fits budget bytes (devices.training_bytes)."""
     from devices import training_bytes
-    from model import set_activation_checkpointing
+    from shape import set_activation_checkpointing
 
     T = 256
     while True:

@@ -406,6 +406,48 @@ def bias_blocks(
     return attention
 
 
+def content_attention(
+    content_bias: Callable,
+    forget: Callable,
+    sums: Callable | None,
+    visible: Callable[[int, int, int, int], torch.Tensor],
+    *,
+    pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int | None,
+    own_keys: bool,
+    starts: tuple[torch.Tensor, torch.Tensor] | None,
+    blocks: bool,
+    attend: Callable,
+) -> Callable:
+    """The attention (q, k, v, x) -> y of a bias that reads the content (model.py's CoPE, FoX): content_bias(q, k,
+    seen, order, sums) of a block of queries over their keys, -inf where a query does not see a key (visible(i0, i1,
+    j0, j1)), by blocks of queries (bias_blocks: no (Tq, Tk) tensor) or as one block (the reference). The keys are
+    counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is what each token adds to a
+    running sum (B, nh, T), or None, summed over the chunk or, with a cache, by sums(increments): the queries' and
+    every key's."""
+    order = None if own_keys else key_pos.argsort()  # (Tk,)
+    query_starts = None if starts is None else starts[0]
+    span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
+
+    def attention(q, k, v, x):
+        running = forget(x)  # (B, nh, T) or None
+        if running is not None:
+            running = (c := running.cumsum(-1), c) if sums is None else sums(running)
+
+        def block_bias(i0, i1, j0, j1):
+            seen = visible(i0, i1, j0, j1)
+            part = None if running is None else (running[0][..., i0:i1], running[1][..., j0:j1])
+            bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)  # a cache's chunk: one block
+            return bias.masked_fill(~seen, float("-inf"))
+
+        if blocks:
+            return bias_blocks(block_bias, span, attend)(q, k, v)
+        return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))
+
+    return attention
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A bias that is a small MLP of each pair's input (FIRE's), computed fast: the MLP once per distance where its input
 # is a function of i - j alone, its units at once for few inputs or one at a time for many, a gradient that keeps

@@ -41,6 +41,7 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.pos: torch.Tensor | None = None  # (S,) absolute position held by each slot
         self.starts: torch.Tensor | None = None  # (B, S) packing="documents": where each slot's document starts
+        self.running: list[torch.Tensor | None] = [None] * n_layer  # (B, nh, S) float64: FoX's sums at each key
         self.next_pos = 0  # absolute position of the next token
         self.length = 0  # tokens written so far
 
@@ -81,6 +82,16 @@ class KVCache:
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
         return self.k[layer], self.v[layer]
+
+    def sums(self, layer: int, increments: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A running sum over the tokens (FoX's): the chunk's (B, nh, T), continued from the token before it (the sum
+        in its slot, 0 in a new cache), written to the chunk's slots; and every slot's (B, nh, S)."""
+        if self.running[layer] is None:
+            self.running[layer] = increments.new_zeros(*increments.shape[:2], self.size)
+        before = self.running[layer][:, :, (chunk.pos[0] - 1) % self.size]  # (B, nh), read before the chunk writes
+        sums = before[..., None] + increments.cumsum(-1)
+        self.running[layer].index_copy_(2, chunk.slots, sums)
+        return sums, self.running[layer]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -124,7 +135,7 @@ def generate(
     for _ in range(max_new_tokens):
         logits, after = next_logits(model, idx, new, cache, W, use_cache, decode)  # the cache (None without one)
         if compile and after is not cache:  # a new cache: its tensors keep their addresses, CUDA graphs need no copy
-            for t in [after.pos, *after.k, *after.v, *([] if after.starts is None else [after.starts])]:
+            for t in [after.pos, *after.k, *after.v, *(t for t in [after.starts, *after.running] if t is not None)]:
                 torch._dynamo.mark_static_address(t)
         cache, new = after, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
         idx = torch.cat([idx, new], dim=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,11 +18,11 @@ from torch.utils.checkpoint import checkpoint
 try:  # an export's folder is a package (transformers copies what `from .` imports); via the module, for tests' spies
     from . import fast_paths
     from .fast_paths import AttentionOptions
-    from .shape import ModelShape, Option, boolean, greater, number, optional, positive_int
+    from .shape import ModelShape, Option, boolean, finite, greater, number, optional, positive_int
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
-    from shape import ModelShape, Option, boolean, greater, number, optional, positive_int
+    from shape import ModelShape, Option, boolean, finite, greater, number, optional, positive_int
 
 # ---- Positional encodings: nothing outside this section names one; code asks the object or POS_ENCODINGS.
 
@@ -76,6 +77,14 @@ class PositionalEncoding(nn.Module):
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
 
     layer_bias = None  # or layer -> fast_paths.MLPBias: the score bias as a small MLP of each pair's input (FIRE's)
+    reads_content = False  # its bias reads the layer's q, k or input (CoPE, FoX): content_bias, not score_bias
+
+    def forget(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # the layer's input x (B, T, C) -> (B, nh, T) float64: what each token adds to a running sum
+
+    def content_bias(self, layer: int, q, k, visible, order, sums) -> torch.Tensor | None:
+        # q (B, nh, bq, hs) over k (B, nh, nk, hs), where each sees (visible), the keys' order by position (None: in
+        return None  # order), forget's running sums at q and k ((B, nh, bq), (B, nh, nk)) -> (B, nh, bq, nk) float32
 
     def no_decay(self) -> list[nn.Parameter]:
         """Parameters AdamW must not decay: a score bias's (a decayed bias is pulled toward "no preference")."""
@@ -475,6 +484,61 @@ class FIRE(PositionalEncoding):
         return fast_paths.MLPBias(self.input, self.mlp, c, threshold, self.w1[layer], self.b1[layer], self.w2[layer])
 
 
+class CoPE(PositionalEncoding):
+    """CoPE (Golovneva et al. 2024): gates g_ij = σ(q_i·k_j) count the keys a query sees, p_ij = Σ_{t=j..i} g_it
+    (at most p_max - 1), and z_i[p] = q_i·e[p] is read between ⌊p⌋ and ⌈p⌉: the score is q_i·k_j/√d + z_i[p_ij]."""
+
+    summary = "positions counted by gates of the content, σ(q·k), with learned vectors per layer (CoPE)"
+
+    has_score_bias = reads_content = per_layer = True
+    options = {"cope_p_max": Option(64, "the most positions a query counts (the rest read p_max - 1)", positive_int)}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.p_max = config.cope_p_max
+        hs = config.n_embd // config.n_head  # e[0 … p_max - 1] of each layer, shared by its heads; 0: NoPE at first
+        self.e = nn.Parameter(torch.zeros(config.n_layer, config.cope_p_max, hs))  # (layers, p_max, hs)
+
+    def content_bias(self, layer, q, k, visible, order, sums):
+        work = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(work), k.to(work)
+        g = torch.sigmoid(q @ k.transpose(-2, -1)) * visible  # (B, nh, bq, nk): 0 where a query does not see a key
+        if order is not None:  # count along positions: the keys in order, then back
+            g = g[..., order]
+        p = g.flip(-1).cumsum(-1).flip(-1)  # Σ over the keys from j on (those past i are unseen: 0)
+        p = (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
+        z = q @ self.e[layer].to(work).T  # (B, nh, bq, p_max)
+        floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
+        return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)
+
+
+class FoX(PositionalEncoding):
+    """The forgetting gate (Lin et al. 2025, FoX): per layer and head f_t = σ(w·x_t + b) from the layer's input, and
+    D_ij = Σ_{t=j+1..i} log f_t added to the score: c_i - c_j for c the running sum of log f (float64)."""
+
+    summary = "a data-dependent decay: the sum of log forget gates between key and query (FoX)"
+
+    has_score_bias = reads_content = per_layer = True
+    options = {"fox_gate_bias": Option(0.0, "b's initial value (0: f = 1/2, as the authors' code)", finite)}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        shape = (config.n_layer, config.n_head)
+        self.w = nn.Parameter(torch.randn(*shape, config.n_embd) * 0.02)  # (layers, nh, C), as c_attn's init
+        self.b = nn.Parameter(torch.full(shape, float(config.fox_gate_bias)))  # (layers, nh)
+
+    def no_decay(self):
+        return [self.b]  # w is a projection, decayed like c_attn's
+
+    def forget(self, layer, x):
+        logit = x @ self.w[layer].to(x.dtype).T + self.b[layer].to(x.dtype)  # (B, T, nh)
+        return F.logsigmoid(logit.to(torch.promote_types(logit.dtype, torch.float32))).transpose(1, 2).double()
+
+    def content_bias(self, layer, q, k, visible, order, sums):
+        c, key_c = sums  # in float32 (float64 for a float64 model)
+        return (c[..., :, None] - key_c[..., None, :]).to(torch.promote_types(q.dtype, torch.float32))
+
+
 POS_ENCODINGS = {
     "sinusoidal": Sinusoidal,
     "learned": Learned,
@@ -484,6 +548,8 @@ POS_ENCODINGS = {
     "rope": RoPE,
     "alibi": ALiBi,
     "fire": FIRE,
+    "cope": CoPE,
+    "fox": FoX,
     "none": NoPE,
 }
 
@@ -624,14 +690,21 @@ def distance_table(pe: PositionalEncoding, layer: int, heads: torch.Tensor, chun
 
 
 def attention_for(
-    chunk: Chunk, pe: PositionalEncoding, config: GPTConfig, options: AttentionOptions, dropout_p: float, layer: int = 0
+    chunk: Chunk,
+    pe: PositionalEncoding,
+    config: GPTConfig,
+    options: AttentionOptions,
+    dropout_p: float,
+    layer: int = 0,
+    cache=None,
 ) -> Callable:
     """This forward's attention (q, k, v) -> y, chosen here once: SDPA causal over the queries' own keys, or under the
     mask of what each query sees; with a score bias (layer's, for a per-layer one) fast_paths.kernel's answer, or the
-    reference: the bias at every pair, -inf where a query does not see a key."""
+    reference: the bias at every pair, -inf where a query does not see a key; a bias that reads the content, by blocks
+    of queries as each layer runs (content_attention). x: the layer's input (B, T, C)."""
     documents = chunk.starts is not None
     if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
-        return lambda q, k, v: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
+        return lambda q, k, v, x: attend(q, k, v, dropout_p=dropout_p)  # causal over the queries' own keys
 
     def seen(c: Chunk = chunk) -> torch.Tensor:  # whether query i sees key j: causal, in the window and document
         visible = fast_paths.sees(c.pos[:, None] - c.key_pos, c.window)  # (Tq, Tk)
@@ -642,7 +715,7 @@ def attention_for(
 
     if not pe.has_score_bias:  # SDPA under the mask of what each query sees
         mask = seen()
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return lambda q, k, v, x: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     first = layer * config.n_head if pe.per_layer else 0  # the layer's first head in score_bias
     heads = torch.arange(config.n_head, device=chunk.pos.device) + first  # (nh,)
     trainable = torch.is_grad_enabled() and any(p.requires_grad for p in pe.parameters())
@@ -656,16 +729,23 @@ def attention_for(
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
     head_dim = config.n_embd // config.n_head
     name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)
+    starts = (chunk.starts, chunk.key_starts) if documents else None
+    positions = dict(pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts)
+    if pe.reads_content:  # the bias reads q, k or x: built as each layer runs, by blocks where the table says so
+        sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
+        bias = partial(pe.content_bias, layer), partial(pe.forget, layer), sums
+        visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
+        blocks, run = name == "bias_blocks", partial(attend, dropout_p=dropout_p)
+        return fast_paths.content_attention(*bias, visible, **positions, blocks=blocks, attend=run)
     if name is None:  # the reference
         matrix = bias_matrix()
-        return lambda q, k, v: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
+        return lambda q, k, v, x: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
     block_bias = lambda i0, i1, j0, j1: bias_matrix(chunk.block(i0, i1, j0, j1), recompute=False)  # noqa: E731
-    starts = (chunk.starts, chunk.key_starts) if documents else None
     bias = lambda h, i, j: pe.score_bias(h + first, i, j)  # noqa: E731
-    positions = dict(pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts)
-    return fast_paths.fast_attention(
+    fast = fast_paths.fast_attention(
         name, options, bias, **positions, table=table, block_bias=block_bias, attend=attend
     )
+    return lambda q, k, v, x: fast(q, k, v)
 
 
 # ---- The transformer
@@ -689,7 +769,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots)  # (B, nh, Tk, hs)
-        y = attention(q, k, v)  # (B, nh, T, hs)
+        y = attention(q, k, v, x)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -713,7 +793,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
-        self.checkpointing = "none"  # activation checkpointing, a training setting (set_activation_checkpointing)
+        self.checkpointing = "none"  # activation checkpointing, a training setting (shape.py)
 
     def forward(self, x, rope, attention, cache=None, slots=None):
         attention_sublayer = lambda x: x + self.attn(self.ln_1(x), rope, attention, cache, slots)  # noqa: E731
@@ -722,17 +802,6 @@ class Block(nn.Module):
             return mlp_sublayer(attention_sublayer(x))
         x = checkpoint(attention_sublayer, x, use_reentrant=False)  # "selective": where (T, T) tensors live
         return checkpoint(mlp_sublayer, x, use_reentrant=False) if self.checkpointing == "full" else mlp_sublayer(x)
-
-
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-
-
-def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Recompute in the backward rather than keep: all sublayers ("full"), attention ("selective"), or none ("none")."""
-    if mode not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(f"activation_checkpointing={mode!r}: choose {', '.join(ACTIVATION_CHECKPOINTING)}")
-    for block in model.transformer.h:
-        block.checkpointing = mode
 
 
 # ---- The GPT
@@ -882,7 +951,8 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
         dropout_p = self.config.dropout if self.training else 0.0
-        attentions = [attention_for(chunk, pe, self.config, self.attention_options, dropout_p, n) for n in layers]
+        options = self.attention_options
+        attentions = [attention_for(chunk, pe, self.config, options, dropout_p, n, cache) for n in layers]
         if wrap_attention is not None:
             attentions = [wrap_attention(a) for a in attentions]
         rope = pe.rotary(pos, chunk.window) if pe.rotates else None

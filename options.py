@@ -14,9 +14,10 @@ import runs
 import synthetic
 from configurator import ConfigError, require
 from devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
-from model import ACTIVATION_CHECKPOINTING, ENCODING_OPTIONS, GPTConfig
+from model import ENCODING_OPTIONS, GPTConfig
 from parallel import STRATEGIES
 from runs import Source, extend_from
+from shape import ACTIVATION_CHECKPOINTING
 
 TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
 MQAR_OPTIONS = ("task_pairs", "task_queries", "task_layout")

@@ -40,11 +40,11 @@ def attention_probs(model: GPT, idx: torch.Tensor, reduce=None) -> list:
     probs = []
 
     def recording(attention):
-        def both(q, k, v):
+        def both(q, k, v, x):
             eye = torch.eye(k.size(2), dtype=q.dtype, device=q.device).expand(*k.shape[:2], -1, -1)
-            p = attention(q, k, eye)
+            p = attention(q, k, eye, x)
             probs.append(p if reduce is None else reduce(p))
-            return attention(q, k, v)
+            return attention(q, k, v, x)
 
         return both
 
@@ -66,7 +66,7 @@ def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
     """(heads, length): the bias each head adds at distances 0 … length - 1, for the query at position length - 1;
     None for an encoding without a bias. Per-layer encodings (FIRE) give n_layer · n_head rows, layer by layer."""
     pe = model.encoding
-    if not pe.has_score_bias:
+    if not pe.has_score_bias or pe.reads_content:  # a bias of the content has none by distance alone
         return None
     n = model.config.n_head * (model.config.n_layer if pe.per_layer else 1)
     heads = torch.arange(n)[:, None]

@@ -1,11 +1,13 @@
 """
 The model's settings that are not an encoding's formula: the shape every model has (ModelShape, its fields and their
-checks) and how an encoding declares an option of its own (Option, with the checks its values take). model.py builds
-GPTConfig from ModelShape and every encoding's options; nothing here imports the project's code.
+checks), how an encoding declares an option of its own (Option, with the checks its values take), and activation
+checkpointing, a training setting of its blocks. model.py builds GPTConfig from ModelShape and every encoding's
+options; nothing here imports the project's code.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,10 @@ def positive_int(v: Any) -> str | None:
 
 def boolean(v: Any) -> str | None:
     return None if isinstance(v, bool) else "must be True or False"
+
+
+def finite(v: Any) -> str | None:
+    return None if number(v) and math.isfinite(v) else "must be a finite number"
 
 
 def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
@@ -82,3 +88,15 @@ class ModelShape:
                 f"packing='documents' needs eot_token, the token id that begins each document (below vocab_size="
                 f"{self.vocab_size}), got {self.eot_token!r}; train.py reads it from the dataset"
             )
+
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def set_activation_checkpointing(model, mode: str) -> None:
+    """Recompute in the backward rather than keep: all sublayers ("full"), attention ("selective"), or none ("none"),
+    for each of a model.GPT's blocks (a training setting: a resume may change it)."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={mode!r}: choose {', '.join(ACTIVATION_CHECKPOINTING)}")
+    for block in model.transformer.h:
+        block.checkpointing = mode

@@ -38,9 +38,10 @@ from datafiles import (
 )
 from devices import autocast, check_memory, default_device, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
-from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig, set_activation_checkpointing
+from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from options import check_fits, odd_values, resolve
 from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
+from shape import set_activation_checkpointing
 from tasks import check_training_tasks, mix_tasks
 from tokenizer import GPT2Tokenizer
 

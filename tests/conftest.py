@@ -33,6 +33,8 @@ ROLLING = [e for e in ENCODINGS if POS_ENCODINGS[e].rolling]  # generation past 
 CROPPING = [e for e in ENCODINGS if not POS_ENCODINGS[e].rolling]  # ... crops and restarts them at 0 (nanoGPT)
 EXTRAPOLATING = [e for e in ENCODINGS if POS_ENCODINGS[e].extrapolates]
 BIASED = [e for e in ENCODINGS if POS_ENCODINGS[e].has_score_bias]
+CONTENT = [e for e in BIASED if POS_ENCODINGS[e].reads_content]  # a bias of the content (CoPE, FoX): no score_bias
+POSITION_BIASED = [e for e in BIASED if e not in CONTENT]  # a bias of positions alone: score_bias, FlexAttention
 VOCAB = 64
 
 

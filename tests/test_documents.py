@@ -95,11 +95,12 @@ def test_each_document_in_a_packed_row_is_the_document_alone(pe, path, monkeypat
     model.attention_options = replace(model.attention_options, fused=None if path == "fast" else False)
     taken = kernels_taken(monkeypatch)
     assert_documents_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
-    if model.encoding.has_score_bias:
-        assert set(taken) == {"bias_table" if path == "fast" else None}
+    if model.encoding.has_score_bias:  # a bias of the content has no table: its rows a block of queries at a time
+        fast = "bias_blocks" if model.encoding.reads_content else "bias_table"
+        assert set(taken) == {fast if path == "fast" else None}
 
 
-@pytest.mark.parametrize("pe", ["bias_rpe", "t5", "kerple", "alibi", "fire"])
+@pytest.mark.parametrize("pe", ["bias_rpe", "t5", "kerple", "alibi", "fire", "cope", "fox"])
 def test_blocks_of_queries_skip_the_keys_before_their_documents(pe, monkeypatch):
     """Rows longer than a block of queries (TABLE_BLOCK): a block reads the keys from its documents' earliest start on
     (none before it can be seen), and each document still gets its logits and gradients alone."""

@@ -14,6 +14,7 @@ from conftest import (
     CROPPING,
     ENCODINGS,
     EXTRAPOLATING,
+    POSITION_BIASED,
     RELATIVE,
     ROLLING,
     VOCAB,
@@ -24,6 +25,7 @@ from conftest import (
     tokens,
 )
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn import functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
@@ -407,7 +409,7 @@ def test_causal_fast_path_equals_materialized_mask(pe):
 
 
 # the encodings reference_attention writes out (sinusoidal, learned and none add nothing to attention itself)
-HANDWRITTEN = ("sinusoidal", "learned", "none", "rope", "alibi", "bias_rpe", "t5", "kerple", "fire")
+HANDWRITTEN = ("sinusoidal", "learned", "none", "rope", "alibi", "bias_rpe", "t5", "kerple", "fire", "cope", "fox")
 
 
 def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
@@ -451,6 +453,16 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
         x = psi(rel.clamp(min=0).double()) / (psi(torch.maximum(L, i[:, None].double())) + 1e-6)
         hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
         scores = scores + (hidden @ pe.w2[0].double().T).permute(2, 0, 1)
+    if cfg.pos_encoding == "cope":  # Golovneva et al.: p_ij = Σ_{t=j..i} σ(q_i·k_t), z_i[p] = q_i·e[p] between ⌊p⌋, ⌈p⌉
+        g = torch.sigmoid(q @ k.transpose(-1, -2)).masked_fill(rel < 0, 0.0)  # g_it, t <= i
+        p = torch.stack([g[..., j:].sum(-1) for j in range(T)], -1).clamp(max=cfg.cope_p_max - 1)  # (B, nh, T, T)
+        z, lo = q @ pe.e[0].double().T, p.floor()
+        scores = scores + z.gather(-1, p.ceil().long()) * (p - lo) + z.gather(-1, lo.long()) * (1 - p + lo)
+    if cfg.pos_encoding == "fox":  # Lin et al.: Σ_{t=j+1..i} log f_t, f_t = σ(w·x_t + b) of each head
+        log_f = F.logsigmoid(x.double() @ pe.w[0].double().T + pe.b[0].double()).transpose(1, 2)  # (B, nh, T)
+        scores = scores + torch.stack([log_f[..., j + 1 : i + 1].sum(-1) for i in range(T) for j in range(T)], -1).view(
+            B, cfg.n_head, T, T
+        )
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
@@ -478,7 +490,7 @@ def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
             torch.testing.assert_close(cast.float(), exact, rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("pe", POSITION_BIASED)
 def test_a_decode_step_computes_a_shared_bias_once(pe, monkeypatch):
     """Generating through the cache, each forward (the prefill, then a token) computes its score bias once when the
     layers share it, and once per layer for a bias of each layer's own: never once per layer for a shared one."""
@@ -867,7 +879,7 @@ def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, 
     return logits.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in named if p.grad is not None}
 
 
-@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("pe", POSITION_BIASED)
 @pytest.mark.parametrize("window", [None, 5])
 def test_fused_attention_equals_reference(pe, window):
     """FlexAttention with the encoding's score_mod gives the materialized path's logits (its backward needs CUDA:
@@ -1252,7 +1264,7 @@ def test_diagonal_sums():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
-@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("pe", POSITION_BIASED)
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
 def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
     """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head dims from 16, and
@@ -1500,7 +1512,7 @@ def test_fused_attention_note_names_the_head_dim_limit_and_dropout():
     assert fused_attention_note(64, "cpu", dropout=0.2) is None and fused_attention_note(64, "cuda", 0.0) is None
 
 
-@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("pe", POSITION_BIASED)
 @pytest.mark.parametrize("chunks,window,extra", [([7, 1, 1, 5], None, 0), ([4, 1, 9, 1, 1, 14], 6, 0), ([3, 27], 6, 5)])
 def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window, extra):
     """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the full forward. One
@@ -1645,7 +1657,7 @@ def test_activation_checkpointing_gives_the_same_step(pe, mode):
     """With activation checkpointing (every block's sublayers, or its attention alone, computed again in the
     backward), a training step's logits, loss and every gradient equal the step without it, bit for bit, dropout's
     draws included (the recompute replays the RNG); and the backward recomputes: fewer tensors are kept."""
-    from model import set_activation_checkpointing
+    from shape import set_activation_checkpointing
 
     def step(model):
         torch.manual_seed(3)
@@ -1673,7 +1685,7 @@ def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mod
     """FIRE past its threshold (no dropout: its bias a block of queries at a time, each block under activation
     checkpointing of its own) under the model's activation checkpointing, one nested in the other: the same logits and
     gradients bit for bit, and fewer tensors kept."""
-    from model import set_activation_checkpointing
+    from shape import set_activation_checkpointing
 
     def step(model):
         saved = []
@@ -1697,7 +1709,7 @@ def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mod
 def test_activation_checkpointing_compiles_to_one_graph(pe, mode):
     """Compiled (dynamo and AOTAutograd, one graph), a training step with activation checkpointing gives the eager
     step's logits and gradients without it."""
-    from model import set_activation_checkpointing
+    from shape import set_activation_checkpointing
 
     model = tiny(pe, block_size=32, n_layer=1).train()  # a second layer would compile the same code again
     idx = tokens(2, 32)

@@ -616,7 +616,8 @@ MEASURE_PEAK = """
 import re, resource, sys, torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from model import GPT, GPTConfig, set_activation_checkpointing
+from model import GPT, GPTConfig
+from shape import set_activation_checkpointing
 from devices import training_bytes
 torch.manual_seed(0)
 pe, mode = sys.argv[2], sys.argv[3]

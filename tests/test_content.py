@@ -1,0 +1,163 @@
+"""The encodings whose bias reads the content (CoPE, the forgetting gate): each equals its paper's equations written out
+here in float64 (forward and every gradient), on a CPU's blocks of queries and on the reference; FoX's running sum
+goes on through the KV cache; neither makes a (T, T) tensor on a CPU (CoPE: a block of 64 queries over the keys)."""
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import CONTENT, tiny, tokens
+
+import model as model_py
+from generate import KVCache
+from model import Chunk
+
+
+def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
+    """Golovneva et al. 2024, eqs. 3-5: g_ij = σ(q_i·k_j), p_ij = Σ_{t=j..i} g_it (clamped to p_max - 1), and the
+    score q_i·k_j/√d + z_i[p_ij], z_i[p] = q_i·e[p] read linearly between ⌊p⌋ and ⌈p⌉. q, k (B, nh, T, hs)."""
+    T, hs = q.size(2), q.size(-1)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()  # [t <= i]
+    g = torch.sigmoid(q @ k.transpose(-1, -2)) * causal  # (B, nh, i, t)
+    from_j = torch.ones(T, T, dtype=q.dtype).tril()  # [t >= j], (t, j)
+    p = (g @ from_j).clamp(max=p_max - 1)  # Σ_t g_it [j <= t <= i]
+    z = q @ e.T  # (B, nh, T, p_max)
+    lo, hi = p.floor(), p.ceil()
+    z_lo, z_hi = z.gather(-1, lo.long()), z.gather(-1, hi.long())
+    interpolated = torch.where(hi > lo, z_lo + (p - lo) / (hi - lo).clamp(min=1) * (z_hi - z_lo), z_lo)
+    return (q @ k.transpose(-1, -2) / hs**0.5 + interpolated).masked_fill(~causal, float("-inf"))
+
+
+def fox_scores(q, k, x, w, b) -> torch.Tensor:
+    """Lin et al. 2025, eq. 5-6: f_t = σ(w·x_t + b) per head, and q_i·k_j/√d + Σ_{t=j+1..i} log f_t. x (B, T, C)."""
+    T, hs = q.size(2), q.size(-1)
+    log_f = torch.log(torch.sigmoid(x @ w.T + b)).transpose(1, 2)  # (B, nh, T)
+    i, j, t = torch.arange(T)[:, None, None], torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+    between = ((j < t) & (t <= i)).to(q.dtype)  # (i, j, t)
+    decay = torch.einsum("ijt,bht->bhij", between, log_f)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return (q @ k.transpose(-1, -2) / hs**0.5 + decay).masked_fill(~causal, float("-inf"))
+
+
+def paper_attention(model, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's attention output from the paper's equations, in float64 (x: the layer's input (B, T, C))."""
+    attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
+    B, T, C = x.shape
+    q, k, v = (t.view(B, T, cfg.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
+    if cfg.pos_encoding == "cope":
+        scores = cope_scores(q, k, pe.e[0], cfg.cope_p_max)
+    else:
+        scores = fox_scores(q, k, x, pe.w[0], pe.b[0])
+    return attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
+
+
+def ours(model, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's attention output as the model computes it, over the queries' own keys."""
+    pos = torch.arange(x.size(1))
+    chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True)
+    attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
+    return model.transformer.h[0].attn(x, None, attention, None)
+
+
+@pytest.mark.parametrize("pe", CONTENT)
+@pytest.mark.parametrize("fused", [None, False])  # blocks of 64 queries (two here), or the reference's one
+def test_equals_the_papers_equations_forward_and_gradients(pe, fused, monkeypatch):
+    """In float64, the attention and the gradient of every parameter it reads (q, k, v's projection, the encoding's
+    vectors or gates) and of its input equal the paper's equations to 1e-10, with CoPE's positions clamped (p_max 5)."""
+    model = tiny(pe, block_size=80, n_layer=1, cope_p_max=5).double()
+    model.attention_options = replace(model.attention_options, fused=fused)
+    taken, kernel = [], model_py.fast_paths.kernel
+    monkeypatch.setattr(model_py.fast_paths, "kernel", lambda *a, **k: taken.append(kernel(*a, **k)) or taken[-1])
+    x = torch.randn(2, 80, 32, dtype=torch.float64, requires_grad=True)
+    results = []
+    for fn in (ours, paper_attention):
+        model.zero_grad()
+        x.grad = None
+        y = fn(model, x)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        results.append(
+            (y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+    (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
+    assert taken == ["bias_blocks" if fused is None else None]
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
+    assert grads.keys() == grads_ref.keys() and any(n.startswith("transformer.wpe") for n in grads)
+    for n in grads_ref:
+        torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_cope_counts_the_gates_not_the_tokens():
+    """CoPE's position of a key is the sum of the gates from it to the query, not its distance: with every gate near 1
+    a key's position is its distance + 1, with the gates of the keys between near 0 it stays small."""
+    pe = tiny("cope", n_layer=1, cope_p_max=64).encoding
+    q = torch.zeros(1, 1, 1, 8)  # (B, nh, 1, hs): the query at i = 5
+    q[..., 0] = 10.0
+    k = torch.full((1, 1, 6, 8), 4.0)  # q·k = 40: σ = 1
+    k[:, :, 1:5] *= -1  # the keys between: σ(-40) = 0
+    pe.e.data[0] = torch.arange(64.0)[:, None] * torch.eye(8)[0] * 0.1  # z_i[p] = q_i·e[p] = p
+    bias = pe.content_bias(0, q, k, torch.ones(1, 6, dtype=torch.bool), None, None)
+    torch.testing.assert_close(bias[0, 0, 0], torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0]), atol=1e-6, rtol=0)
+
+
+def test_fox_running_sum_goes_on_through_the_cache():
+    """FoX's cache keeps each key's running sum (float64) of log forget gates: fed in pieces and a token at a time,
+    the sums equal the whole sequence's, and so do the logits."""
+    model = tiny("fox", block_size=32)
+    idx = tokens(2, 20)
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache = KVCache(model.config.n_layer, 20)
+        pieces = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 7), (7, 8), (8, 20)]]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+    x = model.transformer.h[0].ln_1(model.transformer.wte(idx))
+    sums = model.encoding.forget(0, x).cumsum(-1)  # (B, nh, T)
+    assert cache.running[0].dtype == torch.float64
+    torch.testing.assert_close(cache.running[0], sums, rtol=1e-12, atol=1e-12)
+
+
+def attention_shaped(fn) -> list[tuple[int, ...]]:
+    """The shapes of every 4-D tensor (B, nh, rows, columns) the ops run by fn() create, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    shapes = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.extend(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() == 4)
+            return out
+
+    with Shapes():
+        fn()
+    return shapes
+
+
+@pytest.mark.parametrize("pe", CONTENT)
+@pytest.mark.parametrize("train", [True, False])
+def test_a_block_of_64_queries_at_most_on_a_cpu(pe, train):
+    """On a CPU, training and evaluation at T = 256 make no (.., T, T) tensor: every attention-shaped tensor has at
+    most 64 rows (a block of queries) or at most 64 columns (a head's dims, CoPE's p_max), forward and backward."""
+    model = tiny(pe, block_size=256, n_layer=1).train(train)
+    idx = tokens(2, 256)
+
+    def step():
+        with contextlib.nullcontext() if train else torch.no_grad():
+            loss = model(idx, targets=torch.roll(idx, -1, 1))[1]
+            if train:
+                loss.backward()
+
+    shapes = attention_shaped(step)
+    assert shapes and all(min(s[-2:]) <= 64 for s in shapes), max(shapes, key=lambda s: min(s[-2:]))
+    assert any(s[-2:] == (64, 256) for s in shapes)  # the last block's rows over every key they see
+
+
+def test_fox_gate_bias_sets_the_forget_rate():
+    """fox_gate_bias is b's initial value: f = σ(b) at a zero input (0: 1/2, as the authors' code starts)."""
+    for b in (0.0, 3.0):
+        config = model_py.GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16, pos_encoding="fox")
+        pe = model_py.GPT(replace(config, fox_gate_bias=b)).encoding
+        f = pe.forget(1, torch.zeros(1, 3, 8)).exp()  # (B, nh, T)
+        torch.testing.assert_close(f, torch.full((1, 2, 3), 1 / (1 + torch.e**-b), dtype=torch.float64))
