@@ -345,6 +345,71 @@ class TableBiasAttention(torch.autograd.Function):
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
 
 
+class SumBiasAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√hs + c_i - c'_j)·v, a bias of two per-token vectors (FoX's running sums: c at the queries (B, nh,
+    Tq), c' at the keys (B, nh, Tk), None: the queries' own), a block of queries at a time on a CPU: no (Tq, Tk)
+    tensor, forward or backward. The forward is SDPA's flash kernel per block; the backward recomputes each block's
+    probabilities from the log-sum-exp, and c's gradient is each row's sum of dS, c''s minus each column's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c, key_c, pos, key_pos, window, starts=None, key_starts=None):
+        own_keys = key_pos is None
+        key_pos, key_c = (pos, c) if own_keys else (key_pos, key_c)
+        key_starts = starts if key_starts is None else key_starts
+        (B, nh, Tq, _), Tk = q.shape, k.size(2)
+        y = q.new_empty(B, nh, Tq, v.size(-1))
+        lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
+        for i0 in range(0, Tq, TABLE_BLOCK):
+            i1 = min(i0 + TABLE_BLOCK, Tq)
+            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts, window)
+            bias = sum_block(
+                c, key_c, pos, key_pos, window, starts, key_starts, slice(i0, i1), slice(j0, j1), lse.dtype
+            )
+            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
+        ctx.save_for_backward(q, k, v, c, key_c, pos, key_pos, y, lse, starts, key_starts)
+        ctx.window, ctx.own_keys = window, own_keys
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, c, key_c, pos, key_pos, y, lse, starts, key_starts = ctx.saved_tensors
+        dtype, work = q.dtype, lse.dtype
+        q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
+        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
+        Tq, Tk = q.size(2), k.size(2)
+        for i0 in range(0, Tq, TABLE_BLOCK):
+            i1 = min(i0 + TABLE_BLOCK, Tq)
+            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts, ctx.window)
+            rows, cols = slice(i0, i1), slice(j0, j1)
+            bias = sum_block(c, key_c, pos, key_pos, ctx.window, starts, key_starts, rows, cols, work)
+            qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
+            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias).sub_(lse[:, :, rows, None]).exp_()
+            dv[:, :, cols] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
+            dc[:, :, rows] += ds.sum(-1).to(dc.dtype)
+            dkey_c[:, :, cols] -= ds.sum(-2).to(dc.dtype)
+            ds.mul_(scale)
+            dq[:, :, rows] = ds @ kb
+            dk[:, :, cols] += ds.transpose(-2, -1) @ qb
+        if ctx.own_keys:  # c is the keys' too: one gradient
+            dc, dkey_c = dc + dkey_c, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc, dkey_c, None, None, None, None, None
+
+
+def sum_block(c, key_c, pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype) -> torch.Tensor:
+    """SumBiasAttention's bias (B, nh, bq, nk) of the queries in rows over the keys in cols: c_i - c'_j, each taken
+    from the block's last query's c in float64 and then in dtype (what rounds is far from it, where exp(bias) is 0),
+    -inf where a query does not see a key (the window, the future, another document)."""
+    ref = c[:, :, rows.stop - 1, None]  # (B, nh, 1)
+    bias = (c[:, :, rows] - ref).to(dtype)[..., None] - (key_c[:, :, cols] - ref).to(dtype)[..., None, :]
+    seen = sees(pos[rows, None] - key_pos[cols], window)  # (bq, nk)
+    if starts is not None:
+        seen = seen & same_document(starts, key_starts, rows, cols)[:, None]  # (B, 1, bq, nk)
+    return bias.masked_fill(~seen, float("-inf"))
+
+
 def key_span(
     i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None = None
 ) -> tuple[int, int]:
@@ -441,6 +506,11 @@ def content_attention(
             bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)  # a cache's chunk: one block
             return bias.masked_fill(~seen, float("-inf"))
 
+        if blocks and running is not None:  # c_i - c'_j alone (FoX's): its kernel, no (Tq, Tk) tensor to recompute
+            key_starts = None if own_keys else starts[1] if starts is not None else None
+            other = (None, None) if own_keys else (running[1], key_pos)
+            c, key_c, keys = running[0], *other
+            return SumBiasAttention.apply(q, k, v, c, key_c, pos, keys, window, query_starts, key_starts)
         if blocks:
             return bias_blocks(block_bias, span, attend)(q, k, v)
         return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))

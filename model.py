@@ -502,11 +502,11 @@ class CoPE(PositionalEncoding):
     def content_bias(self, layer, q, k, visible, order, sums):
         work = torch.promote_types(q.dtype, torch.float32)
         q, k = q.to(work), k.to(work)
-        g = torch.sigmoid(q @ k.transpose(-2, -1)) * visible  # (B, nh, bq, nk): 0 where a query does not see a key
+        g = torch.sigmoid(q @ k.transpose(-2, -1)).masked_fill(~visible, 0.0)  # (B, nh, bq, nk): 0 where unseen
         if order is not None:  # count along positions: the keys in order, then back
             g = g[..., order]
-        p = g.flip(-1).cumsum(-1).flip(-1)  # Σ over the keys from j on (those past i are unseen: 0)
-        p = (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
+        p = g - g.cumsum(-1) + g.sum(-1, keepdim=True)  # Σ over the keys from j on: the row's, less those before j
+        p = (p if order is None else p[..., order.argsort()]).clamp(0, self.p_max - 1)  # 0: rounding may cross it
         z = q @ self.e[layer].to(work).T  # (B, nh, bq, p_max)
         floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
         return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)
