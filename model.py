@@ -505,8 +505,8 @@ class CoPE(PositionalEncoding):
         g = torch.sigmoid(q @ k.transpose(-2, -1)).masked_fill(~visible, 0.0)  # (B, nh, bq, nk): 0 where unseen
         if order is not None:  # count along positions: the keys in order, then back
             g = g[..., order]
-        p = g - g.cumsum(-1) + g.sum(-1, keepdim=True)  # Σ over the keys from j on: the row's, less those before j
-        p = (p if order is None else p[..., order.argsort()]).clamp(0, self.p_max - 1)  # 0: rounding may cross it
+        p = g.flip(-1).cumsum(-1).flip(-1)  # Σ over the keys from j on (a suffix sum: the near keys' exact)
+        p = (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
         z = q @ self.e[layer].to(work).T  # (B, nh, bq, p_max)
         floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
         return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)
