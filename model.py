@@ -495,18 +495,20 @@ class CoPE(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.p_max = config.cope_p_max
-        hs = config.n_embd // config.n_head  # e[0 … p_max - 1] of each layer, shared by its heads; 0: NoPE at first
-        self.e = nn.Parameter(torch.zeros(config.n_layer, config.cope_p_max, hs))  # (layers, p_max, hs)
+        self.p_max, hs = config.cope_p_max, config.n_embd // config.n_head
+        self.e = nn.Parameter(torch.zeros(config.n_layer, self.p_max, hs))  # each layer's, its heads' too; 0: NoPE
 
-    def content_bias(self, layer, q, k, visible, order, sums):
-        work = torch.promote_types(q.dtype, torch.float32)
-        q, k = q.to(work), k.to(work)
+    def positions(self, q, k, visible, order) -> torch.Tensor:  # p_ij (B, nh, bq, nk) in q's dtype (float32 at least)
         g = torch.sigmoid(q @ k.transpose(-2, -1)).masked_fill(~visible, 0.0)  # (B, nh, bq, nk): 0 where unseen
         if order is not None:  # count along positions: the keys in order, then back
             g = g[..., order]
         p = g.flip(-1).cumsum(-1).flip(-1)  # Σ over the keys from j on (a suffix sum: the near keys' exact)
-        p = (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
+        return (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
+
+    def content_bias(self, layer, q, k, visible, order, sums):
+        work = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(work), k.to(work)
+        p = self.positions(q, k, visible, order)
         z = q @ self.e[layer].to(work).T  # (B, nh, bq, p_max)
         floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
         return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)

@@ -6,6 +6,9 @@ Look inside checkpoints: the score bias each head adds by distance, and how far 
 - **bias by distance**: what each head adds to a score at distance d = i - j, for every encoding with a score
   bias (has_score_bias), for the last query of a window of --length tokens (FIRE's bias also depends on the
   query's position); the training length is marked.
+- **what a bias of the content reads** (CoPE, the forgetting gate): CoPE's count p_ij of the window's last query at
+  the training length's distance and at the window's start (its positions count gates, not tokens); FoX's mean
+  forget rate f of each head over the window, and the share of tokens it keeps (f > 0.9).
 - **attention past the training length**: over windows of --length validation tokens, for the queries in the last
   quarter of each window, the share of each head's attention on keys at least block_size tokens back (distances the
   model never saw in training). ALiBi's heads near 0 are the ones that keep to the training range; a head near 1
@@ -75,6 +78,32 @@ def bias_by_distance(model: GPT, length: int) -> np.ndarray | None:
     return bias.float().cpu().numpy()
 
 
+@torch.no_grad()
+def content_read(model: GPT, idx: torch.Tensor) -> list[list] | None:
+    """What a bias of the content reads, for idx (B, T), each layer's: FoX's mean forget rate f of each head and the
+    share of tokens it keeps (f > 0.9) (nh, 2);
+    CoPE's count p_ij of the last query at each distance 0 … T - 1, per head (nh, T), averaged over the batch. None
+    for the encodings whose bias reads positions alone."""
+    pe, layers = model.encoding, []
+    if not pe.reads_content:
+        return None
+
+    def recording(attention):
+        def read(q, k, v, x):
+            f = pe.forget(len(layers), x)  # (B, nh, T) log f, or None
+            if f is not None:
+                layers.append(torch.stack([f.exp().mean((0, 2)), (f.exp() > 0.9).float().mean((0, 2))], -1))
+            else:  # the last query sees every key
+                every = torch.ones(1, 1, k.size(2), dtype=torch.bool, device=k.device)
+                layers.append(pe.positions(q[:, :, -1:].float(), k.float(), every, None)[:, :, 0].mean(0).flip(-1))
+            return attention(q, k, v, x)
+
+        return read
+
+    model.features(idx, wrap_attention=recording)
+    return [t.cpu().tolist() for t in layers]
+
+
 def check_length(model: GPT, length: int) -> None:
     """Raise ValueError where the model cannot be probed at this length: within its training length (no key is far
     yet), or past its positions (learned)."""
@@ -106,7 +135,23 @@ def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str =
         "train_len": far,
         "far_share": torch.stack(shares).mean(0).cpu().tolist(),  # (n_layer, n_head)
         "bias": None if bias is None else bias.tolist(),
+        "content": content_read(model, idx),  # the last window's
     }
+
+
+def content_table(report: dict) -> str:
+    """The content encodings' rows: FoX's mean forget rate per head and the share of tokens it keeps (f > 0.9), CoPE's
+    count at the training length's distance and at the window's start (p@distance)."""
+    lines = ["| checkpoint | layer | by head |", "|---|---:|---|"]
+    for name, r in report["checkpoints"].items():
+        for layer, heads in enumerate(r.get("content") or []):
+            if len(heads[0]) > 2:  # CoPE: (nh, T) counts by distance
+                d = min(r["train_len"], len(heads[0]) - 1)
+                cells = " · ".join(f"{h[d]:.1f}@{d} {h[-1]:.1f}@{len(h) - 1}" for h in heads)
+            else:  # FoX: (nh, 2)
+                cells = " · ".join(f"f {f:.2f}, {kept:.0%} kept" for f, kept in heads)
+            lines.append(f"| {name} | {layer} | {cells} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def markdown_table(report: dict) -> str:
@@ -211,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
         report["checkpoints"][name] = probe(model, val, args.length, args.windows, args.device)
         print(f"{out_dir}: done", file=sys.stderr)
     print(markdown_table(report))
+    if content := content_table(report):  # CoPE's counts (p@distance), FoX's forget rates
+        print("\n" + content)
     if args.out_json:
         write_atomic(args.out_json, json.dumps(report))
     if args.plot:

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import close, run_cli, tiny, tokens, train_in_process
+from conftest import VOCAB, close, run_cli, tiny, tokens, train_in_process
 from test_eval_length import save_run, save_synthetic_run
 
 import probe
@@ -186,3 +186,24 @@ def test_outputs_are_written_whole_and_optional(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "empty")
     r = probe_here(str(runs["alibi"]), "--length=32", "--windows=1", "--out_json=", "--plot=")
     assert r.returncode == 0 and "| alibi | 0 |" in r.stdout and not any((tmp_path / "empty").iterdir())
+
+
+@pytest.mark.parametrize("pe", ["fox", "cope"])
+def test_content_read_is_what_the_bias_reads(pe):
+    """FoX's forget rates are the mean of exp(forget) over the window, with the share above 0.9; CoPE's counts of the
+    last query grow with the distance (sums of gates in (0, 1)), from its own gate (< 1) to at most p_max - 1."""
+    from probe import content_read
+
+    model = tiny(pe, block_size=32, cope_p_max=8)
+    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    read = content_read(model, idx)
+    assert len(read) == model.config.n_layer
+    x = model.transformer.h[0].ln_1(model.transformer.wte(idx))
+    if pe == "fox":
+        f = model.encoding.forget(0, x).exp()  # (B, nh, T)
+        expected = torch.stack([f.mean((0, 2)), (f > 0.9).double().mean((0, 2))], -1)
+        torch.testing.assert_close(torch.tensor(read[0], dtype=torch.float64), expected, rtol=1e-6, atol=1e-6)
+    else:
+        counts = torch.tensor(read[0])  # (nh, T) by distance 0 … T - 1
+        assert counts.shape == (model.config.n_head, 24)
+        assert (counts.diff(dim=-1) >= -1e-6).all() and (counts[:, 0] < 1).all() and (counts <= 7 + 1e-6).all()
