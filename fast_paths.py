@@ -506,7 +506,7 @@ def content_attention(
             bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)  # a cache's chunk: one block
             return bias.masked_fill(~seen, float("-inf"))
 
-        if blocks and running is not None:  # c_i - c'_j alone (FoX's): its kernel, no (Tq, Tk) tensor to recompute
+        if blocks and running is not None and q.device.type == "cpu":  # c_i - c'_j alone (FoX's): its CPU kernel
             key_starts = None if own_keys else starts[1] if starts is not None else None
             other = (None, None) if own_keys else (running[1], key_pos)
             c, key_c, keys = running[0], *other
