@@ -88,8 +88,8 @@ class KVCache:
         in its slot, 0 in a new cache), written to the chunk's slots; and every slot's (B, nh, S)."""
         if self.running[layer] is None:
             self.running[layer] = increments.new_zeros(*increments.shape[:2], self.size)
-        before = self.running[layer][:, :, (chunk.pos[0] - 1) % self.size]  # (B, nh), read before the chunk writes
-        sums = before[..., None] + increments.cumsum(-1)
+        before = self.running[layer].index_select(2, (chunk.pos[:1] - 1) % self.size)  # (B, nh, 1), before it writes
+        sums = before + increments.cumsum(-1)
         self.running[layer].index_copy_(2, chunk.slots, sums)
         return sums, self.running[layer]
 

@@ -10,7 +10,7 @@ import torch
 from conftest import CONTENT, tiny, tokens
 
 import model as model_py
-from generate import KVCache
+from generate import KVCache, generate
 from model import Chunk
 
 
@@ -161,3 +161,12 @@ def test_fox_gate_bias_sets_the_forget_rate():
         pe = model_py.GPT(replace(config, fox_gate_bias=b)).encoding
         f = pe.forget(1, torch.zeros(1, 3, 8)).exp()  # (B, nh, T)
         torch.testing.assert_close(f, torch.full((1, 2, 3), 1 / (1 + torch.e**-b), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("pe", CONTENT)
+def test_compiled_decode_equals_eager(pe):
+    """The compiled decode step (one graph over the cache: FoX's sums read and written by index, no host value) gives
+    the eager generation's greedy tokens, past the block (the rolling cache)."""
+    model = tiny(pe, block_size=16, n_layer=1)
+    idx = tokens(2, 5)
+    assert torch.equal(generate(model, idx, 24, temperature=0, compile=True), generate(model, idx, 24, temperature=0))
