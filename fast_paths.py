@@ -489,14 +489,14 @@ def content_attention(
     seen, order, sums) of a block of queries over their keys, -inf where a query does not see a key (visible(i0, i1,
     j0, j1)), by blocks of queries (bias_blocks: no (Tq, Tk) tensor) or as one block (the reference). The keys are
     counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is what each token adds to a
-    running sum (B, nh, T), or None, summed over the chunk or, with a cache, by sums(increments): the queries' and
+    running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by sums(increments): the queries' and
     every key's."""
     order = None if own_keys else key_pos.argsort()  # (Tk,)
     query_starts = None if starts is None else starts[0]
     span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
 
     def attention(q, k, v, x):
-        running = forget(x)  # (B, nh, T) or None
+        running = None if forget is None else forget(x)  # (B, nh, T)
         if running is not None:
             running = (c := running.cumsum(-1), c) if sums is None else sums(running)
 

@@ -42,7 +42,7 @@ class PositionalEncoding(nn.Module):
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
     hf_architecture: str | None = None  # transformers' exact equivalent; None: export.py ships nanoPE's own code
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
-    embeds = rotates = False  # it overrides embed / rotary (derived for each subclass: the model calls no no-op)
+    embeds = rotates = forgets = False  # it overrides embed / rotary / forget (derived: the model calls no no-op)
     summary = ""  # one line for --help
 
     def __init__(self, config: GPTConfig):
@@ -50,7 +50,8 @@ class PositionalEncoding(nn.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.embeds, cls.rotates = cls.embed is not PositionalEncoding.embed, cls.rotary is not PositionalEncoding.rotary
+        overrides = lambda hook: getattr(cls, hook) is not getattr(PositionalEncoding, hook)  # noqa: E731
+        cls.embeds, cls.rotates, cls.forgets = overrides("embed"), overrides("rotary"), overrides("forget")
 
     @classmethod
     def resolve(cls, config: GPTConfig) -> None:
@@ -506,10 +507,9 @@ class CoPE(PositionalEncoding):
         return (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
 
     def content_bias(self, layer, q, k, visible, order, sums):
-        work = torch.promote_types(q.dtype, torch.float32)
-        q, k = q.to(work), k.to(work)
+        q, k = (t.to(torch.promote_types(q.dtype, torch.float32)) for t in (q, k))  # float32 at least
         p = self.positions(q, k, visible, order)
-        z = q @ self.e[layer].to(work).T  # (B, nh, bq, p_max)
+        z = q @ self.e[layer].to(q.dtype).T  # (B, nh, bq, p_max)
         floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
         return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)
 
@@ -735,7 +735,7 @@ def attention_for(
     positions = dict(pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts)
     if pe.reads_content:  # the bias reads q, k or x: built as each layer runs, by blocks where the table says so
         sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
-        bias = partial(pe.content_bias, layer), partial(pe.forget, layer), sums
+        bias = partial(pe.content_bias, layer), partial(pe.forget, layer) if pe.forgets else None, sums
         visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
         blocks, run = name == "bias_blocks", partial(attend, dropout_p=dropout_p)
         return fast_paths.content_attention(*bias, visible, **positions, blocks=blocks, attend=run)
