@@ -407,7 +407,7 @@ def sum_block(c, key_c, pos, key_pos, window, starts, key_starts, rows: slice, c
     seen = sees(pos[rows, None] - key_pos[cols], window)  # (bq, nk)
     if starts is not None:
         seen = seen & same_document(starts, key_starts, rows, cols)[:, None]  # (B, 1, bq, nk)
-    return bias.masked_fill(~seen, float("-inf"))
+    return bias.masked_fill_(~seen, float("-inf"))  # bias is new: in place
 
 
 def key_span(
