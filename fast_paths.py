@@ -304,15 +304,12 @@ class TableBiasAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, table, pos, key_pos, window, starts=None, key_starts=None):
         own_keys, key_pos = key_pos is None, pos if key_pos is None else key_pos  # None: the queries' own
         key_starts = starts if key_starts is None else key_starts
-        (B, nh, Tq, _), Tk = q.shape, k.size(2)
-        y = q.new_empty(B, nh, Tq, v.size(-1))
-        lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
-        for i0 in range(0, Tq, TABLE_BLOCK):
-            i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts, window)
-            bias, _ = table_block(table, pos[i0:i1], key_pos[j0:j1], window)  # (nh, bq, j1 - j0)
-            bias = in_documents(bias, starts, key_starts, slice(i0, i1), slice(j0, j1))
-            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
+
+        def bias(rows: slice, cols: slice, dtype) -> torch.Tensor:  # (nh, bq, nk), or (B, nh, bq, nk) by documents
+            block, _ = table_block(table, pos[rows], key_pos[cols], window)
+            return in_documents(block, starts, key_starts, rows, cols)
+
+        y, lse = flash_blocks(q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias)
         ctx.save_for_backward(q, k, v, table, pos, key_pos, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y
@@ -324,25 +321,42 @@ class TableBiasAttention(torch.autograd.Function):
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
         scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
         dq, dk, dv, dtable = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(table)
-        Tq, Tk = q.size(2), k.size(2)
-        for i0 in range(0, Tq, TABLE_BLOCK):
-            i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts, ctx.window)
-            bias, index = table_block(table, pos[i0:i1], key_pos[j0:j1], ctx.window)  # (nh, bq, nk), (bq, nk)
-            qb, dyb, kb, vb = q[:, :, i0:i1], dy[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1]
-            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, i0:i1, None]).exp_()
+        for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
+            bias, index = table_block(table, pos[rows], key_pos[cols], ctx.window)  # (nh, bq, nk), (bq, nk)
+            qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
+            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, rows, None]).exp_()
             if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
-                p.masked_fill_(~same_document(starts, key_starts, slice(i0, i1), slice(j0, j1))[:, None], 0.0)
-            dv[:, :, j0:j1] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, i0:i1]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
+                p.masked_fill_(~same_document(starts, key_starts, rows, cols)[:, None], 0.0)
+            dv[:, :, cols] += p.transpose(-2, -1) @ dyb
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
             dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
             ds.mul_(scale)
-            dq[:, :, i0:i1] = ds @ kb
-            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ qb
+            dq[:, :, rows] = ds @ kb
+            dk[:, :, cols] += ds.transpose(-2, -1) @ qb
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable, None, None, None, None, None
 
 
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
+
+
+def query_blocks(Tq: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None):
+    """The blocks of TABLE_BLOCK queries, each as (its queries, the keys they may see: key_span), two slices."""
+    for i0 in range(0, Tq, TABLE_BLOCK):
+        i1 = min(i0 + TABLE_BLOCK, Tq)
+        yield slice(i0, i1), slice(*key_span(i0, i1, Tk, own_keys, pos, starts, window))
+
+
+def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel a block of queries at a time: y (B, nh, Tq, hs) and the log-sum-exp (B, nh, Tq), each
+    block of (rows, cols) of `blocks` under bias(rows, cols, dtype), -inf where a query does not see a key."""
+    B, nh, Tq, _ = q.shape
+    y = q.new_empty(B, nh, Tq, v.size(-1))
+    lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
+    for rows, cols in blocks:
+        y[:, :, rows], lse[:, :, rows] = flash_cpu(
+            q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype)
+        )
+    return y, lse
 
 
 class SumBiasAttention(torch.autograd.Function):
@@ -356,16 +370,10 @@ class SumBiasAttention(torch.autograd.Function):
         own_keys = key_pos is None
         key_pos, key_c = (pos, c) if own_keys else (key_pos, key_c)
         key_starts = starts if key_starts is None else key_starts
-        (B, nh, Tq, _), Tk = q.shape, k.size(2)
-        y = q.new_empty(B, nh, Tq, v.size(-1))
-        lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
-        for i0 in range(0, Tq, TABLE_BLOCK):
-            i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, own_keys, pos, starts, window)
-            bias = sum_block(
-                c, key_c, pos, key_pos, window, starts, key_starts, slice(i0, i1), slice(j0, j1), lse.dtype
-            )
-            y[:, :, i0:i1], lse[:, :, i0:i1] = flash_cpu(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias)
+        bias = lambda rows, cols, dtype: sum_block(
+            c, key_c, pos, key_pos, window, starts, key_starts, rows, cols, dtype
+        )  # noqa: E731
+        y, lse = flash_blocks(q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias)
         ctx.save_for_backward(q, k, v, c, key_c, pos, key_pos, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y
@@ -378,11 +386,7 @@ class SumBiasAttention(torch.autograd.Function):
         scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
-        Tq, Tk = q.size(2), k.size(2)
-        for i0 in range(0, Tq, TABLE_BLOCK):
-            i1 = min(i0 + TABLE_BLOCK, Tq)
-            j0, j1 = key_span(i0, i1, Tk, ctx.own_keys, pos, starts, ctx.window)
-            rows, cols = slice(i0, i1), slice(j0, j1)
+        for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
             bias = sum_block(c, key_c, pos, key_pos, ctx.window, starts, key_starts, rows, cols, work)
             qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
             p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias).sub_(lse[:, :, rows, None]).exp_()
@@ -404,10 +408,8 @@ def sum_block(c, key_c, pos, key_pos, window, starts, key_starts, rows: slice, c
     -inf where a query does not see a key (the window, the future, another document)."""
     ref = c[:, :, rows.stop - 1, None]  # (B, nh, 1)
     bias = (c[:, :, rows] - ref).to(dtype)[..., None] - (key_c[:, :, cols] - ref).to(dtype)[..., None, :]
-    seen = sees(pos[rows, None] - key_pos[cols], window)  # (bq, nk)
-    if starts is not None:
-        seen = seen & same_document(starts, key_starts, rows, cols)[:, None]  # (B, 1, bq, nk)
-    return bias.masked_fill_(~seen, float("-inf"))  # bias is new: in place
+    bias.masked_fill_(~sees(pos[rows, None] - key_pos[cols], window), float("-inf"))  # bias is new: in place
+    return in_documents(bias, starts, key_starts, rows, cols)
 
 
 def key_span(
@@ -492,7 +494,7 @@ def content_attention(
     running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by sums(increments): the queries' and
     every key's."""
     order = None if own_keys else key_pos.argsort()  # (Tk,)
-    query_starts = None if starts is None else starts[0]
+    query_starts, key_starts = (None, None) if starts is None else starts
     span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
 
     def attention(q, k, v, x):
@@ -507,10 +509,9 @@ def content_attention(
             return bias.masked_fill(~seen, float("-inf"))
 
         if blocks and running is not None and q.device.type == "cpu":  # c_i - c'_j alone (FoX's): its CPU kernel
-            key_starts = None if own_keys else starts[1] if starts is not None else None
-            other = (None, None) if own_keys else (running[1], key_pos)
-            c, key_c, keys = running[0], *other
-            return SumBiasAttention.apply(q, k, v, c, key_c, pos, keys, window, query_starts, key_starts)
+            c, key_c = running  # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
+            key_c, keys, their_starts = (None, None, None) if own_keys else (key_c, key_pos, key_starts)
+            return SumBiasAttention.apply(q, k, v, c, key_c, pos, keys, window, query_starts, their_starts)
         if blocks:
             return bias_blocks(block_bias, span, attend)(q, k, v)
         return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))

@@ -679,7 +679,7 @@ def distance_table(pe: PositionalEncoding, layer: int, heads: torch.Tensor, chun
             if chunk.consecutive
             else None
         )
-    if not pe.relative:
+    if not pe.relative or pe.reads_content:  # a bias of the content has no table
         return None
     if pe.far_distance is not None:  # every distance from it on reads one entry
         D = pe.far_distance + 1
