@@ -57,9 +57,18 @@ class KVCache:
             )
         return self.size - self.length if window is None else self.size - window + 1
 
-    def claim(self, pos: torch.Tensor, last: int, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """Take the slots (T,) of a chunk at positions pos (T,), the last of them `last` (a host int: no sync), and
-        under packing="documents" where its tokens' documents start (B, T)."""
+    def claim(
+        self, idx: torch.Tensor, window: int | None, eot_token: int | None = None, pos=None, last: int | None = None
+    ) -> Chunk:
+        """The Chunk of idx (B, T), its slots claimed and its keys every slot's: the one method that advances a cache.
+        At the cache's next T positions, or at pos (T,), the last of them `last` (a host int: no sync); eot_token:
+        packing="documents"'s, where each token's document starts. model.GPT.chunk checks a chunk before it claims."""
+        T, start = idx.size(1), self.next_pos
+        if pos is None:  # the cache's next T positions
+            pos, last, consecutive = torch.arange(start, start + T, device=idx.device), start + T - 1, True
+        else:  # .diff() syncs: only for explicit positions
+            consecutive = T == 1 or bool((pos.diff() == 1).all())
+        starts = None if eot_token is None else document_starts(idx, pos, eot_token, self)  # (B, T)
         if self.pos is None:
             self.pos = torch.full((self.size,), self.EMPTY, dtype=torch.long, device=pos.device)
         slots = pos % self.size
@@ -69,7 +78,7 @@ class KVCache:
                 self.starts = torch.full((len(starts), self.size), -1, dtype=torch.long, device=pos.device)
             self.starts.index_copy_(1, slots, starts)
         self.next_pos, self.length = last + 1, self.length + len(pos)
-        return slots
+        return Chunk(pos, self.pos, slots, window, consecutive, starts=starts, key_starts=self.starts, cached=True)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
@@ -165,14 +174,15 @@ def next_logits(
                 doc_start = everyone[:, T - W]  # (B,)
         return model.lm_head(model.features(idx[:, -W:], pos=pos, doc_start=doc_start)[:, -1]), cache
     window = W if pe.rolling else None  # rolling: keys keep their positions; else crop to W, positions from 0
+    eot = model.config.eot_token if model.config.packing == "documents" else None
     if cache is None or (not pe.rolling and cache.next_pos + 1 > W):  # (re)start: a prefill, eagerly
         cache = KVCache(model.config.n_layer, cache_size(pe, W, new.size(1)))
         tokens = new if pe.rolling else idx[:, -W:]
         for piece in tokens.split(W, dim=1):  # the decode step over the prompt, W tokens at most at once (cache_size)
-            logits = decode_step(model, piece, model.chunk(piece, None, cache, window), cache)
+            logits = decode_step(model, piece, cache.claim(piece, window, eot), cache)
         return logits, cache
     # one token: its slot claimed (host-side), then the step, compiled or not, on tensors
-    return (decode or decode_step)(model, new, model.chunk(new, None, cache, window), cache), cache
+    return (decode or decode_step)(model, new, cache.claim(new, window, eot), cache), cache
 
 
 def decode_step(model: GPT, idx: torch.Tensor, chunk: Chunk, cache: KVCache) -> torch.Tensor:

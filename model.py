@@ -915,12 +915,10 @@ class GPT(nn.Module):
         return self.chunk_features(idx, self.chunk(idx, pos, cache, window, doc_start), cache, wrap_attention)
 
     def chunk(self, idx: torch.Tensor, pos, cache, window: int | None, doc_start=None) -> Chunk:
-        """The Chunk of idx (B, T) at pos (None: the next T), checked, its cache slots claimed: where caches advance."""
-        T, device = idx.size(1), idx.device
-        start = cache.next_pos if cache is not None else 0
+        """The Chunk of idx (B, T) at pos (None: the next T), checked; with a cache, the cache's (KVCache.claim, which
+        generation calls alone: it feeds a cache only chunks that pass these checks)."""
+        T, start = idx.size(1), cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
-        if pos is None:
-            pos = torch.arange(start, start + T, device=device)
         last = int(pos.max()) if explicit_pos else start + T - 1  # .max() syncs: only for explicit positions
         if last + 1 > self.encoding.max_length:
             raise ValueError(
@@ -935,13 +933,13 @@ class GPT(nn.Module):
                 "RoPE's dynamic_ntk scaling does), so no KV cache can be exact there; run without a cache (generate() "
                 "does so by itself)"
             )
+        eot = self.config.eot_token if self.config.packing == "documents" else None
+        if cache is not None:  # after the checks: a chunk refused leaves the cache as it was
+            return cache.claim(idx, window, eot, pos, last)
+        pos = torch.arange(T, device=idx.device) if pos is None else pos
         consecutive = not explicit_pos or T == 1 or bool((pos.diff() == 1).all())
-        documents = self.config.packing == "documents"
-        starts = document_starts(idx, pos, self.config.eot_token, cache, doc_start) if documents else None
-        if cache is None:
-            return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
-        slots = cache.claim(pos, last, starts)  # after the checks: a chunk refused leaves the cache as it was
-        return Chunk(pos, cache.pos, slots, window, consecutive, starts=starts, key_starts=cache.starts, cached=True)
+        starts = None if eot is None else document_starts(idx, pos, eot, None, doc_start)
+        return Chunk(pos, pos, None, window, consecutive, starts=starts, key_starts=starts)
 
     def chunk_features(self, idx: torch.Tensor, chunk: Chunk, cache, wrap_attention=None) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step compiles to one graph."""

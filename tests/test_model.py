@@ -206,14 +206,14 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
     claims, inside, version = [], [False], [None]
     claim, set_attr = KVCache.claim, KVCache.__setattr__
 
-    def claiming(self, pos, last, starts=None):
+    def claiming(self, idx, *args):
         assert self.pos is None or self.pos._version == version[0], "the slots' positions changed outside claim"
         inside[0] = True
         try:
-            return claim(self, pos, last, starts)
+            return claim(self, idx, *args)
         finally:
             inside[0], version[0] = False, self.pos._version
-            claims.append(len(pos))
+            claims.append(idx.size(1))
 
     def watched(self, name, value):
         if name in ("next_pos", "length", "pos", "starts") and hasattr(self, name):  # after __init__
