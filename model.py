@@ -452,16 +452,11 @@ class FIRE(PositionalEncoding):
         self.b1 = nn.Parameter(torch.rand(layers, n) * 2 - 1)  # (layers, 32)
         self.w2 = nn.Parameter(torch.randn(layers, nh, n) * 0.02)  # (layers, nh, 32): starts small, near NoPE
 
-    def threshold(self) -> torch.Tensor:
-        """L = |m|·L0, each layer's (layers,)."""
-        return (self.L_multiplier * self.init_L).abs()
-
     def score_bias(self, h, i, j):
         # a row per (layer, head), read at h: inductor's CPU backend fails on the gradient of rows read by h // n_head
-        per_head = lambda p: p.repeat_interleave(self.n_head, 0)  # noqa: E731  (layers, ...) -> (layers·nh, ...)
-        c, threshold = per_head(self.c).abs()[h], per_head(self.threshold())[h]
-        w1, b1, w2 = per_head(self.w1)[h], per_head(self.b1)[h], self.w2.flatten(0, 1)[h]  # h's shape + (32,)
-        return self.mlp(self.input(c, threshold, i, j), w1, b1, w2)
+        f = self.layer_bias(slice(None))  # every layer's parameters, (layers, ...)
+        c, threshold, w1, b1 = (t.repeat_interleave(self.n_head, 0)[h] for t in (f.c, f.threshold, f.w1, f.b1))
+        return self.mlp(self.input(c, threshold, i, j), w1, b1, f.w2.flatten(0, 1)[h])  # w1, b1, w2: h's shape + (32,)
 
     def input(self, c, threshold, i, j):
         """The MLP's input x = ψ(i - j) / (ψ(max(L, i)) + ε), ψ(x) = log(c·x + 1)."""
@@ -479,9 +474,10 @@ class FIRE(PositionalEncoding):
             out = out + torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u]
         return out
 
-    def layer_bias(self, layer: int) -> fast_paths.MLPBias:
-        """Layer `layer`'s bias as an MLP of each pair's input, its parameters read once, for the fast paths."""
-        c, threshold = self.c[layer].abs(), self.threshold()[layer]
+    def layer_bias(self, layer: int | slice) -> fast_paths.MLPBias:
+        """Layer `layer`'s bias (every layer's at a slice) as an MLP of each pair's input, its parameters read once:
+        c used as |c|, and the threshold L = |m|·L0."""
+        c, threshold = self.c[layer].abs(), (self.L_multiplier * self.init_L).abs()[layer]
         return fast_paths.MLPBias(self.input, self.mlp, c, threshold, self.w1[layer], self.b1[layer], self.w2[layer])
 
 

@@ -19,7 +19,7 @@ DEVELOPMENT = ROOT / "docs" / "development.md"
 # The most definitions each encoding's walk may take today (the goals, in docs/development.md, are lower: a change
 # lowers a ceiling as it meets it, and one that needs more makes room first)
 WALK_CEILING = {"rope": 18, "alibi": 20}
-WALK_CEILING_ANY = 25  # every other encoding's
+WALK_CEILING_ANY = 24  # every other encoding's
 
 
 def definition(code) -> str | None:
