@@ -389,7 +389,7 @@ class SumBiasAttention(torch.autograd.Function):
         for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
             bias = sum_block(c, key_c, pos, key_pos, ctx.window, starts, key_starts, rows, cols, work)
             qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
-            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias).sub_(lse[:, :, rows, None]).exp_()
+            p = probabilities((qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias).sub_(lse[:, :, rows, None]))
             dv[:, :, cols] += p.transpose(-2, -1) @ dyb
             ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
             dc[:, :, rows] += ds.sum(-1).to(dc.dtype)
@@ -400,6 +400,14 @@ class SumBiasAttention(torch.autograd.Function):
         if ctx.own_keys:  # c is the keys' too: one gradient
             dc, dkey_c = dc + dkey_c, None
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc, dkey_c, None, None, None, None, None
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """exp(logits) in place, what falls below 4 × the dtype's smallest normal number (e^-86 in float32) as 0: on a CPU
+    exp takes a slow path below e^-87 and for -inf, and the denormals it returns slow every product after (FoX's
+    bias, a sum of log forget rates, reaches -87 a few hundred keys back)."""
+    tiny = torch.finfo(logits.dtype).tiny
+    return F.threshold_(logits.clamp_(min=math.log(2 * tiny)).exp_(), 4 * tiny, 0.0)
 
 
 def sum_block(c, key_c, pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype) -> torch.Tensor:

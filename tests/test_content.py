@@ -3,6 +3,7 @@ here in float64 (forward and every gradient), on a CPU's blocks of queries and o
 goes on through the KV cache; neither makes a (T, T) tensor on a CPU (CoPE: a block of 64 queries over the keys)."""
 
 import contextlib
+import copy
 from dataclasses import replace
 
 import pytest
@@ -86,6 +87,33 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, fused, monkeypatc
     assert grads.keys() == grads_ref.keys() and any(n.startswith("transformer.wpe") for n in grads)
     for n in grads_ref:
         torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_fox_in_float32_where_it_forgets_fast_is_the_papers_attention(monkeypatch):
+    """With forget rates near e^-4 the bias passes -86 (where the CPU's exp slows and returns denormals) a few dozen
+    keys back: the float32 blocks, which count what falls below it as 0 in the backward, still equal the paper's
+    equations in float64, forward and gradients, and the backward's probabilities hold no denormal."""
+    model = tiny("fox", block_size=160, n_layer=1)
+    with torch.no_grad():
+        model.encoding.b.fill_(-4.0)
+    taken, probabilities = [], model_py.fast_paths.probabilities
+    spy = lambda t: (p := probabilities(t), taken.append(p.clone()))[0]  # noqa: E731  (the backward reuses p)
+    monkeypatch.setattr(model_py.fast_paths, "probabilities", spy)
+    x, results = torch.randn(2, 160, 32), []
+    for m, fn in ((model, ours), (copy.deepcopy(model).double(), paper_attention)):
+        xi = x.to(next(m.parameters()).dtype).detach().requires_grad_()
+        y = fn(m, xi)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        grads = {n: p.grad.double() for n, p in m.named_parameters() if p.grad is not None}
+        results.append((y.detach().double(), xi.grad.double(), grads))
+    (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
+    p = torch.cat([t.flatten() for t in taken])
+    assert taken and p.dtype == torch.float32 and bool((p == 0).any())  # the float32 backward, past -86
+    assert not bool(((p != 0) & (p < torch.finfo(torch.float32).tiny)).any())
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-4)
+    for n in grads_ref:
+        torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-4, atol=1e-4, msg=n)
 
 
 def test_cope_counts_the_gates_not_the_tokens():
