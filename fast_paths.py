@@ -405,7 +405,7 @@ class SumBiasAttention(torch.autograd.Function):
 def probabilities(logits: torch.Tensor) -> torch.Tensor:
     """exp(logits) in place, what falls below 4 × the dtype's smallest normal number (e^-86 in float32) as 0: on a CPU
     exp takes a slow path below e^-87 and for -inf, and the denormals it returns slow every product after (FoX's
-    bias, a sum of log forget rates, reaches -87 a few hundred keys back)."""
+    bias, a sum of log forget rates, reaches -87 126 keys back at its initial rate of 1/2)."""
     tiny = torch.finfo(logits.dtype).tiny
     return F.threshold_(logits.clamp_(min=math.log(2 * tiny)).exp_(), 4 * tiny, 0.0)
 
