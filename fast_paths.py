@@ -276,7 +276,8 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # A score bias a block of queries at a time through SDPA: TableBiasAttention (on a CPU, a bias of i - j alone from its
-# table: the flash kernel, which gives a bias no gradient, and a backward of its own), bias_blocks (any bias, by rows)
+# table: the flash kernel, which gives a bias no gradient, and a backward of its own), SumBiasAttention (c_i - c'_j as
+# two more dimensions of q and k: the flash kernels forward and backward), bias_blocks (any bias, by rows)
 
 
 def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,62 +363,94 @@ def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.T
 class SumBiasAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√hs + c_i - c'_j)·v, a bias of two per-token vectors (FoX's running sums: c at the queries (B, nh,
     Tq), c' at the keys (B, nh, Tk), None: the queries' own), a block of queries at a time on a CPU: no (Tq, Tk)
-    tensor, forward or backward. The forward is SDPA's flash kernel per block; the backward recomputes each block's
-    probabilities from the log-sum-exp, and c's gradient is each row's sum of dS, c''s minus each column's."""
+    tensor, forward or backward. The bias is two more dimensions of the queries and keys (with_sums), so that SDPA's
+    flash kernels take it, forward and backward, under a mask of the unseen keys alone; c's gradient is the new
+    dimensions' (each row's sum of dS, and minus each column's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_c, pos, key_pos, window, starts=None, key_starts=None):
         own_keys = key_pos is None
         key_pos, key_c = (pos, c) if own_keys else (key_pos, key_c)
         key_starts = starts if key_starts is None else key_starts
-        bias = lambda rows, cols, dtype: sum_block(
-            c, key_c, pos, key_pos, window, starts, key_starts, rows, cols, dtype
-        )  # noqa: E731
-        y, lse = flash_blocks(q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias)
-        ctx.save_for_backward(q, k, v, c, key_c, pos, key_pos, y, lse, starts, key_starts)
-        ctx.window, ctx.own_keys = window, own_keys
-        return y
+        blocks = list(query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window))
+        qs, ks, vs = summed(q, k, v)
+        ys = qs.new_empty(*q.shape[:3], vs.size(-1))
+        lse = qs.new_empty(q.shape[:3])
+        for rows, cols in blocks:
+            qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
+            mask = unseen(pos, key_pos, window, starts, key_starts, rows, cols, qs.dtype)
+            if vs.size(-1) != qs.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
+                s = (qb @ kb.transpose(-2, -1)).add_(mask)
+                lse[:, :, rows] = s.logsumexp(-1)
+                ys[:, :, rows] = s.sub_(lse[:, :, rows, None]).exp_() @ vs[:, :, cols]
+            else:
+                ys[:, :, rows], lse[:, :, rows] = FLASH(qb, kb, vs[:, :, cols], attn_mask=mask, scale=1.0)
+        ctx.save_for_backward(qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts)
+        ctx.window, ctx.own_keys, ctx.blocks, ctx.shapes = window, own_keys, blocks, (q.dtype, q.size(-1), v.size(-1))
+        return ys[..., : v.size(-1)].to(q.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, c, key_c, pos, key_pos, y, lse, starts, key_starts = ctx.saved_tensors
-        dtype, work = q.dtype, lse.dtype
-        q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
-        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts = ctx.saved_tensors
+        dtype, hs, hv = ctx.shapes
+        dys = F.pad(dy.to(qs.dtype), (0, vs.size(-1) - hv))
+        dq, dk, dv = qs.new_empty(*qs.shape[:3], hs), torch.zeros_like(ks[..., :hs]), torch.zeros_like(vs[..., :hv])
         dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
-        for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
-            bias = sum_block(c, key_c, pos, key_pos, ctx.window, starts, key_starts, rows, cols, work)
-            qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
-            p = probabilities((qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias).sub_(lse[:, :, rows, None]))
-            dv[:, :, cols] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
-            dc[:, :, rows] += ds.sum(-1).to(dc.dtype)
-            dkey_c[:, :, cols] -= ds.sum(-2).to(dc.dtype)
-            ds.mul_(scale)
-            dq[:, :, rows] = ds @ kb
-            dk[:, :, cols] += ds.transpose(-2, -1) @ qb
+        for rows, cols in ctx.blocks:
+            qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
+            mask = unseen(pos, key_pos, ctx.window, starts, key_starts, rows, cols, qs.dtype)
+            dqb, dkb, dvb = FLASH_BACKWARD(
+                dys[:, :, rows],
+                qb,
+                kb,
+                vs[:, :, cols],
+                ys[:, :, rows],
+                lse[:, :, rows],
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=1.0,
+            )  # (B, nh, bq, hs + 2), (B, nh, nk, hs + 2), (B, nh, nk, hs + 2)
+            dq[:, :, rows] = dqb[..., :hs]
+            dc[:, :, rows] += dqb[..., hs].to(dc.dtype)  # Σ_j dS_ij: the query's c against the keys' 1
+            dk[:, :, cols] += dkb[..., :hs]
+            dkey_c[:, :, cols] -= dkb[..., hs + 1].to(dc.dtype)  # Σ_i dS_ij: the key's -c' against the queries' 1
+            dv[:, :, cols] += dvb[..., :hv]
         if ctx.own_keys:  # c is the keys' too: one gradient
             dc, dkey_c = dc + dkey_c, None
+        dq = dq.mul_(hs**-0.5)  # the queries went in as q/√hs
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc, dkey_c, None, None, None, None, None
 
 
-def probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """exp(logits) in place, what falls below 4 × the dtype's smallest normal number (e^-86 in float32) as 0: on a CPU
-    exp takes a slow path below e^-87 and for -inf, and the denormals it returns slow every product after (FoX's
-    bias, a sum of log forget rates, reaches -87 126 keys back at its initial rate of 1/2)."""
-    tiny = torch.finfo(logits.dtype).tiny
-    return F.threshold_(logits.clamp_(min=math.log(2 * tiny)).exp_(), 4 * tiny, 0.0)
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def sum_block(c, key_c, pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype) -> torch.Tensor:
-    """SumBiasAttention's bias (B, nh, bq, nk) of the queries in rows over the keys in cols: c_i - c'_j, each taken
-    from the block's last query's c in float64 and then in dtype (what rounds is far from it, where exp(bias) is 0),
-    -inf where a query does not see a key (the window, the future, another document)."""
+def summed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k and v (B, nh, T, hs) with two dimensions more, in float32 at least (bf16 would round the bias): q as
+    q/√hs, the keys' 1 in the first new one and the queries' 1 in the second (with_sums writes the sums beside
+    them), v with zeros (the flash kernel takes one head size)."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    qs, ks = F.pad(q.to(work) * q.size(-1) ** -0.5, (0, 2), value=1.0), F.pad(k.to(work), (0, 2), value=1.0)
+    return qs, ks, F.pad(v.to(work), (0, qs.size(-1) - v.size(-1))) if v.size(-1) == q.size(-1) else v.to(work)
+
+
+def with_sums(qs, ks, c, key_c, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries in rows and the keys in cols (views of summed's) with c_i - r and -(c'_j - r) in their new
+    dimensions: q·k/√hs + c_i - c'_j, each sum taken from r, the block's last query's c, in float64 and then in
+    float32 (what rounds is far from it, where exp(bias) is 0)."""
     ref = c[:, :, rows.stop - 1, None]  # (B, nh, 1)
-    bias = (c[:, :, rows] - ref).to(dtype)[..., None] - (key_c[:, :, cols] - ref).to(dtype)[..., None, :]
-    bias.masked_fill_(~sees(pos[rows, None] - key_pos[cols], window), float("-inf"))  # bias is new: in place
-    return in_documents(bias, starts, key_starts, rows, cols)
+    qs[:, :, rows, -2] = c[:, :, rows] - ref
+    ks[:, :, cols, -1] = ref - key_c[:, :, cols]
+    return qs[:, :, rows], ks[:, :, cols]
+
+
+def unseen(pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype) -> torch.Tensor:
+    """The mask (1, 1, bq, nk), or (B, 1, bq, nk) by documents, of the queries in rows over the keys in cols: -inf
+    where a query does not see a key (the window, the future, another document), else 0."""
+    mask = torch.zeros(rows.stop - rows.start, cols.stop - cols.start, dtype=dtype, device=pos.device)
+    mask.masked_fill_(~sees(pos[rows, None] - key_pos[cols], window), float("-inf"))
+    return in_documents(mask[None, None], starts, key_starts, rows, cols)
 
 
 def key_span(
