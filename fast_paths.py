@@ -280,18 +280,18 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
 # two more dimensions of q and k: the flash kernels forward and backward), bias_blocks (any bias, by rows)
 
 
-def flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk) or (B, nh, Tq, Tk): y (q's dtype) and the log-sum-exp
-    (B, nh, Tq). With
+def flash_cpu(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk) or (B, nh, Tq, Tk), the scores scaled by scale (None:
+    1/√hs): y (q's dtype) and the log-sum-exp (B, nh, Tq). With
     bf16 or fp16 q, in float32, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps
     of 1/16), as the reference does."""
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
     if v.size(-1) != q.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
-        s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5 + bias
+        s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
         lse = s.logsumexp(-1)
         return ((s - lse[..., None]).exp() @ v).to(dtype), lse
-    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
     return y.to(dtype), lse
 
 
@@ -379,22 +379,17 @@ class SumBiasAttention(torch.autograd.Function):
         for rows, cols in blocks:
             qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
             mask = unseen(pos, key_pos, window, starts, key_starts, rows, cols, qs.dtype)
-            if vs.size(-1) != qs.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
-                s = (qb @ kb.transpose(-2, -1)).add_(mask)
-                lse[:, :, rows] = s.logsumexp(-1)
-                ys[:, :, rows] = s.sub_(lse[:, :, rows, None]).exp_() @ vs[:, :, cols]
-            else:
-                ys[:, :, rows], lse[:, :, rows] = FLASH(qb, kb, vs[:, :, cols], attn_mask=mask, scale=1.0)
+            ys[:, :, rows], lse[:, :, rows] = flash_cpu(qb, kb, vs[:, :, cols], mask, scale=1.0)
         ctx.save_for_backward(qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts)
-        ctx.window, ctx.own_keys, ctx.blocks, ctx.shapes = window, own_keys, blocks, (q.dtype, q.size(-1), v.size(-1))
+        ctx.window, ctx.own_keys, ctx.blocks, ctx.dtype = window, own_keys, blocks, q.dtype
         return ys[..., : v.size(-1)].to(q.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts = ctx.saved_tensors
-        dtype, hs, hv = ctx.shapes
-        dys = F.pad(dy.to(qs.dtype), (0, vs.size(-1) - hv))
-        dq, dk, dv = qs.new_empty(*qs.shape[:3], hs), torch.zeros_like(ks[..., :hs]), torch.zeros_like(vs[..., :hv])
+        hs = qs.size(-1) - 2  # with a gradient v is q's size too (summed padded it)
+        dys = F.pad(dy.to(qs.dtype), (0, 2))
+        dq, dk, dv = qs.new_empty(*qs.shape[:3], hs), torch.zeros_like(ks[..., :hs]), torch.zeros_like(vs[..., :hs])
         dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
         for rows, cols in ctx.blocks:
             qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
@@ -415,14 +410,13 @@ class SumBiasAttention(torch.autograd.Function):
             dc[:, :, rows] += dqb[..., hs].to(dc.dtype)  # Σ_j dS_ij: the query's c against the keys' 1
             dk[:, :, cols] += dkb[..., :hs]
             dkey_c[:, :, cols] -= dkb[..., hs + 1].to(dc.dtype)  # Σ_i dS_ij: the key's -c' against the queries' 1
-            dv[:, :, cols] += dvb[..., :hv]
+            dv[:, :, cols] += dvb[..., :hs]
         if ctx.own_keys:  # c is the keys' too: one gradient
             dc, dkey_c = dc + dkey_c, None
         dq = dq.mul_(hs**-0.5)  # the queries went in as q/√hs
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc, dkey_c, None, None, None, None, None
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), dc, dkey_c, None, None, None, None, None
 
 
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
