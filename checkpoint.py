@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import GPT, GPTConfig
+from model import GPT, POS_ENCODINGS, GPTConfig
 from outputs import FolderLock, OutputError, cannot_write, fsync_dir, write_atomic
 from parallel import Processes
 
@@ -87,11 +87,11 @@ def _alive(pid: int) -> bool:
 
 
 def _load(path: Path, map_location: str) -> dict:
-    """torch.load with weights_only (tensors and plain data: nothing in the file can run code). A file it cannot read
-    is named as damaged or not a checkpoint; torch's own advice to retry with weights_only=False is not passed on, as
-    that would run whatever code the file holds."""
+    """torch.load with weights_only (tensors and plain data: nothing in the file can run code), its model_args as this
+    version reads them (saved_args). A file it cannot read is named as damaged or not a checkpoint; torch's own advice
+    to retry with weights_only=False is not passed on, as that would run whatever code the file holds."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         what = (
             "it is not a file torch.save wrote (check the path)"
@@ -101,6 +101,15 @@ def _load(path: Path, map_location: str) -> dict:
         raise CheckpointError(
             f"{path} is not a readable checkpoint: {what} ({type(e).__name__}); restore it from a copy, or train again"
         ) from None
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("model_args"), dict):  # as this version reads it
+        ckpt["model_args"] = saved_args(ckpt["model_args"])
+    return ckpt
+
+
+def saved_args(model_args: dict) -> dict:
+    """A saved config's arguments as this version reads them: an option the save predates takes what it computed."""
+    options = getattr(POS_ENCODINGS.get(model_args.get("pos_encoding")), "options", {})
+    return {n: o.before for n, o in options.items() if o.before is not None and n not in model_args} | model_args
 
 
 def _zip_or_pickle(path: Path) -> bool:

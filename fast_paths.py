@@ -78,6 +78,7 @@ def kernel(
     head_dim: int | None = None,
     fits: bool | None = None,
     compiling: bool | None = None,
+    sums: bool = False,
 ) -> str | None:
     """The attention of a forward with a score bias: the first row of the table that matches, a kernel of this file's,
     or None for model.py's reference (SDPA under the bias matrix, -inf where a query does not see a key).
@@ -89,13 +90,15 @@ def kernel(
     | yes       | trained, no table, own keys           | ·                       | no      | bias_blocks    |
     | not False | a cached chunk of one block at most   | CPU                     | no      | the reference  |
     | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
+    | not False | a sum c_i - c'_j (FoX's)              | CPU: eager, or own keys | no      | sum_blocks     |
     | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
 
     fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes head_dim on the device (None:
     flex_fits, asked only where fused). trainable: autograd records the bias's parameters; own_keys: the keys are the
     queries' own, in order (no cache); table: the bias comes as its table over distances (a bias of i - j alone);
     cached: the keys are a KV cache's, for `queries` queries (a decode step: one block, the reference's one matrix,
-    computed once for the layers that share it). compiling: None reads torch.compiler.is_compiling()."""
+    computed once for the layers that share it); sums: the bias is c_i - c'_j of a sum over the tokens (FoX's).
+    compiling: None reads torch.compiler.is_compiling()."""
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
@@ -108,7 +111,7 @@ def kernel(
     cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
     if not cpu or (cached and queries <= TABLE_BLOCK):
         return None
-    return "bias_table" if table else "bias_blocks"
+    return "bias_table" if table else "sum_blocks" if sums else "bias_blocks"
 
 
 def fast_attention(
@@ -285,14 +288,13 @@ def flash_cpu(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, 
     1/√hs): y (q's dtype) and the log-sum-exp (B, nh, Tq). With
     bf16 or fp16 q, in float32, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps
     of 1/16), as the reference does."""
-    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    work = torch.promote_types(q.dtype, torch.float32)
     q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
     if v.size(-1) != q.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
         s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
         lse = s.logsumexp(-1)
-        return ((s - lse[..., None]).exp() @ v).to(dtype), lse
-    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
-    return y.to(dtype), lse
+        return (s - lse[..., None]).exp() @ v, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
 
 
 class TableBiasAttention(torch.autograd.Function):
@@ -313,7 +315,7 @@ class TableBiasAttention(torch.autograd.Function):
         y, lse = flash_blocks(q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias)
         ctx.save_for_backward(q, k, v, table, pos, key_pos, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
-        return y
+        return y.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -351,8 +353,8 @@ def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.T
     """SDPA's CPU flash kernel a block of queries at a time: y (B, nh, Tq, hs) and the log-sum-exp (B, nh, Tq), each
     block of (rows, cols) of `blocks` under bias(rows, cols, dtype), -inf where a query does not see a key."""
     B, nh, Tq, _ = q.shape
-    y = q.new_empty(B, nh, Tq, v.size(-1))
-    lse = q.new_empty(B, nh, Tq, dtype=torch.promote_types(q.dtype, torch.float32))
+    work = torch.promote_types(q.dtype, torch.float32)
+    y, lse = q.new_empty(B, nh, Tq, v.size(-1), dtype=work), q.new_empty(B, nh, Tq, dtype=work)
     for rows, cols in blocks:
         y[:, :, rows], lse[:, :, rows] = flash_cpu(
             q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype)
@@ -447,6 +449,129 @@ def unseen(pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, d
     return in_documents(mask[None, None], starts, key_starts, rows, cols)
 
 
+@dataclass(frozen=True)
+class GateCounts:
+    """One layer's bias of positions counted by gates (model.CoPE.counts): the gate of a key is σ(q·k·gate_scale),
+    a key's position p the sum of the gates from it to the query (at most p_max - 1), its bias q·e[p] read between
+    ⌊p⌋ and ⌈p⌉; e (p_max, hs)."""
+
+    e: torch.Tensor
+    gate_scale: float
+
+
+class CountAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√hs + q·e[p])·v for CoPE's counted positions p over the queries' own keys at positions pos (Tq,)
+    (window, documents' starts (B, Tq) as Chunk's), a block of queries at a time, with a backward of its own that
+    recomputes each block: no (Tq, Tk) tensor is kept, and a block is a few passes (autograd through checkpointed
+    blocks took twice as long). The keys are read nearest first (reversed), so that the positions are a prefix sum."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, e, counts: GateCounts, pos, window, starts, blocks):
+        work = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            qs, kf, vf, es = q.to(work).contiguous(), k.to(work).flip(-2), v.to(work).flip(-2), e.to(work)
+            y, lse = qs.new_empty(*q.shape[:3], v.size(-1)), qs.new_empty(*q.shape[:3], 1)
+            keys = Keys(qs, kf, es, counts, pos, window, starts)
+            for rows, cols in blocks:
+                cpu, them = qs.device.type == "cpu", reversed_keys(cols, kf.size(2))
+                a, *_ = counted_scores(keys, rows, cols, scores=not cpu)
+                if cpu:  # the flash kernel adds the bias to the scores it computes
+                    y[:, :, rows], lse[:, :, rows, 0] = flash_cpu(qs[:, :, rows], kf[:, :, them], vf[:, :, them], a)
+                else:
+                    lse[:, :, rows] = a.logsumexp(-1, keepdim=True)
+                    y[:, :, rows] = a.sub_(lse[:, :, rows]).exp_() @ vf[:, :, them]
+        ctx.save_for_backward(qs, kf, vf, es, y, lse, pos, starts)
+        ctx.counts, ctx.window, ctx.blocks, ctx.dtypes = counts, window, blocks, (q.dtype, e.dtype)
+        return y.to(q.dtype, copy=True)  # not y itself, which the backward keeps
+
+    @staticmethod
+    def backward(ctx, dy):
+        qs, kf, vf, es, y, lse, pos, starts = ctx.saved_tensors
+        dy = dy.to(qs.dtype)
+        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P)
+        keys = Keys(qs, kf, es, ctx.counts, pos, ctx.window, starts)
+        dq, dkf, dvf, dz = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf), torch.empty_like(keys.z)
+        c, ratio = qs.size(-1) ** -0.5, ctx.counts.gate_scale * qs.size(-1) ** 0.5  # gate logit = score·ratio
+        with torch.autocast(qs.device.type, enabled=False):
+            for rows, cols in ctx.blocks:
+                p, g, lo, w, step = counted_scores(keys, rows, cols)
+                them, qb, dyb = reversed_keys(cols, kf.size(2)), qs[:, :, rows], dy[:, :, rows]
+                p = p.sub_(lse[:, :, rows]).exp_()  # the probabilities (B, nh, bq, nk)
+                dvf[:, :, them] += p.transpose(-2, -1) @ dyb
+                dP = torch.matmul(dyb, vf[:, :, them].transpose(-2, -1), out=keys.take("dp", p.shape))
+                ds = p.mul_(dP.sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D)
+                # the bias z[lo] + w·(z[lo + 1] - z[lo]): z[lo] takes dS·(1 - w), z[lo + 1] dS·w
+                dsw = torch.mul(ds, w, out=w)
+                at_lo = dz[:, :, rows].zero_().scatter_add_(-1, lo, ds)
+                w_at_lo = keys.take("w_at_lo", at_lo.shape).zero_().scatter_add_(-1, lo, dsw)
+                at_lo.sub_(w_at_lo)[..., 1:] += w_at_lo[..., :-1]  # dz (B, nh, bq, p_max)
+                dp = step.mul_(ds)  # d/dw; 0 where p is clamped (its z step is 0)
+                dg = torch.cumsum(dp, -1, out=dP).neg_().add_(dp).add_(dp.sum(-1, keepdim=True))  # nearer gates
+                dscore = torch.ops.aten.sigmoid_backward.grad_input(dg, g, grad_input=dg)  # dg·g·(1 - g)
+                dscore = (dscore if ratio == 1 else dscore.mul_(ratio)).add_(ds)  # (B, nh, bq, nk)
+                dq[:, :, rows] = (dscore @ kf[:, :, them]).mul_(c)
+                dkf[:, :, them] += (dscore.transpose(-2, -1) @ qb).mul_(c)
+            dq += dz @ es
+            de = dz.flatten(0, 2).T @ qs.flatten(0, 2)  # (p_max, hs)
+        dtype, e_dtype = ctx.dtypes
+        grads = dq.to(dtype), dkf.flip(-2).to(dtype), dvf.flip(-2).to(dtype), de.to(e_dtype)
+        return *grads, None, None, None, None, None
+
+
+class Keys:
+    """What CountAttention's blocks read: the queries qs and the keys reversed kf (B, nh, T, hs), z = q·e[n] and
+    z[n + 1] (B, nh, Tq, p_max; z[p_max - 1] at the end, where p stops), the positions, and buffers each as large
+    as the largest block (B, nh, TABLE_BLOCK, Tk), kept between calls: on a CPU a fresh tensor of a block's size costs
+    as much again as the pass that fills it (the allocator returns its pages, and each is faulted in again)."""
+
+    kept: dict = {}  # (name, dtype, device) -> a flat buffer, grown as needed
+
+    def __init__(self, qs, kf, es, counts: GateCounts, pos, window, starts):
+        self.qs, self.kf, self.counts, self.window = qs, kf, counts, window
+        zz = qs @ torch.cat([es, es[-1:]]).T  # (B, nh, Tq, p_max + 1): z[n] = q·e[n], and z[p_max - 1] again
+        self.z, self.z_next = zz[..., :-1], zz[..., 1:]  # z[n], z[n + 1]
+        self.pos, self.key_pos, self.starts = pos, pos.flip(0), starts
+        self.key_starts = None if starts is None else starts.flip(-1)
+        self.size = qs.size(0) * qs.size(1) * TABLE_BLOCK * kf.size(2)
+
+    def take(self, name: str, shape, dtype=None) -> torch.Tensor:
+        key = (name, dtype or self.qs.dtype, self.qs.device)
+        if torch.compiler.is_compiling():  # the compiler plans its own buffers
+            return self.qs.new_empty(shape, dtype=key[1])
+        if key not in self.kept or self.kept[key].numel() < self.size:
+            self.kept[key] = self.qs.new_empty(self.size, dtype=key[1])
+        return self.kept[key][: math.prod(shape)].view(shape)
+
+
+def reversed_keys(cols: slice, Tk: int) -> slice:
+    """The keys in cols among Tk keys reversed (the last first)."""
+    return slice(Tk - cols.stop, Tk - cols.start)
+
+
+def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True) -> tuple:
+    """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: the bias z[p] alone) over the keys in cols
+    nearest first, -inf where a query does not see a key, and what the backward reads: the gates g, ⌊p⌋, p - ⌊p⌋, and
+    z's step at each pair; in keys' buffers."""
+    them = reversed_keys(cols, keys.kf.size(2))
+    qb, kb, c = keys.qs[:, :, rows], keys.kf[:, :, them], keys.qs.size(-1) ** -0.5
+    shape = (*qb.shape[:3], kb.size(2))
+    mask = unseen(keys.pos, keys.key_pos, keys.window, keys.starts, keys.key_starts, rows, them, qb.dtype)
+    qk, g = keys.take("s", shape), keys.take("g", shape)
+    torch.bmm(qb.flatten(0, 1), kb.flatten(0, 1).transpose(1, 2), out=qk.flatten(0, 1))
+    if keys.counts.gate_scale != c:  # σ(q·k·gate_scale), 0 where unseen
+        torch.mul(qk, keys.counts.gate_scale, out=g).sigmoid_().mul_(mask.isfinite())
+    s = qk.mul_(c).add_(mask)  # -inf where unseen
+    if keys.counts.gate_scale == c:
+        torch.sigmoid(s, out=g)  # σ(-inf) = 0
+    p = torch.cumsum(g, -1, out=keys.take("w", shape)).clamp_(max=keys.z.size(-1) - 1)  # the gates from the key on
+    lo = keys.take("lo", shape, torch.long).copy_(p)  # ⌊p⌋ (p >= 0)
+    w = p.frac_()
+    step = torch.gather(keys.z_next[:, :, rows], -1, lo, out=keys.take("step", shape))  # z[⌊p⌋ + 1]
+    bias = torch.gather(keys.z[:, :, rows], -1, lo, out=keys.take("z", shape))  # z[⌊p⌋]
+    bias.addcmul_(w, step.sub_(bias))  # z[⌊p⌋] + w·(z[⌊p⌋ + 1] - z[⌊p⌋])
+    return bias.add_(s if scores else mask), g, lo, w, step
+
+
 def key_span(
     i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None = None
 ) -> tuple[int, int]:
@@ -519,15 +644,17 @@ def content_attention(
     window: int | None,
     own_keys: bool,
     starts: tuple[torch.Tensor, torch.Tensor] | None,
-    blocks: bool,
+    kernel: str | None,
     attend: Callable,
+    counts: Callable[[], GateCounts] | None = None,
 ) -> Callable:
     """The attention (q, k, v, x) -> y of a bias that reads the content (model.py's CoPE, FoX): content_bias(q, k,
     seen, order, sums) of a block of queries over their keys, -inf where a query does not see a key (visible(i0, i1,
-    j0, j1)), by blocks of queries (bias_blocks: no (Tq, Tk) tensor) or as one block (the reference). The keys are
-    counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is what each token adds to a
-    running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by sums(increments): the queries' and
-    every key's."""
+    j0, j1)), by kernel's blocks of queries (no (Tq, Tk) tensor: sum_blocks, SumBiasAttention; bias_blocks: by rows,
+    or CountAttention over the queries' own keys where counts() gives a bias of counted positions) or as one block (the
+    reference). The keys are counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is
+    what each token adds to a running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by
+    sums(increments): the queries' and every key's."""
     order = None if own_keys else key_pos.argsort()  # (Tk,)
     query_starts, key_starts = (None, None) if starts is None else starts
     span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
@@ -543,11 +670,14 @@ def content_attention(
             bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)  # a cache's chunk: one block
             return bias.masked_fill(~seen, float("-inf"))
 
-        if blocks and running is not None and q.device.type == "cpu":  # c_i - c'_j alone (FoX's): its CPU kernel
+        if kernel == "sum_blocks":  # c_i - c'_j alone (FoX's): its CPU kernel
             c, key_c = running  # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
             key_c, keys, their_starts = (None, None, None) if own_keys else (key_c, key_pos, key_starts)
             return SumBiasAttention.apply(q, k, v, c, key_c, pos, keys, window, query_starts, their_starts)
-        if blocks:
+        if kernel == "bias_blocks" and counts is not None and own_keys:  # CoPE's positions, counted in order
+            gate_counts, blocks = counts(), list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window))
+            return CountAttention.apply(q, k, v, gate_counts.e, gate_counts, pos, window, query_starts, blocks)
+        if kernel == "bias_blocks":
             return bias_blocks(block_bias, span, attend)(q, k, v)
         return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))
 
@@ -717,6 +847,7 @@ KERNELS = (
     "flex_table",
     "flex",
     "bias_table",
+    "sum_blocks",
     "bias_blocks",
 )  # kernel()'s answers, each a path of fast_attention
 

@@ -18,11 +18,11 @@ from torch.utils.checkpoint import checkpoint
 try:  # an export's folder is a package (transformers copies what `from .` imports); via the module, for tests' spies
     from . import fast_paths
     from .fast_paths import AttentionOptions
-    from .shape import ModelShape, Option, boolean, finite, greater, number, optional, positive_int
+    from .shape import ModelShape, Option, boolean, finite, greater, number, one_of, optional, positive_int
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
-    from shape import ModelShape, Option, boolean, finite, greater, number, optional, positive_int
+    from shape import ModelShape, Option, boolean, finite, greater, number, one_of, optional, positive_int
 
 # ---- Positional encodings: nothing outside this section names one; code asks the object or POS_ENCODINGS.
 
@@ -78,6 +78,7 @@ class PositionalEncoding(nn.Module):
         return None  # head h, query position i, key position j: broadcastable int tensors -> float32 bias
 
     layer_bias = None  # or layer -> fast_paths.MLPBias: the score bias as a small MLP of each pair's input (FIRE's)
+    counts = None  # or layer -> fast_paths.GateCounts: a bias of positions counted by gates of q·k (CoPE's)
     reads_content = False  # its bias reads the layer's q, k or input (CoPE, FoX): content_bias, not score_bias
 
     def forget(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -290,9 +291,7 @@ class RoPE(PositionalEncoding):
         "rope_scaling": Option(
             "none",
             "to run past the training length: " + " | ".join(ROPE_SCALINGS),
-            lambda v: (
-                None if v in ROPE_SCALINGS else f"is not a RoPE scaling; valid choices: {', '.join(ROPE_SCALINGS)}"
-            ),
+            one_of(ROPE_SCALINGS, "a RoPE scaling"),
         ),
         "rope_factor": Option(
             1.0,
@@ -325,12 +324,6 @@ class RoPE(PositionalEncoding):
             self.high += 0.001  # a step, not a division by zero
         # θ is fixed by the config (dynamic_ntk's alone moves with the length): float32 bits, as ALiBi's slopes
         self.register_buffer("theta_bits", self.inv_freq(torch.device("cpu")).view(torch.int32), persistent=False)
-
-    @staticmethod
-    def scaled(config: GPTConfig, scaling: str, factor: float, original_max_len: int | None) -> GPTConfig:
-        """config with another scaling (GPT.set_rope_scaling, at inference); L0 by default the config's."""
-        L0 = original_max_len or config.rope_original_max_len
-        return replace(config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
 
     @staticmethod
     def default_factor(scaling: str, length: int, train_len: int) -> float:
@@ -482,32 +475,45 @@ class FIRE(PositionalEncoding):
 
 
 class CoPE(PositionalEncoding):
-    """CoPE (Golovneva et al. 2024): gates g_ij = σ(q_i·k_j) count the keys a query sees, p_ij = Σ_{t=j..i} g_it
-    (at most p_max - 1), and z_i[p] = q_i·e[p] is read between ⌊p⌋ and ⌈p⌉: the score is q_i·k_j/√d + z_i[p_ij]."""
+    """CoPE (Golovneva et al. 2024): gates σ(q_i·k_j/√d) (its authors' code; eq. 3 omits √d) count the keys, p_ij =
+    Σ_{t=j..i} g_it < p_max, and the score is q_i·k_j/√d + q_i·e[p_ij], e read between ⌊p⌋ and ⌈p⌉ (not divided)."""
 
-    summary = "positions counted by gates of the content, σ(q·k), with learned vectors per layer (CoPE)"
+    summary = "positions counted by gates of the content, σ(q·k/√d), with learned vectors per layer (CoPE)"
 
     has_score_bias = reads_content = per_layer = True
-    options = {"cope_p_max": Option(64, "the most positions a query counts (the rest read p_max - 1)", positive_int)}
+    options = {
+        "cope_p_max": Option(64, "the most positions a query counts (the rest read p_max - 1)", positive_int),
+        "cope_gates": Option(
+            "scaled",
+            "σ(q·k/√d), the authors' code | unscaled: σ(q·k), eq. 3",
+            one_of(("scaled", "unscaled"), "a gate"),
+            before="unscaled",  # a checkpoint saved before the option gated σ(q·k)
+        ),
+    }
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.p_max, hs = config.cope_p_max, config.n_embd // config.n_head
+        self.gate_scale = hs**-0.5 if config.cope_gates == "scaled" else 1.0
         self.e = nn.Parameter(torch.zeros(config.n_layer, self.p_max, hs))  # each layer's, its heads' too; 0: NoPE
 
-    def positions(self, q, k, visible, order) -> torch.Tensor:  # p_ij (B, nh, bq, nk) in q's dtype (float32 at least)
-        g = torch.sigmoid(q @ k.transpose(-2, -1)).masked_fill(~visible, 0.0)  # (B, nh, bq, nk): 0 where unseen
+    def positions(self, q, k, visible, order) -> torch.Tensor:  # p_ij (B, nh, bq, nk) in q's dtype
+        g = torch.sigmoid((q @ k.transpose(-2, -1)) * self.gate_scale).masked_fill(~visible, 0.0)  # 0 where unseen
         if order is not None:  # count along positions: the keys in order, then back
             g = g[..., order]
         p = g.flip(-1).cumsum(-1).flip(-1)  # Σ over the keys from j on (a suffix sum: the near keys' exact)
         return (p if order is None else p[..., order.argsort()]).clamp(max=self.p_max - 1)
 
     def content_bias(self, layer, q, k, visible, order, sums):
-        q, k = (t.to(torch.promote_types(q.dtype, torch.float32)) for t in (q, k))  # float32 at least
-        p = self.positions(q, k, visible, order)
-        z = q @ self.e[layer].to(q.dtype).T  # (B, nh, bq, p_max)
-        floor, w = p.floor(), p - p.floor()  # w: the interpolation's weight, through which the gates learn
-        return z.gather(-1, p.ceil().long()) * w + z.gather(-1, floor.long()) * (1 - w)
+        with torch.autocast(q.device.type, enabled=False):  # float32 at least: bf16 moves positions by up to 0.3
+            q, k, e = (t.to(torch.promote_types(q.dtype, torch.float32)) for t in (q, k, self.e[layer]))
+            p = self.positions(q, k, visible, order)  # (B, nh, bq, nk)
+            z = q @ e.T  # (B, nh, bq, p_max)
+            w = p - p.floor()  # the interpolation's weight, through which the gates learn
+            return z.gather(-1, p.ceil().long()) * w + z.gather(-1, p.floor().long()) * (1 - w)
+
+    def counts(self, layer: int) -> fast_paths.GateCounts:
+        return fast_paths.GateCounts(self.e[layer], self.gate_scale)
 
 
 class FoX(PositionalEncoding):
@@ -529,8 +535,9 @@ class FoX(PositionalEncoding):
         return [self.b]  # w is a projection, decayed like c_attn's
 
     def forget(self, layer, x):
-        logit = x @ self.w[layer].to(x.dtype).T + self.b[layer].to(x.dtype)  # (B, T, nh)
-        return F.logsigmoid(logit.to(torch.promote_types(logit.dtype, torch.float32))).transpose(1, 2).double()
+        with torch.autocast(x.device.type, enabled=False):  # float32 at least: bf16 gates' rounding adds up in the sum
+            x, w, b = (t.to(torch.promote_types(x.dtype, torch.float32)) for t in (x, self.w[layer], self.b[layer]))
+            return F.logsigmoid(x @ w.T + b).transpose(1, 2).double()  # (B, nh, T)
 
     def content_bias(self, layer, q, k, visible, order, sums):
         c, key_c = sums  # in float32 (float64 for a float64 model)
@@ -561,9 +568,8 @@ ENCODING_OPTIONS: dict[str, tuple[str, Option]] = {  # option name -> (its encod
 
 def resolve_encoding_options(config: ModelShape) -> None:
     """The chosen encoding's options: derived defaults filled, values checked (only the chosen encoding's)."""
-    if config.pos_encoding not in POS_ENCODINGS:
-        choices = ", ".join(POS_ENCODINGS)
-        raise ValueError(f"pos_encoding={config.pos_encoding!r} is not a positional encoding; valid choices: {choices}")
+    if problem := one_of(tuple(POS_ENCODINGS), "a positional encoding")(config.pos_encoding):
+        raise ValueError(f"pos_encoding={config.pos_encoding!r} {problem}")
     ModelShape.__post_init__(config)
     POS_ENCODINGS[config.pos_encoding].resolve(config)
 
@@ -726,15 +732,17 @@ def attention_for(
     table = distance_table(pe, layer, heads, chunk) if (device == "cpu" or trainable) and not chunk.cached else None
     facts = dict(trainable=trainable, own_keys=own_keys, device=device, dropout=dropout_p > 0, cached=chunk.cached)
     head_dim = config.n_embd // config.n_head
-    name = fast_paths.kernel(options, **facts, table=table is not None, queries=len(chunk.pos), head_dim=head_dim)
+    facts.update(table=table is not None, queries=len(chunk.pos), head_dim=head_dim, sums=pe.forgets)
+    name = fast_paths.kernel(options, **facts)
     starts = (chunk.starts, chunk.key_starts) if documents else None
     positions = dict(pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts)
     if pe.reads_content:  # the bias reads q, k or x: built as each layer runs, by blocks where the table says so
         sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
         bias = partial(pe.content_bias, layer), partial(pe.forget, layer) if pe.forgets else None, sums
         visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
-        blocks, run = name == "bias_blocks", partial(attend, dropout_p=dropout_p)
-        return fast_paths.content_attention(*bias, visible, **positions, blocks=blocks, attend=run)
+        counts = pe.counts and partial(pe.counts, layer)  # CoPE's counted positions, for its kernel
+        run = partial(attend, dropout_p=dropout_p)
+        return fast_paths.content_attention(*bias, visible, **positions, kernel=name, attend=run, counts=counts)
     if name is None:  # the reference
         matrix = bias_matrix()
         return lambda q, k, v, x: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
@@ -878,10 +886,9 @@ class GPT(nn.Module):
         return torch.optim.AdamW(params, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
-        """Model FLOPs utilization: 6N per token for the weights plus attention's 12·L·H·Q·T (PaLM, App. B)."""
-        cfg = self.config
-        layers, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * self.get_num_params() + 12 * layers * H * Q * T
+        """Model FLOPs utilization: 6N per token for the weights plus attention's 12·L·H·Q·T (PaLM, App. B; H·Q = C)."""
+        c = self.config
+        flops_per_token = 6 * self.get_num_params() + 12 * c.n_layer * c.n_embd * c.block_size
         return flops_per_token * tokens_per_iter / dt / peak_flops
 
     # ---- Forward: the chunk's positions, the attention each forward takes, the hidden states, logits and loss
@@ -960,7 +967,8 @@ class GPT(nn.Module):
         """Switch RoPE's scaling at inference (yarn, factor 4: 4x the training length); L0: the config's by default."""
         if not self.encoding.rope_scalable:
             raise ValueError(f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}")
-        self.config = self.encoding.scaled(self.config, scaling, factor, original_max_len)
+        L0 = original_max_len or self.config.rope_original_max_len
+        self.config = replace(self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0)
         self.use_encoding(type(self.encoding)(self.config).to(self.lm_head.weight.device))  # it holds no weights
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
@@ -978,12 +986,10 @@ class GPT(nn.Module):
         shape = dict(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head)
         config = GPTConfig(**shape, n_embd=c.n_embd, dropout=dropout, bias=True, pos_encoding="learned", gelu="tanh")
         model = cls(config)
-        sd, sd_hf = model.state_dict(), hf_model.state_dict()
-        if missing := [k for k in sd if k not in sd_hf]:
+        theirs = {k: v.t() if k.endswith(CONV1D_WEIGHTS) else v for k, v in hf_model.state_dict().items()}
+        if missing := [k for k in model.state_dict() if k not in theirs]:
             raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
-        with torch.no_grad():
-            for k in sd:
-                sd[k].copy_(sd_hf[k].t() if k.endswith(CONV1D_WEIGHTS) else sd_hf[k])
+        model.load_state_dict(theirs, strict=False)  # theirs holds buffers ours derives (the causal mask)
         return model
 
     @classmethod

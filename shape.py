@@ -23,6 +23,7 @@ class Option:
     check: Callable[[Any], str | None] = lambda value: None
     derive: Callable[[Any], Any] | None = None
     idle: Callable[[dict], str | None] = lambda options: None
+    before: Any = None  # what a config saved before the option existed computed (None: the default)
 
 
 def number(v: Any) -> bool:
@@ -39,6 +40,10 @@ def boolean(v: Any) -> str | None:
 
 def finite(v: Any) -> str | None:
     return None if number(v) and math.isfinite(v) else "must be a finite number"
+
+
+def one_of(values: tuple, what: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v in values else f"is not {what}; valid choices: {', '.join(values)}"
 
 
 def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:

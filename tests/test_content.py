@@ -16,11 +16,12 @@ from model import Chunk
 
 
 def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
-    """Golovneva et al. 2024, eqs. 3-5: g_ij = σ(q_i·k_j), p_ij = Σ_{t=j..i} g_it (clamped to p_max - 1), and the
-    score q_i·k_j/√d + z_i[p_ij], z_i[p] = q_i·e[p] read linearly between ⌊p⌋ and ⌈p⌉. q, k (B, nh, T, hs)."""
+    """Golovneva et al. 2024, eqs. 3-5 as the authors' code computes them: g_ij = σ(q_i·k_j/√d), p_ij = Σ_{t=j..i} g_it
+    (clamped to p_max - 1), and the score q_i·k_j/√d + z_i[p_ij], z_i[p] = q_i·e[p] read linearly between ⌊p⌋ and
+    ⌈p⌉. q, k (B, nh, T, hs)."""
     T, hs = q.size(2), q.size(-1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()  # [t <= i]
-    g = torch.sigmoid(q @ k.transpose(-1, -2)) * causal  # (B, nh, i, t)
+    g = torch.sigmoid(q @ k.transpose(-1, -2) / hs**0.5) * causal  # (B, nh, i, t)
     from_j = torch.ones(T, T, dtype=q.dtype).tril()  # [t >= j], (t, j)
     p = (g @ from_j).clamp(max=p_max - 1)  # Σ_t g_it [j <= t <= i]
     z = q @ e.T  # (B, nh, T, p_max)
@@ -53,10 +54,11 @@ def paper_attention(model, x: torch.Tensor) -> torch.Tensor:
     return attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
 
 
-def ours(model, x: torch.Tensor) -> torch.Tensor:
-    """Layer 0's attention output as the model computes it, over the queries' own keys."""
+def ours(model, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer 0's attention output as the model computes it, over the queries' own keys; starts (B, T): where each
+    token's document starts (packed documents), None: one stream."""
     pos = torch.arange(x.size(1))
-    chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True)
+    chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True, starts=starts, key_starts=starts)
     attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
     return model.transformer.h[0].attn(x, None, attention, None)
 
@@ -81,12 +83,77 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, fused, monkeypatc
             (y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         )
     (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
-    assert taken == ["bias_blocks" if fused is None else None]
+    assert taken == [{"cope": "bias_blocks", "fox": "sum_blocks"}[pe] if fused is None else None]
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
     assert grads.keys() == grads_ref.keys() and any(n.startswith("transformer.wpe") for n in grads)
     for n in grads_ref:
         torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def x_transformers_attention(model, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer 0's attention output with x-transformers' CoPE inside its Attend (causal, the logits scaled by 1/√d before
+    the gates) reading the model's q, k, v and its vectors e (shared: their gradient is the model's); starts: packed
+    documents as Attend's mask of each row's own."""
+    from x_transformers.attend import Attend
+    from x_transformers.x_transformers import CoPE as XCoPE
+
+    attn, cfg = model.transformer.h[0].attn, model.config
+    B, T, C = x.shape
+    cope = XCoPE(dim=C // cfg.n_head, heads=cfg.n_head, max_pos=cfg.cope_p_max)
+    del cope.pos_emb  # the model's vectors, not a parameter of its own
+    cope.pos_emb = model.encoding.e[0]  # (p_max, hs)
+    q, k, v = (t.view(B, T, cfg.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
+    mask = None if starts is None else (starts[:, :, None] == starts[:, None, :])[:, None]  # (B, 1, T, T)
+    softmax = lambda scores: scores.softmax(-1)  # noqa: E731  in float64 (Attend's own softmax is float32)
+    out = Attend(causal=True, cope=cope, custom_attn_fn=softmax)(q, k, v, mask=mask)
+    out = out[0] if isinstance(out, tuple) else out  # (B, nh, T, hs), and its intermediates
+    return attn.c_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_cope_equals_x_transformers_cope(documents):
+    """CoPE's attention equals x-transformers' CoPE module inside its Attend on the same weights, in float64: the
+    output and the gradient of the input and of every parameter it reads (c_attn's, c_proj's, CoPE's vectors), on one
+    stream and on packed documents (each row's documents under Attend's mask); positions clamp at p_max 12."""
+    model = tiny("cope", block_size=80, n_layer=1, cope_p_max=12).double()
+    x = torch.randn(2, 80, 32, dtype=torch.float64, requires_grad=True)
+    starts = torch.tensor([[0] * 30 + [30] * 50, [0] * 9 + [9] * 71]) if documents else None
+    results = []
+    for fn in (ours, x_transformers_attention):
+        model.zero_grad()
+        x.grad = None
+        y = fn(model, x, starts)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((y.detach(), x.grad.clone(), grads))
+    (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
+    assert grads.keys() == grads_ref.keys() and "transformer.wpe.e" in grads
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
+    for n in grads_ref:
+        torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_a_cope_checkpoint_from_before_the_scaled_gates_computes_what_it_did(tmp_path):
+    """A checkpoint whose config predates cope_gates (its model gated σ(q·k)) loads with cope_gates='unscaled' and
+    computes σ(q·k)'s attention; a new model gates σ(q·k/√d), as the authors' code."""
+    from dataclasses import asdict
+
+    from checkpoint import load_checkpoint, model_from_checkpoint
+
+    model = tiny("cope", block_size=32, n_layer=1, n_head=2)
+    assert model.config.cope_gates == "scaled" and model.encoding.gate_scale == 16**-0.5
+    old = {k: v for k, v in asdict(replace(model.config, cope_gates="unscaled")).items() if k != "cope_gates"}
+    torch.save({"model": model.state_dict(), "model_args": old}, tmp_path / "ckpt.pt")
+    loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
+    assert loaded.config.cope_gates == "unscaled" and loaded.encoding.gate_scale == 1.0
+    unscaled = model_py.GPT(replace(model.config, cope_gates="unscaled")).eval()
+    unscaled.load_state_dict(model.state_dict())
+    idx = tokens(2, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], unscaled(idx)[0])
+        assert not torch.allclose(loaded(idx)[0], model(idx)[0], atol=1e-3)
 
 
 def test_fox_in_float32_where_it_forgets_fast_is_the_papers_attention(monkeypatch):
@@ -119,10 +186,10 @@ def test_cope_counts_the_gates_not_the_tokens():
     a key's position is its distance + 1, with the gates of the keys between near 0 it stays small."""
     pe = tiny("cope", n_layer=1, cope_p_max=64).encoding
     q = torch.zeros(1, 1, 1, 8)  # (B, nh, 1, hs): the query at i = 5
-    q[..., 0] = 10.0
-    k = torch.full((1, 1, 6, 8), 4.0)  # q·k = 40: σ = 1
-    k[:, :, 1:5] *= -1  # the keys between: σ(-40) = 0
-    pe.e.data[0] = torch.arange(64.0)[:, None] * torch.eye(8)[0] * 0.1  # z_i[p] = q_i·e[p] = p
+    q[..., 0] = 20.0
+    k = torch.full((1, 1, 6, 8), 4.0)  # q·k/√8 = 28: σ = 1
+    k[:, :, 1:5] *= -1  # the keys between: σ(-28) = 0
+    pe.e.data[0] = torch.arange(64.0)[:, None] * torch.eye(8)[0] * 0.05  # z_i[p] = q_i·e[p] = p
     bias = pe.content_bias(0, q, k, torch.ones(1, 6, dtype=torch.bool), None, None)
     torch.testing.assert_close(bias[0, 0, 0], torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0]), atol=1e-6, rtol=0)
 
@@ -165,7 +232,8 @@ def attention_shaped(fn) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("train", [True, False])
 def test_a_block_of_64_queries_at_most_on_a_cpu(pe, train):
     """On a CPU, training and evaluation at T = 256 make no (.., T, T) tensor: every attention-shaped tensor has at
-    most 64 rows (a block of queries) or at most 64 columns (a head's dims, CoPE's p_max), forward and backward."""
+    most 64 rows (a block of queries) or at most 65 columns (a head's dims; CoPE's p_max of 64, and its last entry
+    again), forward and backward."""
     model = tiny(pe, block_size=256, n_layer=1).train(train)
     idx = tokens(2, 256)
 
@@ -176,7 +244,7 @@ def test_a_block_of_64_queries_at_most_on_a_cpu(pe, train):
                 loss.backward()
 
     shapes = attention_shaped(step)
-    assert shapes and all(min(s[-2:]) <= 64 for s in shapes), max(shapes, key=lambda s: min(s[-2:]))
+    assert shapes and all(min(s[-2:]) <= 65 for s in shapes), max(shapes, key=lambda s: min(s[-2:]))
     assert any(s[-2:] == (64, 256) for s in shapes)  # the last block's rows over every key they see
 
 

@@ -96,7 +96,11 @@ def test_each_document_in_a_packed_row_is_the_document_alone(pe, path, monkeypat
     taken = kernels_taken(monkeypatch)
     assert_documents_alone(model, [documents(lengths, seed) for seed, lengths in enumerate(LAYOUTS)])
     if model.encoding.has_score_bias:  # a bias of the content has no table: its rows a block of queries at a time
-        fast = "bias_blocks" if model.encoding.reads_content else "bias_table"
+        fast = (
+            ("sum_blocks" if model.encoding.forgets else "bias_blocks")
+            if model.encoding.reads_content
+            else "bias_table"
+        )
         assert set(taken) == {fast if path == "fast" else None}
 
 

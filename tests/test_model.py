@@ -335,9 +335,10 @@ def test_attention_path_follows_its_table(fused, facts, path):
 
 
 def test_every_kernel_of_the_table_has_its_builder():
-    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention builds (KERNELS,
-    the one list), or None for the reference; each is the answer for some facts: none is unreachable."""
-    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "table"]
+    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention or (for a bias of
+    the content) content_attention builds (KERNELS, the one list), or None for the reference; each is the answer for
+    some facts: none is unreachable."""
+    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "table", "sums"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
@@ -345,7 +346,8 @@ def test_every_kernel_of_the_table_has_its_builder():
         for bits in itertools.product((False, True), repeat=len(names))
     }
     assert answers == set(KERNELS) | {None}
-    assert all(f'name == "{name}"' in inspect.getsource(fast_paths.fast_attention) for name in KERNELS)
+    builders = inspect.getsource(fast_paths.fast_attention) + inspect.getsource(fast_paths.content_attention)
+    assert all(f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in KERNELS)
 
 
 def taken_paths(monkeypatch) -> list[str]:
@@ -453,8 +455,8 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
         x = psi(rel.clamp(min=0).double()) / (psi(torch.maximum(L, i[:, None].double())) + 1e-6)
         hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
         scores = scores + (hidden @ pe.w2[0].double().T).permute(2, 0, 1)
-    if cfg.pos_encoding == "cope":  # Golovneva et al.: p_ij = Σ_{t=j..i} σ(q_i·k_t), z_i[p] = q_i·e[p] between ⌊p⌋, ⌈p⌉
-        g = torch.sigmoid(q @ k.transpose(-1, -2)).masked_fill(rel < 0, 0.0)  # g_it, t <= i
+    if cfg.pos_encoding == "cope":  # Golovneva et al.: p_ij = Σ_{t=j..i} σ(q_i·k_t/√d), z_i[p] = q_i·e[p], ⌊p⌋ to ⌈p⌉
+        g = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(rel < 0, 0.0)  # g_it, t <= i
         p = torch.stack([g[..., j:].sum(-1) for j in range(T)], -1).clamp(max=cfg.cope_p_max - 1)  # (B, nh, T, T)
         z, lo = q @ pe.e[0].double().T, p.floor()
         scores = scores + z.gather(-1, p.ceil().long()) * (p - lo) + z.gather(-1, lo.long()) * (1 - p + lo)
