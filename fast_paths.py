@@ -243,7 +243,7 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     band = seen if direct else R  # the distances read from the tiles
     last = min(nb - 1, (band + n - 2) // n)  # the last block diagonal holding a distance below band
     dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs, float32 arithmetic
-    pad = lambda t: F.pad(t.to(dtype), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
+    pad = lambda t: F.pad(t.to(dtype).contiguous(), (0, 0, 0, nb * n - T)).view(B, nh, nb, n, hs)  # noqa: E731
     qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
     lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
     D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
@@ -283,14 +283,13 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
 # two more dimensions of q and k: the flash kernels forward and backward), bias_blocks (any bias, by rows)
 
 
-def flash_cpu(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel with a float bias (nh, Tq, Tk) or (B, nh, Tq, Tk), the scores scaled by scale (None:
-    1/√hs): y (q's dtype) and the log-sum-exp (B, nh, Tq). With
-    bf16 or fp16 q, in float32, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps
-    of 1/16), as the reference does."""
+def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale + bias)·v (scale None: 1/√hs) and its log-sum-exp (B, nh, Tq), for a float bias (nh, Tq, Tk)
+    or (B, nh, Tq, Tk): on a CPU by SDPA's flash kernel, elsewhere (or for a V of another head size) by its math. In
+    float32 at least, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps of 1/16)."""
     work = torch.promote_types(q.dtype, torch.float32)
     q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
-    if v.size(-1) != q.size(-1):  # the flash kernel takes one head size (probe.py reads with V the identity)
+    if v.size(-1) != q.size(-1) or q.device.type != "cpu":  # probe.py reads with V the identity
         s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
         lse = s.logsumexp(-1)
         return (s - lse[..., None]).exp() @ v, lse
@@ -356,9 +355,7 @@ def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.T
     work = torch.promote_types(q.dtype, torch.float32)
     y, lse = q.new_empty(B, nh, Tq, v.size(-1), dtype=work), q.new_empty(B, nh, Tq, dtype=work)
     for rows, cols in blocks:
-        y[:, :, rows], lse[:, :, rows] = flash_cpu(
-            q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype)
-        )
+        y[:, :, rows], lse[:, :, rows] = flash(q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype))
     return y, lse
 
 
@@ -381,7 +378,7 @@ class SumBiasAttention(torch.autograd.Function):
         for rows, cols in blocks:
             qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
             mask = unseen(pos, key_pos, window, starts, key_starts, rows, cols, qs.dtype)
-            ys[:, :, rows], lse[:, :, rows] = flash_cpu(qb, kb, vs[:, :, cols], mask, scale=1.0)
+            ys[:, :, rows], lse[:, :, rows] = flash(qb, kb, vs[:, :, cols], mask, scale=1.0)
         ctx.save_for_backward(qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts)
         ctx.window, ctx.own_keys, ctx.blocks, ctx.dtype = window, own_keys, blocks, q.dtype
         return ys[..., : v.size(-1)].to(q.dtype)
@@ -472,14 +469,10 @@ class CountAttention(torch.autograd.Function):
             qs, kf, vf, es = q.to(work).contiguous(), k.to(work).flip(-2), v.to(work).flip(-2), e.to(work)
             y, lse = qs.new_empty(*q.shape[:3], v.size(-1)), qs.new_empty(*q.shape[:3], 1)
             keys = Keys(qs, kf, es, counts, pos, window, starts)
-            for rows, cols in blocks:
-                cpu, them = qs.device.type == "cpu", reversed_keys(cols, kf.size(2))
-                a, *_ = counted_scores(keys, rows, cols, scores=not cpu)
-                if cpu:  # the flash kernel adds the bias to the scores it computes
-                    y[:, :, rows], lse[:, :, rows, 0] = flash_cpu(qs[:, :, rows], kf[:, :, them], vf[:, :, them], a)
-                else:
-                    lse[:, :, rows] = a.logsumexp(-1, keepdim=True)
-                    y[:, :, rows] = a.sub_(lse[:, :, rows]).exp_() @ vf[:, :, them]
+            for rows, cols in blocks:  # the bias alone: the kernel adds it to the scores it computes
+                them = reversed_keys(cols, kf.size(2))
+                bias = counted_scores(keys, rows, cols, scores=False)[0]
+                y[:, :, rows], lse[:, :, rows, 0] = flash(qs[:, :, rows], kf[:, :, them], vf[:, :, them], bias)
         ctx.save_for_backward(qs, kf, vf, es, y, lse, pos, starts)
         ctx.counts, ctx.window, ctx.blocks, ctx.dtypes = counts, window, blocks, (q.dtype, e.dtype)
         return y.to(q.dtype, copy=True)  # not y itself, which the backward keeps
@@ -487,12 +480,13 @@ class CountAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         qs, kf, vf, es, y, lse, pos, starts = ctx.saved_tensors
-        dy = dy.to(qs.dtype)
-        D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P)
-        keys = Keys(qs, kf, es, ctx.counts, pos, ctx.window, starts)
-        dq, dkf, dvf, dz = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf), torch.empty_like(keys.z)
         c, ratio = qs.size(-1) ** -0.5, ctx.counts.gate_scale * qs.size(-1) ** 0.5  # gate logit = score·ratio
         with torch.autocast(qs.device.type, enabled=False):
+            dy = dy.to(qs.dtype)
+            D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P)
+            keys = Keys(qs, kf, es, ctx.counts, pos, ctx.window, starts)
+            dq, dkf, dvf = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
+            dz = torch.empty_like(keys.z)
             for rows, cols in ctx.blocks:
                 p, g, lo, w, step = counted_scores(keys, rows, cols)
                 them, qb, dyb = reversed_keys(cols, kf.size(2)), qs[:, :, rows], dy[:, :, rows]

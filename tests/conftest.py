@@ -171,6 +171,34 @@ def forked_train_py(monkeypatch):
     monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(Popen=ForkedTrainPy))
 
 
+@pytest.fixture
+def flex_backward(monkeypatch) -> None:
+    """FlexAttention's own backward on a CPU: its dense math, forward and backward (the check that refuses a CPU's
+    backward lifted), so that the tests run the real call where a GPU runs its kernel."""
+    monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
+
+
+@pytest.fixture
+def cuda(monkeypatch, flex_backward) -> str:
+    """The device of a CUDA test: "cuda" on a GPU; elsewhere the GPU's kernels emulated on the CPU ("cpu"): the kernel
+    table answers for device "cuda" (FlexAttention's head-size floor included), FlexAttention runs its own dense forward
+    and backward (its check that refuses a CPU's backward lifted), .cuda() leaves tensors and modules where they are,
+    and torch.compile traces with aot_eager (Dynamo's graph and AOTAutograd's backward over eager kernels: inductor's
+    CPU code is not what a GPU runs)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    import fast_paths
+
+    table = fast_paths.kernel
+    monkeypatch.setattr(fast_paths, "kernel", lambda options, **facts: table(options, **(facts | {"device": "cuda"})))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kw: self)
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *args, **kw: self)
+    compile_ = torch.compile  # without CUDA graphs (mode) or inductor's options, which aot_eager does not take
+    aot_eager = lambda model=None, mode=None, options=None, **kw: compile_(model, **kw, backend="aot_eager")  # noqa: E731
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    return "cpu"
+
+
 def tiny(pe: str, block_size: int = 16, n_layer: int = 2, seed: int = 0, **kw) -> GPT:
     """A small random model in eval mode, its weights perturbed so every parameter (the bias-RPE table too,
     which starts at zero) shapes the output and greedy choices are far from ties."""

@@ -63,12 +63,21 @@ def ours(model, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Te
     return model.transformer.h[0].attn(x, None, attention, None)
 
 
+# the kernels each path takes: a CPU's (blocks of 64 queries, two here), a GPU's fused ones (its emulation on a CPU:
+# the cuda fixture), the reference's one block
+KERNELS_TAKEN = {"cpu": dict(cope="bias_blocks", fox="sum_blocks"), "gpu": dict(cope="bias_blocks", fox="bias_blocks")}
+
+
 @pytest.mark.parametrize("pe", CONTENT)
-@pytest.mark.parametrize("fused", [None, False])  # blocks of 64 queries (two here), or the reference's one
-def test_equals_the_papers_equations_forward_and_gradients(pe, fused, monkeypatch):
+@pytest.mark.parametrize("path", ["cpu", "gpu", "reference"])
+def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch, request):
     """In float64, the attention and the gradient of every parameter it reads (q, k, v's projection, the encoding's
-    vectors or gates) and of its input equal the paper's equations to 1e-10, with CoPE's positions clamped (p_max 5)."""
+    vectors or gates) and of its input equal the paper's equations to 1e-10, with CoPE's positions clamped (p_max 5),
+    on a CPU's kernels, a GPU's (CoPE's counted blocks, FoX's rows by blocks) and the reference."""
+    if path == "gpu":
+        request.getfixturevalue("cuda")
     model = tiny(pe, block_size=80, n_layer=1, cope_p_max=5).double()
+    fused = {"cpu": None, "gpu": True, "reference": False}[path]
     model.attention_options = replace(model.attention_options, fused=fused)
     taken, kernel = [], model_py.fast_paths.kernel
     monkeypatch.setattr(model_py.fast_paths, "kernel", lambda *a, **k: taken.append(kernel(*a, **k)) or taken[-1])
@@ -83,7 +92,7 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, fused, monkeypatc
             (y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         )
     (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
-    assert taken == [{"cope": "bias_blocks", "fox": "sum_blocks"}[pe] if fused is None else None]
+    assert taken == [KERNELS_TAKEN.get(path, {}).get(pe)]
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
     assert grads.keys() == grads_ref.keys() and any(n.startswith("transformer.wpe") for n in grads)

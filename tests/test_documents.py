@@ -144,23 +144,10 @@ def test_fire_past_its_threshold_reads_each_document_at_its_document_positions(m
     assert set(taken) == {"bias_blocks"}, "past its threshold FIRE's packed rows: no table"
 
 
-def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
-    """FlexAttention by the textbook formula, over every row b of the batch (its block mask compares documents): a
-    stand-in with a backward on CPUs for the CUDA kernel."""
-    b, h, i, j = (
-        torch.arange(n).view(*[-1 if d == a else 1 for d in range(4)])
-        for a, n in enumerate((q.size(0), q.size(1), q.size(2), k.size(2)))
-    )
-    s = score_mod((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, b, h, i, j)
-    s = s.masked_fill(~block_mask.mask_mod(b, h, i, j), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, s.logsumexp(-1)
-
-
 @pytest.mark.parametrize("pe, tile", [("bias_rpe", 128), ("t5", 128), ("kerple", 128), ("kerple", 5)])
-def test_fused_table_gradient_stays_inside_documents(pe, tile, monkeypatch):
+def test_fused_table_gradient_stays_inside_documents(pe, tile, monkeypatch, flex_backward):
     """The fused path (FlexAttention under a block mask of each row's documents; its table gradient from the tiles
     holding a distance below the far one, inside a document): logits and gradients equal each document alone."""
-    monkeypatch.setattr(fast_paths, "flex_attention_lse", math_flex_attention_lse)
     monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     model = packed_model(pe, t5_num_buckets=8, t5_max_distance=12)
     model.attention_options = replace(model.attention_options, fused=True)
@@ -497,11 +484,11 @@ def test_fsdp_and_activation_checkpointing_train_documents_as_one_process(scenes
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels run on CUDA only")
-@pytest.mark.parametrize("pe", ["bias_rpe", "alibi", "rope", "fire"])
-def test_documents_alone_on_cuda_compiled(pe):
+@pytest.mark.parametrize("pe", ["bias_rpe", "alibi", "rope", "fire", "cope", "fox"])
+def test_documents_alone_on_cuda_compiled(pe, cuda):
     """On a GPU, compiled (FlexAttention under the block mask of each row's documents; the band gradient inside a
-    document; SDPA under the mask for RoPE): each document of a packed row gets its logits and gradients alone, in
+    document; SDPA under the mask for RoPE; CoPE's counted blocks and FoX's rows, each row's own documents): each
+    document of a packed row gets its logits and gradients alone, in
     float32 to the kernels' tolerance."""
     model = packed_model(pe, n_head=2, n_embd=64).float().cuda()  # FlexAttention needs a head dim of 16 or more
     rows = [[d.cuda() for d in documents(lengths, seed)] for seed, lengths in enumerate(LAYOUTS)]

@@ -255,6 +255,9 @@ FACTS = dict(
     queries=100,  # more than one block of queries (a decode step has 1)
 )
 CUDA_COMPILED = dict(device="cuda", compiling=True)
+# the CUDA tests' head sizes: below FlexAttention's floor (the materialized bias) and above it; a GPU adds the sizes
+# whose Triton kernels differ, which its emulation on a CPU (the `cuda` fixture) runs alike
+CUDA_HEAD_DIMS = [8, 16, 64, 128] if torch.cuda.is_available() else [8, 16]
 
 
 def attention_path(options: AttentionOptions, bias, window, cached, consecutive, **facts) -> str:
@@ -389,11 +392,10 @@ def taken_paths(monkeypatch) -> list[str]:
         ("fire", False, False, dict(), {"sdpa_mask"}),
     ],
 )
-def test_model_asks_the_table_with_its_own_facts(pe, fused, train, kw, paths, monkeypatch):
+def test_model_asks_the_table_with_its_own_facts(pe, fused, train, kw, paths, monkeypatch, flex_backward):
     """A forward builds its attention once per layer (once in all for a bias shared by the layers), from the table's
     answer for the encoding's score bias, its gradient, the cache, the device and the positions as they are."""
     got = taken_paths(monkeypatch)
-    monkeypatch.setattr(fast_paths, "flex_attention_lse", math_flex_attention_lse)  # FlexAttention's backward: CUDA
     model = tiny(pe, block_size=64).train(train)
     model.attention_options = replace(model.attention_options, fused=fused)
     idx = tokens(2, 16)
@@ -1062,16 +1064,6 @@ def test_compiled_cpu_bias_kernels_are_one_graph_and_equal_reference(pe, window,
         close(got[n], ref[n], tol=1e-5)
 
 
-def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
-    """FlexAttention's semantics by the textbook formula (score_mod and mask_mod on broadcast index tensors), with a
-    backward on CPUs: a stand-in for the CUDA kernel, so the code around it can be tested here (kernel_options tune
-    Triton's kernel, not the result: ignored)."""
-    h, i, j = (torch.arange(n)[:, None, None] for n in (q.size(1), q.size(2), k.size(2)))
-    s = score_mod((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, 0, h, i.transpose(0, 1), j.transpose(0, 2))
-    s = s.masked_fill(~block_mask.mask_mod(0, h, i.transpose(0, 1), j.transpose(0, 2)), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, s.logsumexp(-1)
-
-
 @pytest.mark.parametrize(
     "pe, kw, T, window, compiled, tile",
     [
@@ -1095,7 +1087,7 @@ def math_flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None)
         ("fire", dict(), 23, None, False, 5),
     ],
 )
-def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monkeypatch):
+def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monkeypatch, flex_backward):
     """The fused path's table gradient (the kernel reads the bias as a constant; TableGrad computes the gradient
     from the block diagonals of tiles holding a distance below the far one, and the rows' zero sum) equals the
     materialized path's, the shared far entry included, for bias-RPE and T5 (a clamped table), KERPLE and FIRE (a
@@ -1103,14 +1095,15 @@ def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monk
 
     monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     calls = []
-    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     model = tiny(pe, block_size=T, **kw).train()
     idx = tokens(3, T)
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, window=window)
     model.attention_options = replace(model.attention_options, fused=True)
-    # compiled: dynamo and AOTAutograd trace TableGrad's forward and backward; inductor would only lower the
-    # math stand-in for FlexAttention's CUDA kernel (40 s per case on a CPU for code no GPU runs)
+    # compiled: dynamo and AOTAutograd trace TableGrad's forward and backward, and FlexAttention's; inductor would
+    # lower FlexAttention's CPU kernel (40 s per case on a CPU for code no GPU runs)
     counter = CompileCounterWithBackend("aot_eager")
     logits, fused_grads = grads(torch.compile(model, backend=counter) if compiled else model, idx, window=window)
     assert calls, "the fused path did not run"
@@ -1128,13 +1121,14 @@ def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monk
     "pe, kw", [("bias_rpe", dict(rpe_max_distance=5)), ("t5", dict(t5_num_buckets=8, t5_max_distance=12))]
 )
 @pytest.mark.parametrize("stride, offset", [(2, 0), (3, 0), (1, 7)])
-def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, monkeypatch):
+def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, monkeypatch, flex_backward):
     """With explicit positions the fused path's table gradient equals the materialized path's: positions that skip
     (2·arange, 3·arange: distances are not index differences) leave the band gradient for the materialized bias, and
     a shifted range (7 + arange: the same distances) keeps it."""
 
     calls = []
-    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     T = 20
     model = tiny(pe, block_size=3 * T, **kw).train()
     idx, pos = tokens(2, T), offset + stride * torch.arange(T)
@@ -1149,7 +1143,7 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
 
 
 @pytest.mark.parametrize("pe, multiplier", [("kerple", None), ("fire", 1.5), ("fire", 0.5)])
-def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplier, monkeypatch):
+def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplier, monkeypatch, flex_backward):
     """A trainable bias never takes FlexAttention's captured-parameter gradient (atomics on the table's few entries:
     slow, not deterministic, or out of a GPU's shared memory). With fused=True a bias of i - j alone trains through
     its table over every distance (KERPLE, FIRE within its threshold: FlexAttention reads it as a constant, TableGrad
@@ -1158,7 +1152,8 @@ def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplie
     through FlexAttention."""
     calls, paths = [], taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
-    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or math_flex_attention_lse(*a))
+    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     model = tiny(pe).train()
     if multiplier is not None:
         model.encoding.L_multiplier.data.fill_(multiplier)
@@ -1200,9 +1195,8 @@ def test_table_gradient_of_each_entry(R, tile, window, monkeypatch):
     assert torch.equal(got, again)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 @pytest.mark.parametrize("R", [64, 1023])
-def test_table_gradient_on_cuda_is_deterministic_and_exact(R):
+def test_table_gradient_on_cuda_is_deterministic_and_exact(R, cuda):
     """On CUDA, table_grad (bias-RPE's clamped table, KERPLE's over every distance, at GPT-2's block) gives the same
     gradient bit for bit in two runs (no atomics), within float32's error of the float64 gradient on the CPU. Runs on
     the GPU machine."""
@@ -1265,10 +1259,9 @@ def test_diagonal_sums():
     torch.testing.assert_close(fast_paths.diagonal_sums(m), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
 @pytest.mark.parametrize("pe", POSITION_BIASED)
-@pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
-def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
+@pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS)
+def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypatch):
     """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head dims from 16, and
     through the materialized bias below (Triton's minimum); FIRE (no table: whether its queries are within its
     threshold is data) through its rows a block of queries at a time, at every head dim; logits and gradients, the
@@ -1324,6 +1317,39 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, monkeypatch):
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
 
 
+@pytest.mark.parametrize("pe", ENCODINGS)
+def test_compiled_bf16_training_step_on_cuda(pe, cuda, monkeypatch):
+    """A GPU trains compiled under bf16 autocast, through the kernels the table picks there (FlexAttention for a bias
+    of positions, CoPE's counted blocks, the rows of FoX's and FIRE's bias by blocks, SDPA): its logits and gradients
+    are as close to eager float32's as eager bf16's are (within twice, or bf16's 2%). Runs on the GPU machine;
+    elsewhere on its emulation (the cuda fixture)."""
+    from test_precision import ROUNDING, gradient_error, logit_error, model_for, step
+
+    model = model_for(pe, seed=0).to(cuda)
+    idx = tokens(2, 128).to(cuda)
+    exact_logits, exact = step(model, idx, autocast=False, device=cuda)
+    eager_logits, eager = step(model, idx, autocast=True, device=cuda)
+    paths = taken_paths(monkeypatch)
+    logits, compiled = step(torch.compile(model), idx, autocast=True, device=cuda)
+    assert not model.encoding.has_score_bias or set(paths) <= {"flex_table", "flex", "bias_blocks"}, paths
+    errors = [(logit_error(logits, exact_logits), logit_error(eager_logits, exact_logits))]
+    errors.append((gradient_error(compiled, exact), gradient_error(eager, exact)))
+    for got, eager_error in errors:
+        assert got <= max(2 * eager_error, ROUNDING), (got, eager_error)
+
+
+@pytest.mark.parametrize("pe", EXTRAPOLATING)
+def test_cache_equals_full_forward_on_cuda(pe, cuda):
+    """On a GPU the KV cache (a prompt, then a token at a time past the block) gives the full forward's logits, and
+    generation's compiled decode step the eager one's tokens, rolling past the context. Runs on the GPU machine;
+    elsewhere on its emulation (the cuda fixture)."""
+    model = tiny(pe, block_size=16, n_layer=1).to(cuda)
+    idx = tokens(2, 30).to(cuda)
+    close(cached_logits(model, idx, [5] + [1] * 25, window=40), model(idx)[0], tol=1e-4)
+    eager = model.generate(idx[:, :5], 20, temperature=0, max_context=12)
+    assert torch.equal(model.generate(idx[:, :5], 20, temperature=0, max_context=12, compile=True), eager)
+
+
 def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
     """fall_back: a compiler failure (Triton's, under the error torch raises) moves a bias model's options to one
     pipeline stage, then to the materialized bias, then has nothing left; a model's own error, or a model without a
@@ -1360,9 +1386,8 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
     assert len(tries) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only")
 @pytest.mark.parametrize("pe", ["alibi", "bias_rpe"])
-def test_fused_attention_with_smaller_kernel_options_on_cuda(pe):
+def test_fused_attention_with_smaller_kernel_options_on_cuda(pe, cuda):
     """train.py's first fallback when Triton runs out of shared memory, FlexAttention with num_stages=1, compiles and
     gives the eager materialized path's logits and gradients. Runs on the GPU machine."""
     model = tiny(pe, block_size=256, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()

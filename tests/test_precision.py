@@ -33,14 +33,15 @@ def model_for(pe: str, seed: int) -> GPT:
     return model.train()
 
 
-def step(model: GPT, idx: torch.Tensor, autocast: bool) -> tuple[torch.Tensor, dict]:
+def step(model: GPT, idx: torch.Tensor, autocast: bool, device: str = "cpu") -> tuple[torch.Tensor, dict]:
     """A training step's logits (B, T, V) and every parameter's gradient, in float32; autocast: under bf16 autocast
     (the backward outside it, as train.py runs it)."""
     model.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         logits, loss = model(idx, targets=torch.roll(idx, -1, 1))
     loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters()  # a compiled model's names start with _orig_mod.
+    grads = {n.removeprefix("_orig_mod."): p.grad.float().clone() for n, p in named if p.grad is not None}
     return logits.detach().float(), grads
 
 
