@@ -468,13 +468,15 @@ class CountAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             qs, kf, vf, es = q.to(work).contiguous(), k.to(work).flip(-2), v.to(work).flip(-2), e.to(work)
             y, lse = qs.new_empty(*q.shape[:3], v.size(-1)), qs.new_empty(*q.shape[:3], 1)
-            keys = Keys(qs, kf, es, counts, pos, window, starts)
+            keys, nears = Keys(qs, kf, es, counts, pos, window, starts), []
             for rows, cols in blocks:  # the bias alone: the kernel adds it to the scores it computes
                 them = reversed_keys(cols, kf.size(2))
-                bias = counted_scores(keys, rows, cols, scores=False)[0]
+                bias, *_, near = counted_scores(keys, rows, cols, scores=False)
                 y[:, :, rows], lse[:, :, rows, 0] = flash(qs[:, :, rows], kf[:, :, them], vf[:, :, them], bias)
+                nears.append(near)
         ctx.save_for_backward(qs, kf, vf, es, y, lse, pos, starts)
-        ctx.counts, ctx.window, ctx.blocks, ctx.dtypes = counts, window, blocks, (q.dtype, e.dtype)
+        ctx.counts, ctx.window, ctx.blocks, ctx.nears = counts, window, blocks, nears
+        ctx.dtypes = q.dtype, e.dtype
         return y.to(q.dtype, copy=True)  # not y itself, which the backward keeps
 
     @staticmethod
@@ -487,22 +489,27 @@ class CountAttention(torch.autograd.Function):
             keys = Keys(qs, kf, es, ctx.counts, pos, ctx.window, starts)
             dq, dkf, dvf = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
             dz = torch.empty_like(keys.z)
-            for rows, cols in ctx.blocks:
-                p, g, lo, w, step = counted_scores(keys, rows, cols)
+            for (rows, cols), near in zip(ctx.blocks, ctx.nears, strict=True):
+                p, g, lo, w, step, _ = counted_scores(keys, rows, cols, near=near)
                 them, qb, dyb = reversed_keys(cols, kf.size(2)), qs[:, :, rows], dy[:, :, rows]
                 p = p.sub_(lse[:, :, rows]).exp_()  # the probabilities (B, nh, bq, nk)
                 dvf[:, :, them] += p.transpose(-2, -1) @ dyb
                 dP = torch.matmul(dyb, vf[:, :, them].transpose(-2, -1), out=keys.take("dp", p.shape))
                 ds = p.mul_(dP.sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D)
-                # the bias z[lo] + w·(z[lo + 1] - z[lo]): z[lo] takes dS·(1 - w), z[lo + 1] dS·w
-                dsw = torch.mul(ds, w, out=w)
-                at_lo = dz[:, :, rows].zero_().scatter_add_(-1, lo, ds)
+                # the bias z[lo] + w·(z[lo + 1] - z[lo]): z[lo] takes dS·(1 - w), z[lo + 1] dS·w; past `near`
+                # every count has stopped at p_max - 1, each key's bias z[p_max - 1], its gate moving no count
+                counted = ds[..., :near]
+                dsw = torch.mul(counted, w, out=w)
+                at_lo = dz[:, :, rows].zero_().scatter_add_(-1, lo, counted)
+                at_lo[..., -1] += ds[..., near:].sum(-1)
                 w_at_lo = keys.take("w_at_lo", at_lo.shape).zero_().scatter_add_(-1, lo, dsw)
                 at_lo.sub_(w_at_lo)[..., 1:] += w_at_lo[..., :-1]  # dz (B, nh, bq, p_max)
-                dp = step.mul_(ds)  # d/dw; 0 where p is clamped (its z step is 0)
-                dg = torch.cumsum(dp, -1, out=dP).neg_().add_(dp).add_(dp.sum(-1, keepdim=True))  # nearer gates
-                dscore = torch.ops.aten.sigmoid_backward.grad_input(dg, g, grad_input=dg)  # dg·g·(1 - g)
-                dscore = (dscore if ratio == 1 else dscore.mul_(ratio)).add_(ds)  # (B, nh, bq, nk)
+                dp = step.mul_(counted)  # d/dw; 0 where p is clamped (its z step is 0)
+                dg = torch.cumsum(dp, -1, out=keys.take("dg", dp.shape))
+                dg = dg.neg_().add_(dp).add_(dp.sum(-1, keepdim=True))  # each gate: the counts of the farther keys
+                dgate = torch.ops.aten.sigmoid_backward.grad_input(dg, g[..., :near], grad_input=dg)  # dg·g·(1 - g)
+                counted += dgate if ratio == 1 else dgate.mul_(ratio)
+                dscore = ds  # (B, nh, bq, nk)
                 dq[:, :, rows] = (dscore @ kf[:, :, them]).mul_(c)
                 dkf[:, :, them] += (dscore.transpose(-2, -1) @ qb).mul_(c)
             dq += dz @ es
@@ -542,10 +549,11 @@ def reversed_keys(cols: slice, Tk: int) -> slice:
     return slice(Tk - cols.stop, Tk - cols.start)
 
 
-def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True) -> tuple:
+def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True, near: int | None = None) -> tuple:
     """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: the bias z[p] alone) over the keys in cols
-    nearest first, -inf where a query does not see a key, and what the backward reads: the gates g, ⌊p⌋, p - ⌊p⌋, and
-    z's step at each pair; in keys' buffers."""
+    nearest first, -inf where a query does not see a key, and what the backward reads: the gates g, then over the
+    `near` nearest keys (None: found here, the keys before every count has stopped at p_max - 1) ⌊p⌋, p - ⌊p⌋ and z's
+    step at each pair, and near; in keys' buffers."""
     them = reversed_keys(cols, keys.kf.size(2))
     qb, kb, c = keys.qs[:, :, rows], keys.kf[:, :, them], keys.qs.size(-1) ** -0.5
     shape = (*qb.shape[:3], kb.size(2))
@@ -557,13 +565,19 @@ def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True) ->
     s = qk.mul_(c).add_(mask)  # -inf where unseen
     if keys.counts.gate_scale == c:
         torch.sigmoid(s, out=g)  # σ(-inf) = 0
-    p = torch.cumsum(g, -1, out=keys.take("w", shape)).clamp_(max=keys.z.size(-1) - 1)  # the gates from the key on
-    lo = keys.take("lo", shape, torch.long).copy_(p)  # ⌊p⌋ (p >= 0)
+    last = keys.z.size(-1) - 1
+    p = torch.cumsum(g, -1, out=keys.take("w", shape)).clamp_(max=last)  # the gates from the key on
+    if near is None:  # eager: p grows along the keys, so the stopped ones end each row; compiled: every key
+        near = shape[-1] if torch.compiler.is_compiling() else int((p.amin(dim=(0, 1, 2)) < last).sum())
+    p, z = p[..., :near], keys.z[:, :, rows]
+    lo = keys.take("lo", p.shape, torch.long).copy_(p)  # ⌊p⌋ (p >= 0)
     w = p.frac_()
-    step = torch.gather(keys.z_next[:, :, rows], -1, lo, out=keys.take("step", shape))  # z[⌊p⌋ + 1]
-    bias = torch.gather(keys.z[:, :, rows], -1, lo, out=keys.take("z", shape))  # z[⌊p⌋]
-    bias.addcmul_(w, step.sub_(bias))  # z[⌊p⌋] + w·(z[⌊p⌋ + 1] - z[⌊p⌋])
-    return bias.add_(s if scores else mask), g, lo, w, step
+    step = torch.gather(keys.z_next[:, :, rows], -1, lo, out=keys.take("step", p.shape))  # z[⌊p⌋ + 1]
+    bias = keys.take("z", shape)
+    counted = torch.gather(z, -1, lo, out=bias[..., :near])  # z[⌊p⌋]
+    counted.addcmul_(w, step.sub_(counted))  # z[⌊p⌋] + w·(z[⌊p⌋ + 1] - z[⌊p⌋])
+    bias[..., near:] = z[..., last:]  # z[p_max - 1]
+    return bias.add_(s if scores else mask), g, lo, w, step, near
 
 
 def key_span(
