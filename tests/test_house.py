@@ -177,3 +177,20 @@ def test_the_docs_state_the_budgets():
         "the walk of ALiBi, definitions": WALK_CEILING["alibi"],
         "the walk of any other encoding, definitions": WALK_CEILING_ANY,
     }
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git():
+    """Every file or folder a command in the README or docs/ writes at the top of a clone (--out, --out_dir, --plot:
+    exports, runs, studies, plots) is ignored by git, so a clone holding only those is clean (a study's report marks
+    a tree with changes git sees as "with uncommitted changes")."""
+    import subprocess
+
+    outputs = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for command in re.findall(r"python [\w/]+\.py [^`\n]*", doc.read_text()):
+            outputs |= {m[1] for m in re.finditer(r"--(?:out|out_dir|plot)[= ]([\w./-]+)", command)}
+    assert {"hf-rope", "probe.png", "out-rope", "sweep-cpu"} <= outputs, outputs
+    written = lambda name: ["train.bin", "val.bin", "meta.json"] if name.startswith("data/") else ["a_file"]  # noqa: E731
+    paths = [name if "." in name else f"{name}/{f}" for name in sorted(outputs) for f in written(name)]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert sorted(ignored) == sorted(paths), sorted(set(paths) - set(ignored))
