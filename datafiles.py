@@ -488,7 +488,13 @@ def model_data_problem(config, cfg: dict, data: Data) -> str | None:
     if data.meta["vocab_size"] > config.vocab_size:
         return f"dataset {cfg['dataset']!r} has {data.meta['vocab_size']} tokens but the model only {config.vocab_size}"
     if cfg["block_size"] > config.block_size:
-        return f"block_size={cfg['block_size']} is longer than the model's {config.block_size}"
+        fix = (  # a run resumes at its own length; a longer one is an extension, a new run from it
+            f"to train it longer, extend it into a new folder: --init_from={cfg['out_dir']} --out_dir=<a new folder> "
+            f"--block_size={cfg['block_size']}"
+            if cfg["init_from"] == "resume"
+            else f"use --block_size={config.block_size} or less"
+        )
+        return f"block_size={cfg['block_size']} is longer than the model's {config.block_size}: {fix}"
     if config.packing == "documents" and data.meta.get("eot") != config.eot_token:
         marks = "marks none" if data.meta.get("eot") is None else f"begins them at token {data.meta['eot']}"
         return (

@@ -405,3 +405,18 @@ def ids_tokenizer(vocab: int) -> dict:
     from datafiles import task_meta
 
     return task_meta(vocab)["tokenizer"]
+
+
+def test_a_run_resumed_longer_points_to_an_extension(sources, tmp_path):
+    """Resuming a run with a longer --block_size is one line that names the extension to run instead
+    (--init_from=<the run> --out_dir=<new>); that command, as written, trains the longer run."""
+    from shutil import copytree
+
+    run = copytree(sources["alibi"], tmp_path / "alibi")
+    longer = [*SMALL, f"--dataset={sources['data']}", "--block_size=32", "--max_iters=6", "--lr_decay_iters=6"]
+    r = run_cli(train.cli, [*longer, "--init_from=resume", f"--out_dir={run}"])
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    fix = f"--init_from={run} --out_dir=<a new folder> --block_size=32"
+    assert "block_size=32 is longer than the model's 16" in r.stderr and fix in r.stderr, r.stderr
+    r = run_cli(train.cli, [*longer, *fix.replace("<a new folder>", str(tmp_path / "longer")).split()])
+    assert r.returncode == 0 and load_checkpoint(tmp_path / "longer" / "ckpt.pt")["model_args"]["block_size"] == 32

@@ -114,6 +114,18 @@ def test_bad_values_are_config_errors(args, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("arg", ["--cope", "--alibi=True"])
+def test_an_encoding_written_as_a_key_points_to_pos_encoding(arg):
+    """train.py --cope (an encoding's name written as an option) is one line that points to --pos_encoding=cope, not
+    to the closest key's spelling (--compile)."""
+    from conftest import run_cli
+
+    r = run_cli(train.cli, [arg])
+    name = arg[2:].partition("=")[0]
+    assert r.returncode == 1 and f"did you mean --pos_encoding={name}?" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "compile" not in r.stderr
+
+
 def test_legal_values_pass_and_odd_ones_are_noted():
     """grad_clip=0, the RoPE scaling keys and max_iters=0 with eval_only are legal; odd schedules get one note each."""
     cfg = resolved("--grad_clip=0", "--rope_scaling=yarn", "--rope_factor=4", "--rope_original_max_len=128")
