@@ -17,9 +17,9 @@ class ConfigError(ValueError):
     pass
 
 
-def configure(defaults: dict, argv: list[str], explicit: set[str] | None = None, values: dict | None = None) -> dict:
+def configure(defaults: dict, argv: list[str], explicit: set[str] | None = None, owners: dict | None = None) -> dict:
     """Return defaults updated by the config files and --key=value overrides in argv. explicit, if given, receives
-    the keys that a config file or the command line set (to any value, the default's too); values: the option each
+    the keys that a config file or the command line set (to any value, the default's too); owners: the option each
     of some values belongs to, for the hint when one is written as a key (--cope: --pos_encoding=cope)."""
     config = dict(defaults)
     explicit = set() if explicit is None else explicit
@@ -33,7 +33,7 @@ def configure(defaults: dict, argv: list[str], explicit: set[str] | None = None,
             value = _parse(text) if eq else True
             if isinstance(default, str) and eq and not isinstance(value, str):
                 value = text  # a string option takes the text as written: --wandb_run_name=2024 is '2024'
-            _set(config, defaults, key, value, "the command line", values)
+            _set(config, defaults, key, value, "the command line", owners)
             explicit.add(key)
         else:
             path = Path(arg)
@@ -42,7 +42,7 @@ def configure(defaults: dict, argv: list[str], explicit: set[str] | None = None,
             values = _run_config_file(path)
             for key, value in values.items():
                 if not key.startswith("_") and not isinstance(value, ModuleType):
-                    _set(config, defaults, key, value, str(path), values)
+                    _set(config, defaults, key, value, str(path), owners)
                     explicit.add(key)
     return config
 
@@ -67,12 +67,12 @@ def _parse(text: str):
         return text  # a bare string, e.g. --device=cpu
 
 
-def _set(config: dict, defaults: dict, key: str, value, source: str, values: dict | None = None) -> None:
+def _set(config: dict, defaults: dict, key: str, value, source: str, owners: dict | None = None) -> None:
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(defaults))}"
-        if key in (values or {}):  # a value written as a key
-            hint = f"; did you mean --{values[key]}={key}?"
+        if key in (owners or {}):  # a value written as a key
+            hint = f"; did you mean --{owners[key]}={key}?"
         raise ConfigError(f"unknown config key {key!r} in {source}{hint}")
     default = defaults[key]
     if default is not None and value is not None:

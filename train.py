@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
         print(usage())
         return
     explicit: set[str] = set()
-    options = configure(defaults, argv, explicit, values=dict.fromkeys(POS_ENCODINGS, "pos_encoding"))
+    options = configure(defaults, argv, explicit, owners=dict.fromkeys(POS_ENCODINGS, "pos_encoding"))
     source = runs.source(options["init_from"])  # the run an extension starts from, read once: its options, its weights
     cfg = resolve(options, defaults, explicit, source)
     master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
