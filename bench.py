@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from devices import allow_tf32, autocast, peak_flops
+from devices import allow_tf32, autocast, estimate_mfu, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
 from generate import generate
 from model import GPT, POS_ENCODINGS, GPTConfig
@@ -222,7 +222,7 @@ def bench_encodings(args, device: str) -> None:
         print("| encoding | ms/step | tokens/s | MFU | peak memory (activations) | vs fastest | vs rope | kernel |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
         for enc, t in rows.items():
-            mfu = f"{100 * steps[enc][0].estimate_mfu(tokens, t, peak):.1f}%" if peak else "—"
+            mfu = f"{100 * estimate_mfu(steps[enc][0], tokens, t, peak):.1f}%" if peak else "—"
             mem = memory.get(enc, "—")
             kernel = fallback_name(steps[enc][0].attention_options)
             vs_rope = f"{t / rope:.2f}x" if rope else "—"

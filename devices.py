@@ -65,6 +65,14 @@ def allow_tf32(device: str) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def estimate_mfu(model, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
+    """Model FLOPs utilization of a model.GPT: 6N per token for the weights plus attention's 12·L·H·Q·T (PaLM, App. B;
+    H·Q = C)."""
+    c = model.config
+    flops_per_token = 6 * model.get_num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+    return flops_per_token * tokens_per_iter / dt / peak_flops
+
+
 def peak_flops(device: str | torch.device) -> float | None:
     """The GPU's dense bf16 peak, for MFU; None where it is not known (CPUs, unlisted GPUs)."""
     if torch.device(device).type != "cuda":

@@ -18,11 +18,11 @@ from torch.utils.checkpoint import checkpoint
 try:  # an export's folder is a package (transformers copies what `from .` imports); via the module, for tests' spies
     from . import fast_paths
     from .fast_paths import AttentionOptions
-    from .shape import ModelShape, Option, boolean, finite, greater, number, one_of, optional, positive_int
+    from .shape import ModelShape, Option, at_most, boolean, finite, greater, number, one_of, optional, positive_int
 except ImportError:
     import fast_paths
     from fast_paths import AttentionOptions
-    from shape import ModelShape, Option, boolean, finite, greater, number, one_of, optional, positive_int
+    from shape import ModelShape, Option, at_most, boolean, finite, greater, number, one_of, optional, positive_int
 
 # ---- Positional encodings: nothing outside this section names one; code asks the object or POS_ENCODINGS.
 
@@ -484,12 +484,13 @@ class CoPE(PositionalEncoding):
     options = {
         "cope_p_max": Option(64, "the most positions a query counts (the rest read p_max - 1)", positive_int),
         "cope_gates": Option(
-            "scaled",
-            "σ(q·k/√d), the authors' code | unscaled: σ(q·k), eq. 3",
-            one_of(("scaled", "unscaled"), "a gate"),
-            before="unscaled",  # a checkpoint saved before the option gated σ(q·k)
+            "scaled", "σ(q·k/√d) | unscaled: σ(q·k)", one_of(("scaled", "unscaled"), "a gate"), before="unscaled"
         ),
     }
+
+    @classmethod
+    def check(cls, config):
+        at_most("cope_p_max", config.cope_p_max, 16 * config.block_size, "no query counts more keys at 16 x block_size")
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -524,6 +525,11 @@ class FoX(PositionalEncoding):
 
     has_score_bias = reads_content = per_layer = True
     options = {"fox_gate_bias": Option(0.0, "b's initial value (0: f = 1/2, as the authors' code)", finite)}
+
+    @classmethod
+    def check(cls, config):
+        why = f"log σ(b) summed over block_size={config.block_size} tokens would overflow float32"
+        at_most("fox_gate_bias", config.fox_gate_bias, torch.finfo(torch.float32).max / config.block_size, why)
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -884,12 +890,6 @@ class GPT(nn.Module):
             for (decay, scaled), ps in ordered
         ]
         return torch.optim.AdamW(params, lr=learning_rate, betas=betas, fused=device_type == "cuda")
-
-    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
-        """Model FLOPs utilization: 6N per token for the weights plus attention's 12·L·H·Q·T (PaLM, App. B; H·Q = C)."""
-        c = self.config
-        flops_per_token = 6 * self.get_num_params() + 12 * c.n_layer * c.n_embd * c.block_size
-        return flops_per_token * tokens_per_iter / dt / peak_flops
 
     # ---- Forward: the chunk's positions, the attention each forward takes, the hidden states, logits and loss
 

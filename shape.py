@@ -46,6 +46,13 @@ def one_of(values: tuple, what: str) -> Callable[[Any], str | None]:
     return lambda v: None if v in values else f"is not {what}; valid choices: {', '.join(values)}"
 
 
+def at_most(name: str, value: float, most: float, why: str) -> None:
+    """A ValueError where |value| (an option's, named) passes most: the bound on its side, and why."""
+    if abs(value) > most:
+        bound = f"at most {most:.4g}" if value > 0 else f"at least {-most:.4g}"
+        raise ValueError(f"{name}={value!r} must be {bound}: {why}")
+
+
 def optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
     return lambda v: None if v is None else check(v)
 

@@ -36,7 +36,7 @@ from datafiles import (
     tokenizer_difference,
     trained_distances,
 )
-from devices import autocast, check_memory, default_device, peak_flops
+from devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from options import check_fits, odd_values, resolve
@@ -497,7 +497,7 @@ class Progress:
             eta = (self.dt_avg or dt) * left + self.eval_dt * evals
             tok_s = run.tokens_per_iter / dt
             per_process = run.tokens_per_iter // run.procs.world_size
-            mfu = run.model.estimate_mfu(per_process, self.dt_avg or dt, self.flops) if self.flops else None
+            mfu = estimate_mfu(run.model, per_process, self.dt_avg or dt, self.flops) if self.flops else None
             log(
                 f"iter {run.iter_num}: loss {loss.item():.4f}, time {dt * 1000:.1f}ms, {tok_s:,.0f} tok/s"
                 + (f", mfu {mfu * 100:.1f}%" if mfu is not None else "")

@@ -266,6 +266,20 @@ def test_fox_gate_bias_sets_the_forget_rate():
         torch.testing.assert_close(f, torch.full((1, 2, 3), 1 / (1 + torch.e**-b), dtype=torch.float64))
 
 
+def test_fox_trains_finite_at_its_gate_bias_bound():
+    """At nine tenths of the bound fox_gate_bias takes (float32's largest over the block), a training step's loss and
+    gradients are finite: the running sum of log σ(b) over the block stays in float32's range."""
+    config = model_py.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=16, pos_encoding="fox")
+    bound = torch.finfo(torch.float32).max / 32
+    model = model_py.GPT(replace(config, fox_gate_bias=-0.9 * bound))
+    with pytest.raises(ValueError, match="must be at least"):
+        replace(config, fox_gate_bias=-1.1 * bound)
+    idx = tokens(2, 32) % 16
+    loss = model(idx, targets=torch.roll(idx, -1, 1))[1]
+    loss.backward()
+    assert loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
 @pytest.mark.parametrize("pe", CONTENT)
 def test_compiled_decode_equals_eager(pe):
     """The compiled decode step (one graph over the cache: FoX's sums read and written by index, no host value) gives

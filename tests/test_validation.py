@@ -105,6 +105,18 @@ def test_a_rope_option_without_a_scaling_is_refused(option):
         (["--batch_size"], "--batch_size needs a value, e.g. --batch_size=64"),
         (["--batch_size=2.5"], "batch_size=2.5 in the command line: expected an integer like the default 64"),
         (["--batch_size=True"], "expected an integer"),
+        (
+            ["--pos_encoding=cope", "--cope_p_max=1000000000", "--block_size=64"],
+            "cope_p_max=1000000000 must be at most 1024",
+        ),
+        (
+            ["--pos_encoding=fox", "--fox_gate_bias=1e39", "--block_size=64"],
+            "fox_gate_bias=1e+39 must be at most 5.317e+36",
+        ),
+        (
+            ["--pos_encoding=fox", "--fox_gate_bias=-1e37", "--block_size=64"],
+            "fox_gate_bias=-1e+37 must be at least -5.3",
+        ),
     ],
 )
 def test_bad_values_are_config_errors(args, message):
