@@ -125,20 +125,25 @@ def generate(
     restart at position 0 (nanoGPT's way), the others roll their cache, keys keeping their positions.
     use_cache=False re-runs the window every token; compile=True compiles the decode step. A bad argument is a
     ValueError naming it, its value and what is allowed, before any work."""
+    numbers = (max_new_tokens, temperature, top_k, top_p, max_context)  # a numpy scalar's or 0-d tensor's value
+    max_new_tokens, temperature, top_k, top_p, max_context = (
+        x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x for x in numbers
+    )
     if problem := sampling_problem(temperature, top_k, top_p):
         name, rule = problem
         raise ValueError(f"{name}={dict(temperature=temperature, top_k=top_k, top_p=top_p)[name]!r} {rule}")
     if not (type(max_new_tokens) is int and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    if not (isinstance(idx, torch.Tensor) and idx.dim() == 2 and not idx.dtype.is_floating_point and idx.numel()):
+    integers = isinstance(idx, torch.Tensor) and not (idx.dtype.is_floating_point or idx.dtype.is_complex)
+    if not (integers and idx.dtype != torch.bool and idx.dim() == 2 and idx.numel()):
         got = f"a {tuple(idx.shape)} {idx.dtype} tensor" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(
-            f"idx must be a (B, T) tensor of token ids, B and T >= 1 (e.g. torch.tensor([[1, 2]])); got {got}"
+            f"idx must be a (B, T) tensor of integer token ids, B and T >= 1 (e.g. torch.tensor([[1, 2]])); got {got}"
         )
-    V = model.config.vocab_size
+    idx, V = idx.long(), model.config.vocab_size  # ids of any integer width
     if (low := int(idx.min())) < 0 or (high := int(idx.max())) >= V:
         raise ValueError(f"idx holds token id {low if low < 0 else high}: the model's vocabulary is 0 … {V - 1}")
-    W = context_window(model, max_context)
+    W = min(context_window(model, max_context), idx.size(1) + max_new_tokens)  # a longer one is never reached
     decode = compiled(model, idx.device.type) if compile and use_cache else decode_step
     cache, new = None, idx  # new: the tokens the model has not seen yet
     for _ in range(max_new_tokens):
@@ -222,7 +227,7 @@ def context_window(model: GPT, max_context: int | None = None) -> int:
     """The longest context generation attends to: max_context, by default block_size."""
     config = model.config
     W = config.block_size if max_context is None else max_context
-    if not isinstance(W, int) or W < 1:
+    if type(W) is not int or W < 1:  # True is an int to Python, and no context
         raise ValueError(f"max_context={max_context!r} must be a positive integer")
     if W > model.encoding.max_length:
         raise ValueError(
@@ -237,7 +242,7 @@ def sampling_problem(temperature: float, top_k: int | None, top_p: float | None)
     and sample.py check."""
     real = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
     if not (real(temperature) and temperature >= 0):
-        return "temperature", "must be >= 0 (0: greedy)"
+        return "temperature", "must be a finite number >= 0 (0: greedy)"
     if 0 < temperature < 1e-6:  # logits / temperature overflow float32 near 1e-36; long before, it is greedy anyway
         return "temperature", "below 1e-6 it is greedy: use 0"
     if not (top_k is None or (type(top_k) is int and top_k >= 1)):

@@ -5,6 +5,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_cli, tiny
@@ -211,7 +212,7 @@ def test_load_checkpoint_rejects_what_is_not_a_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "option, message",
     [
-        ("--temperature=-1", "temperature=-1.0: must be >= 0"),
+        ("--temperature=-1", "temperature=-1.0: must be a finite number >= 0"),
         ("--top_k=0", "top_k=0: must be an integer >= 1"),
         ("--top_k=2.5", "top_k=2.5 in the command line: expected an integer"),
         ("--top_p=0", r"top_p=0: must be in \(0, 1\]"),
@@ -388,8 +389,13 @@ def test_synthetic_model_prompt_example_is_token_ids(tmp_path):
         (dict(idx=torch.tensor([[1.0, 2.0]])), "torch.float32"),
         (dict(idx=torch.tensor([[3, 64]])), "token id 64: the model's vocabulary is 0 … 63"),
         (dict(idx=torch.tensor([[-1, 3]])), "token id -1"),
-        (dict(temperature=-1), "temperature=-1 must be >= 0"),
+        (dict(temperature=-1), "temperature=-1 must be a finite number >= 0"),
         (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+        (dict(temperature="0.8"), "temperature='0.8' must be a finite number"),
+        (dict(idx=torch.tensor([[True, False]])), "integer token ids"),
+        (dict(max_context=True), "max_context=True must be a positive integer"),
+        (dict(max_context=np.int64(0)), "max_context=0 must be a positive integer"),
         (dict(top_k=0), "top_k=0 must be an integer >= 1"),
         (dict(top_p=0), "top_p=0 must be in (0, 1]"),
         (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
@@ -405,3 +411,18 @@ def test_generate_refuses_bad_arguments_by_name(args, words):
         generate(model, kw.pop("idx"), kw.pop("max_new_tokens"), **kw)
     assert words in str(e.value), str(e.value)
     assert torch.equal(generate(model, torch.tensor([[1, 2, 3]]), 0), torch.tensor([[1, 2, 3]]))  # 0: the prompt
+
+
+def test_generate_takes_every_kind_of_number_and_integer_ids():
+    """Numbers as users pass them (numpy integers, 0-d tensors) are taken at their value, ids of any integer width are
+    ids, and a max_context longer than the prompt and the new tokens is capped there (as sample.py caps it: the same
+    tokens, no cache of 10**10 slots)."""
+    model, idx = tiny("rope"), torch.tensor([[1, 2, 3, 4, 5, 6]])
+    seeded = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    expected = generate(model, idx, 4, temperature=0.8, top_k=5, max_context=16, generator=seeded())
+    kinds = dict(temperature=torch.tensor(0.8), top_k=np.int64(5), max_context=np.int64(16), generator=seeded())
+    assert torch.equal(generate(model, idx.to(torch.uint8), np.int64(4), **kinds), expected)
+    greedy = generate(model, idx, 4, temperature=0)
+    for ids in (idx.to(torch.int16), idx.to(torch.int32)):
+        assert torch.equal(generate(model, ids, 4, temperature=0), greedy)
+    assert torch.equal(generate(model, idx, 4, temperature=0, max_context=10**10), greedy)
