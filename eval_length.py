@@ -36,6 +36,7 @@ from configurator import ConfigError
 from datafiles import DataError, dataset_dir, load_meta, validation_tokens
 from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
 from model import GPT, ROPE_SCALINGS
+from options import idle_option
 from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 from runs import load_run
 from shape import PACKINGS
@@ -244,6 +245,13 @@ def evaluate_args(args: argparse.Namespace) -> dict:
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
                 name = f"{label}+{scaling}" if scaling == "dynamic_ntk" else f"{label}+{scaling} (s=L/{T})"
             runs.append(own | dict(name=name, model=scaled, scaling=scaling))
+    given = ({"rope_scaling": args.rope_scaling[0]} if args.rope_scaling else {}) | (
+        {"rope_factor": args.rope_factor} if args.rope_factor is not None else {}
+    )
+    for name, value in given.items():  # refused where no checkpoint reads it, as train.py refuses it
+        problems = {idle_option(r["model"].config.pos_encoding, name, value, given) for r in runs}
+        if None not in problems:
+            sys.exit(f"error: {sorted(problems)[0]}")
     need = max(lengths) + 1
     for r in runs:
         if len(r["data"]) < need:

@@ -143,8 +143,19 @@ def check_idle_options(cfg: dict, explicit: set[str] | frozenset[str]) -> None:
     """An option of the chosen encoding that the user gave and that does nothing with the rest (RoPE's factor without
     a scaling: the encoding's Option.idle says so) is an error."""
     for name, (owner, opt) in ENCODING_OPTIONS.items():
-        if owner == cfg["pos_encoding"] and name in explicit and cfg[name] != opt.default and (why := opt.idle(cfg)):
-            raise ConfigError(f"{name}={cfg[name]!r} {why}, or drop --{name}")
+        if owner == cfg["pos_encoding"] and name in explicit and cfg[name] != opt.default:
+            if problem := idle_option(cfg["pos_encoding"], name, cfg[name], cfg):
+                raise ConfigError(problem)
+
+
+def idle_option(pos_encoding: str, name: str, value, options: dict) -> str | None:
+    """Why an encoding's option, given as value, does nothing for a model of pos_encoding (another encoding's, or idle
+    without the other options: its Option.idle), in train.py's words for every command; None where it is read."""
+    owner, opt = ENCODING_OPTIONS[name]
+    if owner != pos_encoding:
+        return f"{name}={value!r} is an option of pos_encoding={owner!r}, not of {pos_encoding!r}: drop it"
+    defaults = {n: o.default for n, (_, o) in ENCODING_OPTIONS.items()}
+    return f"{name}={value!r} {why}, or drop --{name}" if (why := opt.idle(defaults | options)) else None
 
 
 def check_encoding_options(cfg: dict, defaults: dict, extension: bool = False) -> None:

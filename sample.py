@@ -32,6 +32,7 @@ from devices import (
 )
 from generate import cache_size, context_window, generate, sampling_problem
 from model import GPT, ROPE_SCALINGS
+from options import idle_option
 from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -167,6 +168,10 @@ def main(argv: list[str]) -> None:
         except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers
             sys.exit(f"error: cannot load GPT-2 weights from init_from={cfg['init_from']!r}: {e}")
     model.eval().to(device)
+    given = {k: cfg[k] for k in ("rope_scaling", "rope_factor") if cfg[k]}  # "" and 0: not given
+    for name, value in given.items():
+        if problem := idle_option(model.config.pos_encoding, name, value, given):
+            sys.exit(f"error: {problem}")
     if cfg["rope_scaling"]:
         try:
             pe, length, T = model.encoding, cfg["max_context"] or model.config.block_size, model.config.block_size

@@ -228,14 +228,15 @@ def trained_differently(ckpt: dict, asked: dict) -> str | None:
 
 
 def train_command(enc: str, seed: int, d: Path, args, configs: list[str], extra=(), last=()) -> list[str] | None:
-    """train.py's command for one run (resuming an unfinished one), or None if the run is finished. A run in d that
-    was trained otherwise than this command asks (another task, rate, number of steps, source...) stops the sweep
-    before any training: reusing it would put its results under this study's labels."""
+    """train.py's command for one run (resuming an unfinished one), or None if the run is finished. Options train.py
+    would refuse for this run (another encoding's, --train's) stop the sweep before any training, as does a run in d
+    that was trained otherwise than this command asks (another task, rate, number of steps, source...): reusing it
+    would put its results under this study's labels."""
     arguments = train_arguments(enc, seed, d, args, configs, extra, last)
-    cmd = [sys.executable, "train.py", *arguments]
+    cmd, asked = [sys.executable, "train.py", *arguments], asked_config(arguments)  # every run's options, checked first
     if (ckpt := saved_run(d)) is None:
         return cmd
-    if problem := trained_differently(ckpt, asked_config(arguments)):
+    if problem := trained_differently(ckpt, asked):
         sys.exit(
             f"[sweep] {d} was trained with {problem}: give this study another --out_dir, or move {d} aside to train "
             "it again as asked"
@@ -573,7 +574,7 @@ def text_sweep(args, argv: list[str], out_dir: Path) -> None:
         "eval_tokens": args.eval_tokens or size["eval_tokens"],
         "out_json": str(out_dir / "eval.json"),
         "plot": "",  # the report draws its own
-        "rope_scaling": args.rope_scaling,
+        "rope_scaling": args.rope_scaling if any(POS_ENCODINGS[r.enc].rope_scalable for r in runs) else [],
     }
     if "documents" in args.packing:  # a run with document packing beside its encoding's stream run
         evaluation["names"] = [r.enc for r in runs]
@@ -747,6 +748,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
     stamps = [[r.dir, *stamp(latest(r.dir)), r.source, *stamp(latest(r.source))] for r in runs]
     key = {"evaluation": evaluation, "scalings": args.rope_scaling, "factor": F, "runs": stamps}
     sources_once = list(dict.fromkeys(r.source for r in text))
+    scaled = any(POS_ENCODINGS[e].rope_scalable for e in args.encodings)  # a scaling is read by RoPE's sources alone
     report = cached_json(
         out_dir / "eval.json",
         key,
@@ -754,8 +756,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
             "sources": eval_length.evaluate_runs(
                 sources_once,
                 names=[Path(s).name.rsplit("-seed", 1)[0] for s in sources_once],
-                rope_scaling=list(args.rope_scaling),
-                rope_factor=float(F),
+                **(dict(rope_scaling=list(args.rope_scaling), rope_factor=float(F)) if scaled else {}),
                 **evaluation,
             ),
             "fine-tuned": eval_length.evaluate_runs(
@@ -930,7 +931,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     # abbreviation of the sweep's own (--task=needle as --task_trials)
     cut = argv.index("--train") if "--train" in argv else len(argv)
     args = p.parse_args(argv[:cut])
-    args.train = argv[cut + 1 :]
+    args.train, scalings_given = argv[cut + 1 :], args.rope_scaling
     if args.extend:  # options the extension study, as asked, never reads
         idle = {"task_depths": "it scores no passkey depths (the text sweep's)"}
         if args.extend_task == "none":
@@ -950,6 +951,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     if args.extend and args.rope_scaling is None:
         args.rope_scaling = list(EXTEND_SCALINGS)
     args.encodings = args.encodings or list(EXTEND_ENCODINGS if args.extend else POS_ENCODINGS)
+    if scalings_given and not any(POS_ENCODINGS[e].rope_scalable for e in args.encodings):  # as train.py says it
+        from options import idle_option
+
+        p.error(f"--rope_scaling: {idle_option(args.encodings[0], 'rope_scaling', scalings_given[0], {})}")
     if args.synthetic is not None:
         args.synthetic = args.synthetic or list(synthetic.SUITE)
     # the text sweep's options: None unless given, so that the synthetic suite, which has no use for them (its model

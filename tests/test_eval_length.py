@@ -235,6 +235,26 @@ def test_bad_options_are_one_line_errors(ckpts, capsys, args, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "runs, args, message",
+    [
+        (
+            ["alibi"],
+            ["--rope_scaling", "yarn"],
+            "rope_scaling='yarn' is an option of pos_encoding='rope', not of 'alibi'",
+        ),
+        (["alibi"], ["--rope_factor", "2"], "rope_factor=2.0 is an option of pos_encoding='rope', not of 'alibi'"),
+        (["rope", "alibi"], ["--rope_factor", "2"], "rope_factor=2.0 does nothing without a RoPE scaling"),
+    ],
+)
+def test_an_option_no_checkpoint_reads_is_refused(ckpts, runs, args, message):
+    """An option that does nothing for every checkpoint evaluated (RoPE's on runs of other encodings, a factor without
+    a scaling) is one line in train.py's words, before any evaluation; one a checkpoint reads is kept (ALiBi beside
+    RoPE with --rope_scaling)."""
+    r = eval_here(*[str(ckpts[run]) for run in runs], "--lengths", "8", "16", "--plot", "", "--out_json", "", *args)
+    assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def eval_here(*args: str):
     """eval_length's command in this process: its exit status and stderr, as the command would give them."""
     return run_cli(eval_length.main, list(args))

@@ -348,8 +348,8 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
     assert again.returncode == 0 and again.stdout.count("finished earlier, not trained again") == 10
     assert "eval_length" not in again.stderr  # the evaluations were kept
     seed = cmd.index("--seeds") + 1  # a second text seed, the task's runs on the first alone (--task_seeds), of
-    # one encoding (the study reports the runs its command names)
-    more = cmd[:2] + ["alibi"] + cmd[4:seed] + ["5", "6", "--task_seeds", "5"] + cmd[seed + 1 :]
+    # one encoding (the study reports the runs its command names), which takes no RoPE scaling: none is given
+    more = cmd[:2] + ["alibi"] + cmd[6:seed] + ["5", "6", "--task_seeds", "5"] + cmd[seed + 1 :]
     more = run_cli(sweep.main, more)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     assert (out / "alibi-seed6" / "ckpt.pt").is_file() and not (out / "passkey" / "alibi-seed6").exists()

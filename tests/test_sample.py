@@ -101,7 +101,24 @@ def test_sample_with_rope_scaling(tmp_path):
     assert plain.stdout != cached.stdout  # the scaling changes what the model says past its block
     make_checkpoint(tmp_path / "alibi", pos_encoding="alibi")
     r = sample_here(f"--out_dir={tmp_path / 'alibi'}", "--rope_scaling=yarn", "--max_new_tokens=2")
-    assert r.returncode != 0 and "pos_encoding='alibi'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "not of 'alibi'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "pe, args, message",
+    [
+        ("cope", ["--rope_factor=2"], "rope_factor=2.0 is an option of pos_encoding='rope', not of 'cope': drop it"),
+        ("fox", ["--rope_scaling=yarn"], "rope_scaling='yarn' is an option of pos_encoding='rope', not of 'fox'"),
+        ("rope", ["--rope_factor=2"], "rope_factor=2.0 does nothing without a RoPE scaling"),
+    ],
+)
+def test_an_option_that_does_nothing_is_refused_as_train_py_refuses_it(pe, args, message, tmp_path):
+    """sample.py refuses an option the run's model does not read (RoPE's on a CoPE or FoX run, a factor without a
+    scaling) in one line, in train.py's words, before sampling anything."""
+    make_checkpoint(tmp_path, pos_encoding=pe)
+    r = sample_here(f"--out_dir={tmp_path}", "--max_new_tokens=2", *args)
+    assert r.returncode == 1 and message in r.stderr and not r.stdout, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_sample_errors_are_clear(tmp_path):

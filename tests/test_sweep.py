@@ -206,6 +206,8 @@ def test_unreadable_checkpoint_is_not_trained_over(tiny_data, tmp_path, capsys):
         (["--synthetic", "--packing", "documents"], "--packing: the synthetic suite does not use it"),
         (["--extend", "--packing", "documents"], "--packing: only the text sweep trains both packings"),
         (["--train", "--packing=documents"], "--train --packing=documents: each run's config sets packing"),
+        (["--extend", "--encodings", "fox", "--rope_scaling", "yarn"], "rope_scaling='yarn' is an option of pos_en"),
+        (["--encodings", "cope", "alibi", "--rope_scaling", "yarn"], "rope_scaling='yarn' is an option of pos_enco"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, message):
@@ -217,6 +219,17 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, monkeypatch, args, me
     with pytest.raises(SystemExit) as e:
         sweep.main([f"--out_dir={tmp_path / 'sweep'}", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.glob("sweep/*"))
+
+
+def test_a_study_checks_every_runs_options_before_the_first(tmp_path, monkeypatch):
+    """--train's options that one encoding's run would refuse (CoPE's --cope_p_max on the FoX run) stop the study
+    before the first run, in train.py's words, rather than after the CoPE run has trained."""
+    monkeypatch.setattr(sweep, "train_all", lambda *a: pytest.fail("trained before the checks"))
+    with pytest.raises(SystemExit) as e:
+        sweep.main([f"--out_dir={tmp_path / 'sweep'}", "--encodings", "cope", "fox", "--seeds", "1", "--train",
+                    "--cope_p_max=8"])  # fmt: skip
+    assert "cope_p_max=8 is an option of pos_encoding='cope', not of 'fox'" in str(e.value.code)
     assert not list(tmp_path.glob("sweep/*"))
 
 
