@@ -495,17 +495,47 @@ def test_documents_alone_on_cuda_compiled(pe, cuda):
     assert_documents_alone(torch.compile(model), rows, tol=2e-4)
 
 
-@pytest.mark.parametrize("separator", ["§", "═══", "\n—\n", "\\u00a7"])
-def test_a_separator_is_the_characters_typed(separator, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "separator, sep",
+    [
+        ("§", "§"),
+        ("═══", "═══"),
+        ("\n—\n", "\n—\n"),
+        ("\\u00a7", "§"),
+        ("\\N{SECTION SIGN}", "§"),
+        ("##\\", "##\\"),  # a backslash that ends it: itself
+        ("\\section{A}\\n", "\\section{A}\n"),  # one that starts no escape (\\s): itself, and no warning
+        ("\\r\\n\\r\\n", "\r\n\r\n"),  # a CRLF file's blank line: read with its own line ends
+    ],
+)
+def test_a_separator_is_the_characters_typed(separator, sep, tmp_path, capsys, monkeypatch):
     """data/text/prepare.py --separator splits at the characters typed, non-ASCII ones too ('§', '═══', a dash
-    between newlines), and still reads an escape (\\u00a7 is '§'): four documents joined by three separators."""
+    between newlines), and reads Python's escapes (\\u00a7, \\N{SECTION SIGN}); a backslash that starts none, or ends
+    it, is itself, with no warning; a CRLF file keeps its line ends: four documents joined by three separators."""
     import runpy
+    import warnings
 
-    sep = "§" if separator == "\\u00a7" else separator
-    text = sep.join(f"document {i} says hello there.\n" * 20 for i in range(4))
-    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    newline = "\r\n" if "\r" in sep else "\n"
+    text = sep.join(f"document {i} says hello there.{newline}" * 20 for i in range(4))
+    (tmp_path / "in.txt").write_bytes(text.encode("utf-8"))
     prepare = Path(__file__).resolve().parents[1] / "data" / "text" / "prepare.py"
     argv = ["prepare.py", "--input", str(tmp_path / "in.txt"), "--out_dir", str(tmp_path / "out")]
     monkeypatch.setattr("sys.argv", [*argv, f"--separator={separator}"])  # as the command line gives it
-    runpy.run_path(str(prepare), run_name="__main__")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runpy.run_path(str(prepare), run_name="__main__")
     assert "3 + 1 documents" in capsys.readouterr().out
+
+
+def test_a_separator_naming_no_character_is_one_line(tmp_path, monkeypatch):
+    """--separator='\\N{SECTON SIGN}' (a misspelled name) is one line naming --separator, not a codec's error."""
+    import runpy
+
+    (tmp_path / "in.txt").write_text("a§b\n" * 50, encoding="utf-8")
+    prepare = Path(__file__).resolve().parents[1] / "data" / "text" / "prepare.py"
+    argv = ["prepare.py", "--input", str(tmp_path / "in.txt"), "--out_dir", str(tmp_path / "out")]
+    monkeypatch.setattr("sys.argv", [*argv, "--separator=\\N{SECTON SIGN}"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(prepare), run_name="__main__")
+    assert str(e.value.code) == "error: --separator='\\\\N{SECTON SIGN}': \\N{SECTON SIGN} names no character"
+    assert not (tmp_path / "out").exists()

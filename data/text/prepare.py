@@ -7,12 +7,34 @@ documents.
 """
 
 import argparse
-import codecs
+import re
 import sys
+import unicodedata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from datafiles import DataError, prepare_text  # noqa: E402
+
+ESCAPES = {"\\": "\\", "'": "'", '"': '"', "a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
+ESCAPE = re.compile(r"\\(N\{[^}]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|.)", re.DOTALL)
+
+
+def read_escapes(typed: str) -> str:
+    """The characters typed with Python's escapes read (\\n, \\u00a7, \\N{SECTION SIGN}); a backslash that starts no
+    escape (\\s) or ends the string is itself. A \\N{...} that names no character is a DataError."""
+
+    def one(m: re.Match) -> str:
+        e = m[1]
+        if e.startswith("N{"):
+            try:
+                return unicodedata.lookup(e[2:-1])
+            except KeyError:
+                raise DataError(f"--separator={typed!r}: \\{e} names no character") from None
+        if e[0] in "xuU" and len(e) > 1 or e[0] in "01234567":
+            return chr(int(e[1:], 16) if e[0] in "xuU" else int(e, 8))
+        return ESCAPES.get(e, "\\" + e)
+
+    return ESCAPE.sub(one, typed)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,15 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--separator", help="the string between documents, e.g. '\\n\\n\\n' (default: one stream)")
     args = parser.parse_args(argv)
     try:
-        # the characters typed, with escapes (\n, \u00a7) read: characters past Latin-1 as escapes first, so that
-        # unicode_escape (which reads bytes as Latin-1) keeps '§' and '═' as they are
-        typed = args.separator
-        separator = (
-            None if typed is None else codecs.decode(typed.encode("latin-1", "backslashreplace"), "unicode_escape")
-        )
+        separator = None if args.separator is None else read_escapes(args.separator)  # the characters typed
         if separator == "":
             raise DataError("--separator is empty: give the string that separates documents, e.g. '\\n\\n\\n'")
-        text = Path(args.input).read_text(encoding="utf-8")
+        with open(args.input, encoding="utf-8", newline="") as f:  # its own line ends: '\r\n\r\n' splits a CRLF file
+            text = f.read()
         prepare_text(text, args.out_dir, args.tokenizer, args.val_fraction, separator)
     except (OSError, UnicodeDecodeError, DataError) as e:
         sys.exit(f"error: {e}")
