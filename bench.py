@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from devices import allow_tf32, autocast, estimate_mfu, peak_flops
+from configurator import ConfigError
+from devices import allow_tf32, autocast, check_device, estimate_mfu, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
 from generate import generate
 from model import GPT, POS_ENCODINGS, GPTConfig
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
         + """'{"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}' (the kernel column then names them)""",
     )
     p.add_argument("--decode_tokens", type=int, default=512)
-    p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS)
+    p.add_argument("--decode_encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     p.add_argument("--attention_lengths", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--attention_encodings", nargs="+", default=BIASED, choices=BIASED, help="--only=attention: which")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="--only=shapes: which")
@@ -606,9 +607,10 @@ def main(argv: list[str] | None = None) -> None:
         "--parallel_train", nargs=argparse.REMAINDER, default=[], help="--only=parallel: train.py options for both"
     )
     args = p.parse_args(argv)
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device=cuda but no CUDA device is visible; use --device=cpu")
+    check_args(p, args)
+    device = torch.device(args.device).type  # cuda:N: that GPU, as the current one
+    if torch.device(args.device).index is not None:
+        torch.cuda.set_device(args.device)
     args.compile = device == "cuda" if args.compile is None else args.compile
     allow_tf32(device)
     if args.threads:
@@ -629,6 +631,30 @@ def main(argv: list[str] | None = None) -> None:
     for key, fn in tables.items():  # shapes, parallel, memory and packing take long: only when asked
         if args.only == key or (args.only is None and key not in ("shapes", "parallel", "memory", "packing")):
             fn()
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each option in its range, one line naming it (a count of nothing would divide by zero or time nothing), the
+    device one this machine has, and the block sizes asked among the table's."""
+    try:
+        check_device(args.device)
+    except ConfigError as e:
+        p.error(str(e))
+    least = dict(steps=1, rounds=1, warmup=0, decode_tokens=1, shape_iters=1, threads=1, memory_batch=1)
+    least |= dict(memory_n_layer=1, memory_steps=1, parallel_procs=1, parallel_iters=1)
+    for name, most in least.items():
+        if (value := getattr(args, name)) is not None and value < most:
+            p.error(f"--{name}={value}: must be at least {most}")
+    if not args.memory_budget_gb > 0:
+        p.error(f"--memory_budget_gb={args.memory_budget_gb}: must be a positive number of GB")
+    for name in ("attention_lengths", "memory_blocks", "encoding_blocks"):
+        if (lengths := getattr(args, name)) and min(lengths) < 1:
+            p.error(f"--{name} {' '.join(map(str, lengths))}: every block must be at least 1")
+    blocks = [cfg["block_size"] for cfg in sizes(torch.device(args.device).type)["encodings"]]
+    if args.encoding_blocks and not set(args.encoding_blocks) & set(blocks):
+        p.error(
+            f"--encoding_blocks {' '.join(map(str, args.encoding_blocks))}: this device's table has blocks {blocks}"
+        )
 
 
 if __name__ == "__main__":

@@ -73,3 +73,26 @@ def test_bench_memory_table_and_longest_block():
         assert all(float(row[i].replace(",", "")) > 0 for i in (3, 5, 7)), row
     longest = {row[0]: [int(c.replace(",", "")) for c in row[1:]] for row in cells if len(row) == 4}
     assert longest.keys() == {"alibi"} and all(full > none for none, full, _ in longest.values()), longest
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--decode_encodings", "copy"], "argument --decode_encodings: invalid choice: 'copy'"),
+        (["--threads=-1"], "--threads=-1: must be at least 1"),
+        (["--device=cuda:99"], "device='cuda:99' but"),  # no CUDA here, or not 100 GPUs
+        (["--device=bogus"], "device='bogus' is not a device"),
+        (["--decode_tokens", "0"], "--decode_tokens=0: must be at least 1"),
+        (["--steps", "0"], "--steps=0: must be at least 1"),
+        (["--rounds", "0"], "--rounds=0: must be at least 1"),
+        (["--only=encodings", "--encoding_blocks", "512"], "--encoding_blocks 512: this device's table has blocks"),
+        (["--memory_budget_gb=0"], "--memory_budget_gb=0.0: must be a positive number of GB"),
+    ],
+)
+def test_bad_options_are_one_line_errors(args, message):
+    """bench.py refuses an option out of its range, an unknown encoding, a device this machine lacks and block sizes
+    its table does not measure, in one line naming the option, before measuring anything (they were tracebacks, a
+    division by zero, or a table-less exit 0)."""
+    r = run_cli(bench.main, [*args, "--device=cpu"] if not any(a.startswith("--device") for a in args) else args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "nanoPE bench" not in r.stdout
