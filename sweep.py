@@ -742,7 +742,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
         if len(found) > 1:
             sys.exit(f"[sweep] the runs were trained at different {what} ({found}): one report cannot compare them")
     L0, F, steps = L0[0], int(factors[0]), steps[0]
-    lengths = args.lengths or [L0 * k for k in (1, F, 2 * F, 4 * F)]
+    lengths = args.lengths or list(dict.fromkeys(L0 * k for k in (1, F, 2 * F, 4 * F)))  # --factor 1: 1x once
     evaluation = dict(lengths=lengths, modes=["sliding"], eval_tokens=args.eval_tokens or size["eval_tokens"])
     evaluation |= dict(out_json="", plot="")
     stamps = [[r.dir, *stamp(latest(r.dir)), r.source, *stamp(latest(r.source))] for r in runs]
@@ -768,7 +768,7 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
     if len(kinds) > 1:
         task_runs = [r for r in runs if r.kind != "text"]
         cfg = finished_checkpoint(Path(task_runs[0].source))["config"]
-        task_lengths = [cfg["block_size"] * k for k in (1, F, 2 * F, 4 * F)]
+        task_lengths = list(dict.fromkeys(cfg["block_size"] * k for k in (1, F, 2 * F, 4 * F)))
         task_key = key | {"lengths": task_lengths, "trials": args.task_trials, "version": SYNTHETIC_VERSION}
         scores = cached_json(
             out_dir / kinds[1] / "scores.json",

@@ -875,8 +875,8 @@ def plot_extension(
                     color=colors[k % 10],
                     label=name if variant is None else None,
                 )
-        floors = [100 * f for f in task_floor(tasks).values()]
-        ax.plot(tasks["lengths"], floors, color="black", ls=":", lw=1.2, label="floor")
+        floors = task_floor(tasks)  # {length: floor}, a length once
+        ax.plot(list(floors), [100 * f for f in floors.values()], color="black", ls=":", lw=1.2, label="floor")
         ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="accuracy (%)", ylim=(-3, 103))
         ax.set_title(f"{task}: dashed as trained, solid fine-tuned", fontsize=9)
     for ax in axes:

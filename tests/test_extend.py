@@ -357,6 +357,14 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
     assert "seeds [5, 6]; each fine-tuned" in report and "seeds [5] (mean ± std where there are several)" in report
     assert "| alibi | 2 steps |" in report and "| rope" not in report  # and its plot, without RoPE's runs
     assert (out / "extension.png").stat().st_mtime > (out / "rope-yarn-seed5" / "ckpt.pt").stat().st_mtime
+    # fine-tuned at the training length (--factor 1): each length once, in the tables and the plot (it ended in a
+    # traceback where the task's lengths and its floors disagreed)
+    once = [a.replace(str(tmp_path / "ext"), str(tmp_path / "ext1")) for a in cmd[:2] + ["rope", *cmd[4:]]]
+    r = run_cli(sweep.main, once[: once.index("--train")] + ["--factor", "1"] + once[once.index("--train") :])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (tmp_path / "ext1" / "report.md").read_text()
+    assert "| 32 (1×) | 64 (2×) | 128 (4×) |" in report and "| 64 (1×) | 128 (2×) | 256 (4×) |" in report
+    assert (tmp_path / "ext1" / "extension.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(
