@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import forkserver, run_cli, train_in_process
+from conftest import forkserver, run_cli, tiny, train_in_process
 
 from checkpoint import load_checkpoint, save_checkpoint
 from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
@@ -647,3 +647,16 @@ def test_the_memory_estimate_is_near_the_measured_peak(tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
         assert 0.65 < float(r.stdout) < 1.35, (pe, mode, r.stdout)
+
+
+@pytest.mark.parametrize("pe", ["cope", "fox"])
+def test_the_estimate_counts_what_a_content_bias_keeps(pe):
+    """What a bias of the content keeps for its backward (CoPE's kernel: its queries, keys and values in float32,
+    reversed; FoX's: its padded q, k, v and its sums) is in the estimate's activations: the fit from three short
+    lengths gives the bytes autograd keeps at 4x the longest of them, within 5% (no (T, T) term is missed)."""
+    import devices
+
+    model = tiny(pe, block_size=512, n_layer=2).train()
+    estimate, _ = devices.activation_bytes(model, 2, 512, "cpu")
+    kept = devices.saved_bytes(model, 2, 512, "cpu")
+    assert abs(estimate - kept) <= 0.05 * kept, (estimate, kept)
