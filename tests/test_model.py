@@ -1279,7 +1279,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
         return flex_attention(*args, **kw)
 
     monkeypatch.setattr(fast_paths, "flex_attention", counting_flex)
-    model = tiny(pe, block_size=256, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64).cuda().train()
+    model = tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64).cuda().train()
     idx = tokens(2, 256).cuda()
     exact_logits, exact_grads = grads(copy.deepcopy(model).double(), idx)
     ref_logits, ref_grads = grads(model, idx)
@@ -1325,7 +1325,7 @@ def test_compiled_bf16_training_step_on_cuda(pe, cuda, monkeypatch):
     elsewhere on its emulation (the cuda fixture)."""
     from test_precision import ROUNDING, gradient_error, logit_error, model_for, step
 
-    model = model_for(pe, seed=0).to(cuda)
+    model = model_for(pe, seed=0, n_layer=1).to(cuda)  # one layer: each layer compiles the same kernels
     idx = tokens(2, 128).to(cuda)
     exact_logits, exact = step(model, idx, autocast=False, device=cuda)
     eager_logits, eager = step(model, idx, autocast=True, device=cuda)
@@ -1390,7 +1390,7 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
 def test_fused_attention_with_smaller_kernel_options_on_cuda(pe, cuda):
     """train.py's first fallback when Triton runs out of shared memory, FlexAttention with num_stages=1, compiles and
     gives the eager materialized path's logits and gradients. Runs on the GPU machine."""
-    model = tiny(pe, block_size=256, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()
+    model = tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()
     idx = tokens(2, 256).cuda()
     ref_logits, ref_grads = grads(model, idx)
     model.attention_options = replace(model.attention_options, flex_kernel_options={"num_stages": 1})

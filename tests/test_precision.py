@@ -22,10 +22,10 @@ ROPE_BEFORE = {"logits": 0.027, "gradients": 0.038, "long": 0.025}
 ROUNDING = 0.02  # bf16's own rounding, at the least
 
 
-def model_for(pe: str, seed: int) -> GPT:
-    """2 layers, 2 heads of 16 dims, block 128, no dropout, in training mode; weights moved off their init."""
+def model_for(pe: str, seed: int, n_layer: int = 2) -> GPT:
+    """n_layer layers, 2 heads of 16 dims, block 128, no dropout, in training mode; weights moved off their init."""
     torch.manual_seed(seed)
-    shape = dict(block_size=BLOCK, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    shape = dict(block_size=BLOCK, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=32, dropout=0.0)
     model = GPT(GPTConfig(**shape, pos_encoding=pe))
     with torch.no_grad():
         for p in model.parameters():
