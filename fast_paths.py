@@ -3,8 +3,8 @@ The fast paths: faster ways to compute the attention model.py computes, tested e
 asks `kernel()` once per forward (once per layer for a bias of each layer's own); where it names a kernel,
 `fast_attention()` builds it from tensors (the positions, the bias's table of distances where it has one), the bias by
 blocks of queries, model.py's SDPA and the layer's score bias as a function of (head, query position, key position).
-Nothing here imports the project's code or reads a model object: train.py and bench.py hand the kernel fallbacks the
-options.
+Nothing here imports the project's code or reads a model object: train.py and compare/bench.py hand the kernel fallbacks
+the options.
 
 Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block of queries at a
 time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and for FIRE's training on a GPU), the
@@ -289,7 +289,7 @@ def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torc
     float32 at least, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps of 1/16)."""
     work = torch.promote_types(q.dtype, torch.float32)
     q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
-    if v.size(-1) != q.size(-1) or q.device.type != "cpu":  # probe.py reads with V the identity
+    if v.size(-1) != q.size(-1) or q.device.type != "cpu":  # compare/probe.py reads with V the identity
         s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
         lse = s.logsumexp(-1)
         return (s - lse[..., None]).exp() @ v, lse

@@ -1,6 +1,6 @@
 """
 Generation (nanochat's engine.py, gpt-fast's generate.py): the loop that feeds a model.GPT one token at a time through
-its KV cache, and sampling. The model neither builds nor holds any of it: sample.py and bench.py call
+its KV cache, and sampling. The model neither builds nor holds any of it: sample.py and compare/bench.py call
 `generate(model, idx, ...)` (as GPT.generate, nanoGPT's call, does), the Hugging Face export `next_logits`.
 
 Each new token takes a prefill that starts a cache, one token through the decode step (compiled on request), or the

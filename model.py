@@ -40,7 +40,7 @@ class PositionalEncoding(nn.Module):
     rope_scalable = False  # takes rope_scaling (set_rope_scaling, eval_length's and sample.py's --rope_scaling)
     per_layer = False  # a score bias of each layer's own: h in score_bias(h, i, j) counts every layer's heads
     lr_scale = 1.0  # train.py's default pe_lr_scale: how many times faster its parameters learn
-    hf_architecture: str | None = None  # transformers' exact equivalent; None: export.py ships nanoPE's own code
+    hf_architecture: str | None = None  # transformers' exact equivalent; None: export/hf.py ships nanoPE's own code
     options: dict[str, Option] = {}  # config key -> Option: GPTConfig has a field for each, train.py a key
     embeds = rotates = forgets = False  # it overrides embed / rotary / forget (derived: the model calls no no-op)
     summary = ""  # one line for --help
@@ -267,7 +267,7 @@ class Kerple(PositionalEncoding):
 
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
-# the published constants, which export.py also writes into GPT-NeoX's rope_parameters
+# the published constants, which export/hf.py also writes into GPT-NeoX's rope_parameters
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds in rotations per L0 (Peng et al. 2023, recommended for LLaMA)
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high frequency factors (its rope_scaling, Meta 2024)
 WITHOUT_SCALING = "does nothing without a RoPE scaling: add --rope_scaling (linear, ntk, yarn, llama3 or dynamic_ntk)"
@@ -314,7 +314,7 @@ class RoPE(PositionalEncoding):
         self.rotating = round(config.rope_fraction * d / 2)  # pairs that rotate
         self.original = config.rope_original_max_len or config.block_size
         self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
-        # NTK's base · s^(d/(d-2)), the exponent as in Hugging Face's dynamic variant (export.py's rope_theta)
+        # NTK's base · s^(d/(d-2)), the exponent as in Hugging Face's dynamic variant (export/hf.py's rope_theta)
         self.theta_base = self.base * self.factor ** (d / (d - 2)) if self.scaling == "ntk" else self.base
         self.cache_span = self.original if self.scaling == "dynamic_ntk" else math.inf  # dynamic_ntk re-keys past L0
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times into L0
@@ -817,7 +817,7 @@ class Block(nn.Module):
 
 
 # ---- The GPT
-# GPT-2's weights that transformers' Conv1D stores (in, out), nn.Linear's transposed: from_hf and export.py read them
+# GPT-2's weights that transformers' Conv1D stores (in, out), nn.Linear's transposed: from_hf and export/hf.py read them
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 

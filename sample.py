@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, checkpoints, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, configure, require, script_usage
-from devices import (
+from generate import cache_size, context_window, generate, sampling_problem
+from lib.checkpoint import CheckpointError, checkpoints, load_checkpoint, model_from_checkpoint
+from lib.configurator import ConfigError, configure, require, script_usage
+from lib.devices import (
     DTYPES,
     allow_tf32,
     autocast,
@@ -30,10 +31,9 @@ from devices import (
     gb,
     missing,
 )
-from generate import cache_size, context_window, generate, sampling_problem
+from lib.options import idle_option
+from lib.tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 from model import GPT, ROPE_SCALINGS
-from options import idle_option
-from tokenizer import CharTokenizer, GPT2Tokenizer, IdsTokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------------------------------------------
 defaults = dict(

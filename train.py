@@ -2,7 +2,7 @@
 Train a GPT with any positional encoding, with nanoGPT's config keys.
     python train.py config/rope.py                        # one GPU (bf16 + torch.compile), or the CPU
     python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
-    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (synthetic.py), on a CPU
+    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (compare/synthetic.py), on a CPU
     python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
     python train.py config/rope.py --init_from=out-rope --out_dir=out-rope-yarn --block_size=1024 --rope_scaling=yarn
                                                           # extend a run: fine-tune its weights at 4x its length
@@ -20,11 +20,13 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-import runs
-import synthetic
-from checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
-from configurator import ConfigError, configure, script_usage
-from datafiles import (
+from compare import synthetic
+from compare.tasks import check_training_tasks, mix_tasks
+from fast_paths import fused_attention_note, with_kernel_fallbacks
+from lib import runs
+from lib.checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
+from lib.configurator import ConfigError, configure, script_usage
+from lib.datafiles import (
     SPLITS,
     Data,
     DataError,
@@ -36,14 +38,12 @@ from datafiles import (
     tokenizer_difference,
     trained_distances,
 )
-from devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
-from fast_paths import fused_attention_note, with_kernel_fallbacks
+from lib.devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
+from lib.options import check_fits, odd_values, resolve
+from lib.parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
+from lib.tokenizer import GPT2Tokenizer
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
-from options import check_fits, odd_values, resolve
-from parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
 from shape import set_activation_checkpointing
-from tasks import check_training_tasks, mix_tasks
-from tokenizer import GPT2Tokenizer
 
 # -----------------------------------------------------------------------------------------------------------------
 # Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
@@ -73,9 +73,9 @@ defaults = dict(
     packing="stream",  # stream (nanoGPT's: documents joined by the end-of-text token, every token sees its whole
     # window) | documents (each end-of-text token begins a document: positions restart and attention stays inside
     # it; the dataset must mark its documents, e.g. shakespeare_char_scenes, openwebtext, tinystories, wikitext103)
-    task_fraction=0.0,  # training rows that are retrieval tasks (tasks.py: passkey, recall, copy), e.g. 0.05; val: text
+    task_fraction=0.0,  # training rows that are retrieval tasks (passkey, recall, copy), e.g. 0.05; val: text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
-    # synthetic token-level tasks instead of text (synthetic.py; config/<task>.py have their recipes)
+    # synthetic token-level tasks instead of text (compare/synthetic.py; config/<task>.py have their recipes)
     task="",  # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers only
     task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
     task_pairs=8,  # mqar: key-value pairs per sequence
@@ -314,7 +314,7 @@ class Run(TrainingState):
     """A training run: its state (TrainingState, what a checkpoint saves), and what the loop works with."""
 
     procs: Processes
-    strategy: Strategy  # how the processes share the work (parallel.py): the loop asks it, never its name
+    strategy: Strategy  # how the processes share the work (lib/parallel.py): the loop asks it, never its name
     checkpointer: Checkpointer  # out_dir's checkpoints, in the strategy's format
     data: Data
     net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped by the strategy
@@ -334,7 +334,7 @@ class Run(TrainingState):
             seed = int(torch.randint(2**62, (1,), generator=generator))
             rng = np.random.default_rng([seed, SPLITS.index(split), p.rank])
             # validation reads the rows the evaluation scores (no curriculum, the full task), so that "learned" and
-            # the 1x column of synthetic.py measure one distribution
+            # the 1x column of compare/synthetic.py measure one distribution
             train = split == "train"
             mix, previous = (cfg["task_mix"], cfg["task_prev_tokens"]) if train else (0.0, False)
             opts = synthetic.task_options(cfg)

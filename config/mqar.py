@@ -1,4 +1,4 @@
-# Multi-query associative recall of the synthetic suite (synthetic.py, Zoology's layout), composed after an
+# Multi-query associative recall of the synthetic suite (compare/synthetic.py, Zoology's layout), composed after an
 # encoding's config:
 #   python train.py config/rope.py config/mqar.py            -> out-rope-mqar, about four minutes on one CPU core
 # task_pairs key-value pairs together at the start, then every key asked once at random places in filler; the answer

@@ -1,4 +1,4 @@
-# The one-step lookup of the synthetic suite (synthetic.py), composed after an encoding's config:
+# The one-step lookup of the synthetic suite (compare/synthetic.py), composed after an encoding's config:
 #   python train.py config/rope.py config/needle.py          -> out-rope-needle, about half a minute on one CPU core
 # A marker, then a key hidden at a random depth in filler of another range, a query at the end: the key is the only
 # token of its range, so content alone finds it. A 30k-parameter model learns it in a few hundred steps.

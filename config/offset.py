@@ -1,4 +1,4 @@
-# The position task of the synthetic suite (synthetic.py), composed after an encoding's config:
+# The position task of the synthetic suite (compare/synthetic.py), composed after an encoding's config:
 #   python train.py config/rope.py config/offset.py          -> out-rope-offset, about a minute on one CPU core
 # Filler from the key range with a marker in it, then a query and a number k from 1 to 4: the answer is the token k
 # places after the marker, found by position alone. A quarter of the training rows are needle rows (task_mix).

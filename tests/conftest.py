@@ -116,7 +116,7 @@ def forkserver():
 
 def train_py_forked(argv: list[str], cwd: str, env: dict, log: str | None) -> None:
     """`python train.py argv` in a process forked from forkserver(): its own session, folder, environment and
-    output, as sweep.py starts one."""
+    output, as compare/sweep.py starts one."""
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
@@ -134,10 +134,10 @@ def train_py_forked(argv: list[str], cwd: str, env: dict, log: str | None) -> No
 
 
 class ForkedTrainPy:
-    """The part of subprocess.Popen sweep.py uses, for its `python train.py ...` commands: the run forked from
+    """The part of subprocess.Popen compare/sweep.py uses, for its `python train.py ...` commands: the run forked from
     forkserver() (0.1 s to start, not 2.7). For the tests of a study's logic, which start 8 or 9 runs each; the
-    tests of how sweep.py starts, stops and reads its processes (Ctrl-C, a run stopped from outside, a sweep's first
-    test) start real ones."""
+    tests of how compare/sweep.py starts, stops and reads its processes (Ctrl-C, a run stopped from outside, a sweep's
+    first test) start real ones."""
 
     def __init__(self, cmd: list[str], cwd, env: dict, stdout=None, stderr=None, start_new_session: bool = True):
         assert cmd[0] == sys.executable and cmd[1] == "train.py" and start_new_session, cmd
@@ -163,10 +163,10 @@ class ForkedTrainPy:
 
 @pytest.fixture
 def forked_train_py(monkeypatch):
-    """sweep.py's training runs forked from a server that has imported torch and train.py (ForkedTrainPy)."""
+    """compare/sweep.py's training runs forked from a server that has imported torch and train.py (ForkedTrainPy)."""
     import types
 
-    import sweep
+    from compare import sweep
 
     monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(Popen=ForkedTrainPy))
 

@@ -1,4 +1,5 @@
-"""bench.py runs on a CPU and prints its tables (a smoke test at tiny settings: it measures, nothing is timed here)."""
+"""compare/bench.py runs on a CPU and prints its tables (a smoke test at tiny settings: it measures, nothing is timed
+here)."""
 
 import re
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-import bench
+from compare import bench
 from model import POS_ENCODINGS
 
 BIASED = [e for e, c in POS_ENCODINGS.items() if c.has_score_bias]
@@ -32,7 +33,7 @@ def table_rows(out: str, first_cell: str) -> list[list[str]]:
 def test_bench_prints_its_tables_on_cpu(args, first_cell, n_rows):
     if "--only=attention" in args:  # the command: its cells fork from a server that must preload what they need, and
         # a test process may have started its one server already, for other modules
-        cmd = [sys.executable, "bench.py", "--device=cpu", *args]
+        cmd = [sys.executable, "-m", "compare.bench", "--device=cpu", *args]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     else:
         r = run_cli(bench.main, ["--device=cpu", *args])
@@ -60,7 +61,7 @@ def test_bench_memory_table_and_longest_block():
     """--only=memory prints, per encoding and block, each checkpointing mode's measured peak beside its estimate and
     its step time, then the longest block each mode fits in the budget (longer with full checkpointing). Two layers:
     the fewer, the less a block's recomputation saves, and at two it still doubles the block."""
-    cmd = [sys.executable, "bench.py", "--device=cpu", "--only=memory", "--memory_encodings", "alibi"]
+    cmd = [sys.executable, "-m", "compare.bench", "--device=cpu", "--only=memory", "--memory_encodings", "alibi"]
     cmd += ["--memory_blocks", "64", "--memory_steps", "1", "--memory_batch", "2", "--memory_n_layer", "2"]
     cmd += ["--memory_budget_gb", "0.1"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
@@ -90,8 +91,8 @@ def test_bench_memory_table_and_longest_block():
     ],
 )
 def test_bad_options_are_one_line_errors(args, message):
-    """bench.py refuses an option out of its range, an unknown encoding, a device this machine lacks and block sizes
-    its table does not measure, in one line naming the option, before measuring anything (they were tracebacks, a
+    """compare/bench.py refuses an option out of its range, an unknown encoding, a device this machine lacks and block
+    sizes its table does not measure, in one line naming the option, before measuring anything (they were tracebacks, a
     division by zero, or a table-less exit 0)."""
     r = run_cli(bench.main, [*args, "--device=cpu"] if not any(a.startswith("--device") for a in args) else args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,4 +1,4 @@
-"""checkpoint.py's readers on files that are not what they should be: each a CheckpointError naming the file and the
+"""lib/checkpoint.py's readers on files that are not what they should be: each a CheckpointError naming the file and the
 fix, never torch's own exception or its advice to unpickle the file."""
 
 import errno
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-from checkpoint import CheckpointError, load_checkpoint, save_sharded
+from lib import checkpoint
+from lib.checkpoint import CheckpointError, load_checkpoint, save_sharded
 from train import new_optimizer
 
 
@@ -40,14 +40,14 @@ def sharded(tmp_path: Path) -> Path:
 
 def test_a_truncated_shard_is_named_before_any_read(tmp_path):
     """A shard file shorter than .metadata says (a copy cut short) is an error naming the file, at the check that
-    every reader (resume, sample.py, export.py, checkpoint.py) goes through, not torch's CheckpointException."""
+    every reader (resume, sample.py, export/hf.py, lib/checkpoint.py) goes through, not torch's CheckpointException."""
     folder = sharded(tmp_path)
     shard = next(folder.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=rf"damaged: in .*, {shard.name} is shorter than its \.metadata says"):
         checkpoint.sharded_folder(tmp_path / "ckpt.dcp")
     with pytest.raises(CheckpointError, match="shorter than its .metadata"):
-        load_checkpoint(tmp_path / "ckpt.pt")  # falls back to ckpt.dcp, as sample.py and export.py read it
+        load_checkpoint(tmp_path / "ckpt.pt")  # falls back to ckpt.dcp, as sample.py and export/hf.py read it
 
 
 def test_a_damaged_shard_of_the_right_size_is_a_checkpoint_error(tmp_path):
@@ -66,7 +66,7 @@ def test_a_damaged_shard_of_the_right_size_is_a_checkpoint_error(tmp_path):
 
 
 def test_consolidating_a_run_that_cannot_be_written_says_so_first(tmp_path, monkeypatch):
-    """checkpoint.py OUT_DIR on a folder it cannot write (read-only) stops before reading the shards, with the fix;
+    """lib/checkpoint.py OUT_DIR on a folder it cannot write (read-only) stops before reading the shards, with the fix;
     on a folder without ckpt.dcp it names what is missing."""
     with pytest.raises(CheckpointError, match="no sharded checkpoint .*ckpt.dcp to consolidate"):
         checkpoint.consolidate(tmp_path)
@@ -85,14 +85,14 @@ def test_consolidating_a_run_that_cannot_be_written_says_so_first(tmp_path, monk
 
 
 def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
-    """checkpoint.py OUT_DIR refuses, before reading the shards, to replace a ckpt.pt newer than ckpt.dcp (or one whose
-    iteration cannot be read), naming both iterations and the fix; with --overwrite it replaces it, and an older
+    """lib/checkpoint.py OUT_DIR refuses, before reading the shards, to replace a ckpt.pt newer than ckpt.dcp (or one
+    whose iteration cannot be read), naming both iterations and the fix; with --overwrite it replaces it, and an older
     ckpt.pt gives way unasked."""
     from dataclasses import asdict
 
     from conftest import run_cli
 
-    from checkpoint import save_checkpoint
+    from lib.checkpoint import save_checkpoint
     from model import GPT, GPTConfig
 
     config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
@@ -107,7 +107,7 @@ def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
         before = path.read_bytes()
         r = run_cli(checkpoint.main, [str(tmp_path)])
         assert r.returncode == 1 and f"{path} is at iteration 8, newer than the sharded ckpt.dcp's 4" in r.stderr
-        assert f"python checkpoint.py {tmp_path} --overwrite" in r.stderr and len(r.stderr.splitlines()) == 1
+        assert f"python -m lib.checkpoint {tmp_path} --overwrite" in r.stderr and len(r.stderr.splitlines()) == 1
         assert path.read_bytes() == before
         path.write_bytes(b"my notes")
         r = run_cli(checkpoint.main, [str(tmp_path)])
@@ -126,7 +126,7 @@ def test_latest_and_load_read_both_formats_alike(tmp_path):
     states as meta, and load_into, which puts the saved weights and AdamW's state into a fresh model and optimizer."""
     from dataclasses import asdict
 
-    from checkpoint import Checkpointer, latest, save_checkpoint
+    from lib.checkpoint import Checkpointer, latest, save_checkpoint
     from model import GPT, GPTConfig
 
     config = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
@@ -195,7 +195,7 @@ def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path
     that, and the test checks that the six steps do move every tensor far beyond it."""
     from conftest import train_in_process
 
-    from datafiles import prepare_text, read_embedded_corpus
+    from lib.datafiles import prepare_text, read_embedded_corpus
 
     data = tmp_path / "data"
     prepare_text(read_embedded_corpus()[:200_000], data, "char")

@@ -149,7 +149,7 @@ def test_a_cope_checkpoint_from_before_the_scaled_gates_computes_what_it_did(tmp
     computes σ(q·k)'s attention; a new model gates σ(q·k/√d), as the authors' code."""
     from dataclasses import asdict
 
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
 
     model = tiny("cope", block_size=32, n_layer=1, n_head=2)
     assert model.config.cope_gates == "scaled" and model.encoding.gate_scale == 16**-0.5

@@ -320,8 +320,8 @@ def test_prepared_documents_decode_to_the_documents(tmp_path):
 
     import numpy as np
 
-    from datafiles import DOCUMENT_SEPARATOR, load_meta, prepare_documents
-    from tokenizer import GPT2_EOT, tokenizer_from_meta
+    from lib.datafiles import DOCUMENT_SEPARATOR, load_meta, prepare_documents
+    from lib.tokenizer import GPT2_EOT, tokenizer_from_meta
 
     docs = [f"document {i}: " + "words " * (i % 7) for i in range(40)]
     for kind in ("char", "gpt2"):
@@ -349,7 +349,7 @@ def test_prepared_documents_decode_to_the_documents(tmp_path):
     ],
 )
 def test_bad_documents_are_one_clear_error(docs, fragment, tmp_path):
-    from datafiles import DataError, prepare_documents
+    from lib.datafiles import DataError, prepare_documents
 
     with pytest.raises(DataError, match=fragment.replace("\\", "\\\\")):
         prepare_documents(docs, tmp_path, "char")
@@ -358,7 +358,7 @@ def test_bad_documents_are_one_clear_error(docs, fragment, tmp_path):
 def test_the_embedded_corpus_in_scenes():
     """The scenes are the corpus cut before its headings: joined they are the text; each after the first begins with
     a work's title or an act's or a scene's heading; an act's heading and its first scene are one document."""
-    from datafiles import SCENE_HEADING, read_embedded_corpus, scenes
+    from lib.datafiles import SCENE_HEADING, read_embedded_corpus, scenes
 
     text = read_embedded_corpus()
     docs = scenes(text)
@@ -372,7 +372,7 @@ def test_the_embedded_corpus_in_scenes():
 @pytest.fixture(scope="module")
 def scenes_data(tmp_path_factory):
     """The first 40 documents of the embedded corpus's scenes, character level."""
-    from datafiles import prepare_documents, read_embedded_corpus, scenes
+    from lib.datafiles import prepare_documents, read_embedded_corpus, scenes
 
     d = tmp_path_factory.mktemp("data") / "scenes"
     prepare_documents(scenes(read_embedded_corpus())[:40], d, "char")
@@ -396,7 +396,7 @@ def test_a_documents_run_trains_records_its_packing_and_resumes_with_it(scenes_d
     """--packing=documents trains on data that marks its documents, logs the distances it trains at, records the
     packing and the end-of-text token in the checkpoint; a resume that does not name the packing keeps it, and the
     checkpoint's model evaluates its documents alone."""
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
 
     out = tmp_path / "run"
     r = train_cli(f"--dataset={scenes_data}", "--packing=documents", "--max_iters=4", f"--out_dir={out}")
@@ -442,7 +442,7 @@ def test_packing_documents_needs_documents(tiny_stream_data, scenes_data, tmp_pa
 
 @pytest.fixture(scope="module")
 def tiny_stream_data(tmp_path_factory):
-    from datafiles import prepare_text, read_embedded_corpus
+    from lib.datafiles import prepare_text, read_embedded_corpus
 
     d = tmp_path_factory.mktemp("data") / "stream"
     prepare_text(read_embedded_corpus()[:100_000], d, "char")
@@ -451,7 +451,7 @@ def tiny_stream_data(tmp_path_factory):
 
 def test_an_extension_keeps_the_packing(scenes_data, tmp_path):
     """A run extended to a longer block keeps its source's packing; naming another is an error."""
-    from checkpoint import load_checkpoint
+    from lib.checkpoint import load_checkpoint
 
     src = tmp_path / "src"
     assert (
@@ -472,7 +472,7 @@ def test_fsdp_and_activation_checkpointing_train_documents_as_one_process(scenes
     without either (the same global batch): the documents are each row's, whichever process holds the row."""
     from test_train import torchrun
 
-    from checkpoint import load_checkpoint
+    from lib.checkpoint import load_checkpoint
 
     common = [f"--dataset={scenes_data}", "--packing=documents", "--dropout=0.0", "--max_iters=3", "--eval_interval=3"]
     one = tmp_path / "one"

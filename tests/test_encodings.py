@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import EXTRAPOLATING, VOCAB, tiny
 from tqdm import tqdm
 
-from eval_length import evaluate
+from compare.eval_length import evaluate
 
 
 @pytest.mark.parametrize("pe", EXTRAPOLATING)

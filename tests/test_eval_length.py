@@ -1,4 +1,4 @@
-"""eval_length.py on tiny checkpoints made here: window arithmetic, losses against direct computation, n/a for
+"""compare/eval_length.py on tiny checkpoints made here: window arithmetic, losses against direct computation, n/a for
 learned past its block size, RoPE scaling rows, the plot, wandb offline."""
 
 import json
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-import eval_length
-from checkpoint import save_checkpoint
-from datafiles import load_meta, prepare_text, read_embedded_corpus
+from compare import eval_length
+from lib.checkpoint import save_checkpoint
+from lib.datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
 
 
@@ -275,15 +275,15 @@ def test_dataset_of_another_tokenizer_is_refused(ckpts, tmp_path, dataset, messa
 
 @pytest.mark.parametrize("data_dir", [[], ["--data_dir", "data"]])
 def test_synthetic_task_run_points_to_synthetic_py(ckpts, tmp_path, data_dir):
-    """A run trained on a synthetic task is scored by synthetic.py, which the error names with the command, with or
-    without --data_dir (it used to say the dataset 'data' was not prepared, or give a perplexity of 128)."""
+    """A run trained on a synthetic task is scored by compare/synthetic.py, which the error names with the command, with
+    or without --data_dir (it used to say the dataset 'data' was not prepared, or give a perplexity of 128)."""
     if data_dir:
         data_dir = ["--data_dir", str(ckpts["data"])]
     out = tmp_path / "r.json"
     r = eval_here(str(ckpts["passkey"]), *data_dir, "--lengths", "8", "--out_json", str(out))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "trained on the synthetic task 'passkey'" in r.stderr
-    assert f"python synthetic.py {ckpts['passkey']}" in r.stderr and not out.exists()
+    assert f"python -m compare.synthetic {ckpts['passkey']}" in r.stderr and not out.exists()
 
 
 def test_output_paths_are_checked_before_work(ckpts, tmp_path, monkeypatch):

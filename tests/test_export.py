@@ -1,4 +1,4 @@
-"""export.py: a checkpoint as a transformers directory that computes the same logits (GPT-2 for learned, sinusoidal
+"""export/hf.py: a checkpoint as a transformers directory that computes the same logits (GPT-2 for learned, sinusoidal
 and none; GPT-NeoX for RoPE and its scalings; MPT for ALiBi; every encoding as nanoPE's own code with
 trust_remote_code), its tokenizer, and the errors before anything is written."""
 
@@ -14,12 +14,12 @@ import torch
 from conftest import close, run_cli
 from torch.nn import functional as F
 
-import checkpoint as checkpoint_py
-from checkpoint import ShardedCheckpoint, load_checkpoint, save_checkpoint, save_sharded
+from lib import checkpoint as checkpoint_py
+from lib.checkpoint import ShardedCheckpoint, load_checkpoint, save_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 transformers = pytest.importorskip("transformers")
-import export  # noqa: E402
+from export import hf as export  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 64
@@ -135,7 +135,7 @@ def test_gpt2_export_then_import_gives_back_the_weights(tmp_path):
 
 def test_tokenizers_round_trip(tmp_path):
     """Text through ours and through the exported tokenizer: the same ids, and decoding gives the text back."""
-    from tokenizer import tokenizer_from_meta
+    from lib.tokenizer import tokenizer_from_meta
 
     text = "First Citizen:\nBefore we proceed any further, hear me speak.  Don't!"
     for meta in ({"kind": "char", "chars": "".join(sorted(set(text)))}, {"kind": "gpt2"}):
@@ -198,7 +198,9 @@ def test_dtype_option_and_default(tmp_path):
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "export.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "export", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_command_and_its_errors(tmp_path):
@@ -269,7 +271,7 @@ def test_out_never_holds_the_run_being_exported(tmp_path, monkeypatch):
 
 
 def test_overwrite_replaces_only_an_earlier_export(tmp_path):
-    """--overwrite replaces a folder export.py wrote (its nanope.json and only the files it lists, or an export's
+    """--overwrite replaces a folder export/hf.py wrote (its nanope.json and only the files it lists, or an export's
     six files from before the list), and refuses any other folder, or an export holding a file of the user's, leaving
     it as it was."""
     run = saved_run(tmp_path / "out-rope")
@@ -327,7 +329,7 @@ def sharded_run(folder: Path, iter_num: int) -> None:
 
 @pytest.mark.parametrize("moment", ["meta.pt", "shards"])
 def test_a_sharded_checkpoint_replaced_while_read_says_so(moment, tmp_path, monkeypatch):
-    """The training run saving while export.py or checkpoint.py reads its ckpt.dcp (the save moves the link, then
+    """The training run saving while export/hf.py or lib/checkpoint.py reads its ckpt.dcp (the save moves the link, then
     removes the folder being read) as meta.pt or the shards are read: one line saying so and to run the command again,
     not a damaged shard; run again, each reads the new checkpoint."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -559,7 +561,7 @@ def test_bundled_code_is_our_model_and_recorded(remote):
     assert (out / "shape.py").read_bytes() == (ROOT / "shape.py").read_bytes()
     assert (out / "fast_paths.py").read_bytes() == (ROOT / "fast_paths.py").read_bytes()
     assert (out / "generate.py").read_bytes() == (ROOT / "generate.py").read_bytes()
-    assert (out / "modeling_nanope.py").read_bytes() == (ROOT / "remote_code" / "modeling_nanope.py").read_bytes()
+    assert (out / "modeling_nanope.py").read_bytes() == (ROOT / "export" / "modeling_nanope.py").read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["code_sha256"] == {
         name: hashlib.sha256((out / name).read_bytes()).hexdigest()
@@ -704,7 +706,7 @@ def harness_docs(tmp_path_factory) -> Path:
     split at the end of a line past its middle, the context and the next line (its first 24 characters); and that
     line's prompt, the line before it (short and of different lengths, so that the harness pads them)."""
     pytest.importorskip("lm_eval")
-    from datafiles import read_embedded_corpus
+    from lib.datafiles import read_embedded_corpus
 
     text, rows = read_embedded_corpus()[200_000:202_000], []
     for start in range(0, 1_600, 400):
@@ -836,8 +838,8 @@ def test_the_export_page_runs_as_written(tmp_path):
     pytest.importorskip("lm_eval")
     import numpy as np
 
-    from datafiles import read_embedded_corpus
-    from tokenizer import CharTokenizer
+    from lib.datafiles import read_embedded_corpus
+    from lib.tokenizer import CharTokenizer
 
     text = read_embedded_corpus()
     chars = CharTokenizer.from_text(text).chars
@@ -853,6 +855,7 @@ def test_the_export_page_runs_as_written(tmp_path):
         save_checkpoint(ckpt | {"tokenizer": {"kind": "char", "chars": chars}}, tmp_path / f"out-{pe}" / "ckpt.pt")
     bin_dir = Path(sys.executable).parent  # python and lm_eval
     env = os.environ | {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_HOME": str(tmp_path / "hf-home")}
+    env["PYTHONPATH"] = str(ROOT)
     blocks = doc_blocks()
     assert [lang for lang, _ in blocks] == ["", "python", "python", "yaml", "yaml", "yaml", ""]
     for lang, block in blocks:
@@ -861,8 +864,8 @@ def test_the_export_page_runs_as_written(tmp_path):
             continue
         if lang == "python":
             cmd = [sys.executable, "-c", block]
-        else:  # export.py is the repository's
-            cmd = ["bash", "-c", block.replace("python export.py", f"python {ROOT / 'export.py'}")]
+        else:  # python -m export: the repository's, on PYTHONPATH
+            cmd = ["bash", "-c", block]
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     [results] = (tmp_path / "results" / "hf-bias_rpe").glob("results_*.json")

@@ -1,7 +1,7 @@
 """Extending a run (train.py --init_from=<a run's folder>): a new run from its weights at a longer block size, with a
 RoPE scaling or a learned table interpolated; the options it may and may not change, its one-line errors before any
-work, the source never written to, exact resume, and the readers (the KV cache, eval_length.py, sample.py, export.py)
-taking the scaling from the checkpoint unasked."""
+work, the source never written to, exact resume, and the readers (the KV cache, compare/eval_length.py, sample.py,
+export/hf.py) taking the scaling from the checkpoint unasked."""
 
 import json
 import re
@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from conftest import cached_logits, close, run_cli, train_in_process
 from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
-import eval_length
 import sample
 import train
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
-from configurator import configure
+from compare import eval_length
+from lib.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from lib.configurator import configure
+from lib.runs import extended_model, source
 from model import GPT, GPTConfig
-from runs import extended_model, source
 
 # test_train's tiny run at 16 tokens (a source the tests extend to 64, 4x), without dropout
 SMALL = [*TINY, "--block_size=16", "--eval_interval=3", "--warmup_iters=2", "--dropout=0.0"]
@@ -187,7 +187,7 @@ def test_another_encodings_option_and_a_folder_without_a_run_are_errors(sources,
     r = run_cli(train.cli, [*base, f"--init_from={tmp_path / 'empty'}"])
     assert r.returncode == 1 and "holds neither a run's checkpoint (ckpt.pt or ckpt.dcp)" in r.stderr
     assert not (tmp_path / "out").exists()
-    from options import resolve
+    from lib.options import resolve
 
     explicit = set()
     argv = [*base, f"--init_from={sources['rope']}", "--pos_encoding=rope", "--n_layer=2", "--block_size=32"]
@@ -197,7 +197,7 @@ def test_another_encodings_option_and_a_folder_without_a_run_are_errors(sources,
 
 def test_another_tokenizer_is_refused(sources, tmp_path):
     """Text in other token ids (a GPT-2-tokenized dataset for a character-level source): one line, nothing written."""
-    from datafiles import prepare_text, read_embedded_corpus
+    from lib.datafiles import prepare_text, read_embedded_corpus
 
     bpe = tmp_path / "bpe"
     prepare_text(read_embedded_corpus()[:20_000], bpe, "gpt2")
@@ -260,7 +260,7 @@ def test_eval_length_and_sample_read_the_scaling_unasked(yarn_run, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     scaled = model_from_checkpoint(ckpt).eval()
-    from tokenizer import tokenizer_from_meta
+    from lib.tokenizer import tokenizer_from_meta
 
     tok = tokenizer_from_meta(ckpt["tokenizer"])
     expected = scaled.generate(torch.tensor([tok.encode("ab")]), 100, temperature=0, max_context=102)
@@ -272,7 +272,7 @@ def test_export_of_an_extension_computes_its_logits(scaling, remote, yarn_run, s
     """An extended run exported (GPT-NeoX with its scaling in config.json's rope parameters: YaRN's and linear's
     factor and L0, NTK's base; and nanoPE's own code) gives its logits past the new block size."""
     transformers = pytest.importorskip("transformers")
-    import export
+    from export import hf as export
 
     run = yarn_run
     if scaling != "yarn":
@@ -313,11 +313,11 @@ def task_source(folder: Path, pe: str, seed: int) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_train_py")
 def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_path):  # noqa: F811
-    """sweep.py --extend: the text sources trained where missing (the text sweep's command), every source fine-tuned
-    at 4x (RoPE per scaling), evaluated as trained and fine-tuned at 1x to 16x and reported in pairs with the
+    """compare/sweep.py --extend: the text sources trained where missing (the text sweep's command), every source
+    fine-tuned at 4x (RoPE per scaling), evaluated as trained and fine-tuned at 1x to 16x and reported in pairs with the
     fine-tunes' losses, the passkey runs too; a second run trains and evaluates nothing."""
 
-    import sweep
+    from compare import sweep
 
     for pe in ("rope", "alibi"):
         task_source(tmp_path / "tasks", pe, 5)
@@ -380,7 +380,7 @@ def test_sweep_extend_trains_fine_tunes_evaluates_and_reports(tiny_data, tmp_pat
 )
 def test_sweep_extend_options_are_checked(tmp_path, monkeypatch, args, message, capsys):
     """--extend's options are its own, and its folder is not its sources': one line, before any work."""
-    import sweep
+    from compare import sweep
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
@@ -399,8 +399,8 @@ def test_sweep_extend_options_are_checked(tmp_path, monkeypatch, args, message, 
 def test_an_extension_on_other_token_ids_says_which_option_to_drop(task, vocab, hint):
     """An extension of a synthetic task's run on ids that mean other things names the fix that applies to the command
     given: drop --task_vocab where the task is there already, add the task's config where it is not."""
-    from configurator import ConfigError
-    from runs import Source
+    from lib.configurator import ConfigError
+    from lib.runs import Source
 
     src = Source("out-needle", {"config": {"task": "needle", "task_vocab": 128}, "tokenizer": ids_tokenizer(128)})
     tokenizer = ids_tokenizer(vocab) if task else {"kind": "char", "chars": "ab"}
@@ -410,7 +410,7 @@ def test_an_extension_on_other_token_ids_says_which_option_to_drop(task, vocab, 
 
 
 def ids_tokenizer(vocab: int) -> dict:
-    from datafiles import task_meta
+    from lib.datafiles import task_meta
 
     return task_meta(vocab)["tokenizer"]
 

@@ -15,10 +15,10 @@ import torch.distributed.checkpoint
 from conftest import forkserver, run_cli
 from test_train import ROOT, TINY, assert_ok, tiny_data, torchrun, train_here  # noqa: F401 (a fixture)
 
-import checkpoint
 import sample
 import train as train_py
-from checkpoint import ShardedCheckpoint, load_checkpoint, save_sharded
+from lib import checkpoint
+from lib.checkpoint import ShardedCheckpoint, load_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 # float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its micro-batches
@@ -79,7 +79,7 @@ import copy, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from model import GPT, GPTConfig, POS_ENCODINGS
 from torch.distributed.tensor import DTensor
-from parallel import Processes, Sharded
+from lib.parallel import Processes, Sharded
 from train import non_finite
 dist.init_process_group("gloo")
 rank, lines = dist.get_rank(), []
@@ -175,8 +175,8 @@ def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
 
 def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
     """--parallel=fsdp alone trains unsharded and writes ckpt.dcp (saying so); sample.py reads it; python
-    checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does, and each
-    run's next save removes the other format's now older checkpoint. A resume (or an evaluation) with the other
+    lib/checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does, and
+    each run's next save removes the other format's now older checkpoint. A resume (or an evaluation) with the other
     strategy, a shard missing, and float16 are each a one-line error, and the checkpoint stays. A copy that made
     ckpt.dcp a folder resumes and saves."""
     data, out = f"--dataset={tiny_data}", tmp_path / "out"
@@ -192,7 +192,7 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_d
         return r.stderr
 
     assert "resume it with --parallel=fsdp" in error("--init_from=resume")
-    assert f"python checkpoint.py {out}" in error("--init_from=resume", "--eval_only=True")
+    assert f"python -m lib.checkpoint {out}" in error("--init_from=resume", "--eval_only=True")
     assert "use --dtype=bfloat16" in error("--parallel=fsdp", "--dtype=float16")
     assert "choose ddp (the default) or fsdp" in error("--parallel=zero")
     shard = next((out / "ckpt.dcp").glob("*.distcp"))

@@ -113,7 +113,7 @@ def test_the_readme_table_is_the_registry():
 
 def test_lists_of_encodings_are_the_registry_s():
     """The lists of encodings kept outside the registry name only its encodings (a renamed or removed one is seen)."""
-    import sweep
+    from compare import sweep
 
     assert set(sweep.EXTEND_ENCODINGS) <= set(ENCODINGS), set(sweep.EXTEND_ENCODINGS) - set(ENCODINGS)
 
@@ -187,7 +187,7 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
 
     outputs = set()
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for command in re.findall(r"python [\w/]+\.py [^`\n]*", doc.read_text()):
+        for command in re.findall(r"python (?:[\w/]+\.py|-m [\w.]+) [^`\n]*", doc.read_text()):
             outputs |= {m[1] for m in re.finditer(r"--(?:out|out_dir|plot)[= ]([\w./-]+)", command)}
     assert {"hf-rope", "probe.png", "out-rope", "sweep-cpu"} <= outputs, outputs
     written = lambda name: ["train.bin", "val.bin", "meta.json"] if name.startswith("data/") else ["a_file"]  # noqa: E731

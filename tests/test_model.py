@@ -846,7 +846,7 @@ def test_checkpoint_round_trip(pe, tmp_path):
     its trained parameters included."""
     from dataclasses import asdict
 
-    from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
     model = tiny(pe)
     save_checkpoint({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")

@@ -1,5 +1,6 @@
-"""Tests for probe.py: the attention probabilities it reads equal a softmax computed by hand, the far-attention share
-equals its formula, the bias curves equal the published ALiBi slopes, and the CLI writes its table, JSON and plot."""
+"""Tests for compare/probe.py: the attention probabilities it reads equal a softmax computed by hand, the far-attention
+share equals its formula, the bias curves equal the published ALiBi slopes, and the CLI writes its table, JSON and
+plot."""
 
 import json
 
@@ -9,8 +10,8 @@ import torch
 from conftest import VOCAB, close, run_cli, tiny, tokens, train_in_process
 from test_eval_length import save_run, save_synthetic_run
 
-import probe
-from datafiles import prepare_text, read_embedded_corpus
+from compare import probe
+from lib.datafiles import prepare_text, read_embedded_corpus
 from model import POS_ENCODINGS, alibi_slopes, apply_rotary
 
 
@@ -86,8 +87,8 @@ def test_bias_curves_are_alibi_slopes_times_distance():
 
 
 def test_cli_writes_table_json_and_plot(tmp_path, capsys):
-    """probe.py on trained checkpoints: a row per layer, shares in [0, 1], bias curves for a bias encoding only; a
-    length within the training length and learned positions past their block are one-line errors."""
+    """compare/probe.py on trained checkpoints: a row per layer, shares in [0, 1], bias curves for a bias encoding only;
+    a length within the training length and learned positions past their block are one-line errors."""
     data = tmp_path / "tiny"
     prepare_text(read_embedded_corpus()[:50_000], data, "char")
     common = ["--device=cpu", "--compile=False", f"--dataset={data}", "--block_size=32", "--batch_size=4"]
@@ -153,7 +154,7 @@ def test_mistakes_stop_before_any_probing(runs, tmp_path, monkeypatch):
         (
             [str(runs["passkey"])],
             1,
-            f"synthetic task 'passkey', not on text; synthetic.py scores it: python synthetic.py {runs['passkey']}",
+            f"synthetic task 'passkey', not on text; score it with python -m compare.synthetic {runs['passkey']}",
         ),
         ([alibi, str(runs["learned"])], 1, "learned has no positions past its block size"),
         ([alibi, "--length=8"], 1, "must exceed the training length 16"),
@@ -192,7 +193,7 @@ def test_outputs_are_written_whole_and_optional(runs, tmp_path, monkeypatch):
 def test_content_read_is_what_the_bias_reads(pe):
     """FoX's forget rates are the mean of exp(forget) over the window, with the share above 0.9; CoPE's counts of the
     last query grow with the distance (sums of gates in (0, 1)), from its own gate (< 1) to at most p_max - 1."""
-    from probe import content_read
+    from compare.probe import content_read
 
     model = tiny(pe, block_size=32, cope_p_max=8)
     idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))

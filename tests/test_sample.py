@@ -1,4 +1,4 @@
-"""Tests for sample.py, tokenizer.py, configurator.py and checkpoint.py."""
+"""Tests for sample.py, lib/tokenizer.py, lib/configurator.py and lib/checkpoint.py."""
 
 import subprocess
 import sys
@@ -11,11 +11,11 @@ import torch
 from conftest import run_cli, tiny
 
 import sample
-from checkpoint import Checkpointer, CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
-from configurator import ConfigError, configure
 from generate import generate
+from lib.checkpoint import Checkpointer, CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from lib.configurator import ConfigError, configure
+from lib.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"

@@ -1,4 +1,4 @@
-"""sweep.py end to end at a tiny size: trains every requested encoding and seed, evaluates, writes the report; a
+"""compare/sweep.py end to end at a tiny size: trains every requested encoding and seed, evaluates, writes the report; a
 second run reuses finished runs instead of training them again."""
 
 import json
@@ -14,13 +14,12 @@ from conftest import run_cli
 from test_synthetic import synthetic_checkpoint
 from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
-import sweep
-import sweep_report
-from checkpoint import load_checkpoint, save_checkpoint
-from datafiles import load_meta, prepare_text, read_embedded_corpus
+from compare import sweep, sweep_report
+from compare.sweep_report import Cell
+from compare.tasks import DIGITS
+from lib.checkpoint import load_checkpoint, save_checkpoint
+from lib.datafiles import load_meta, prepare_text, read_embedded_corpus
 from model import GPT, GPTConfig
-from sweep_report import Cell
-from tasks import DIGITS
 
 
 @pytest.mark.slow
@@ -113,7 +112,7 @@ def as_trained(data: Path) -> list[str]:
 
 
 def finished_run(out_dir: Path, enc: str, seed: int, data: Path) -> GPT:
-    """A checkpoint as train.py leaves a finished run (iter_num = max_iters), so sweep.py only evaluates it."""
+    """A checkpoint as train.py leaves a finished run (iter_num = max_iters), so compare/sweep.py only evaluates it."""
     meta = load_meta(data)
     torch.manual_seed(seed)
     config = GPTConfig(block_size=16, vocab_size=meta["vocab_size"], n_layer=1, n_head=2, n_embd=16, pos_encoding=enc)
@@ -249,7 +248,7 @@ def test_a_documents_study_checks_its_data_before_any_run(tmp_path, capsys, monk
 def test_sweep_with_and_without_document_packing(tmp_path):
     """--packing stream documents trains each encoding both ways on one dataset that marks its documents, the
     documents runs in their own folders and rows, and the report's table of what the packing changes."""
-    from datafiles import prepare_documents, scenes
+    from lib.datafiles import prepare_documents, scenes
 
     data = tmp_path / "scenes"
     prepare_documents(scenes(read_embedded_corpus())[:30], data, "char")
@@ -418,7 +417,7 @@ def test_recipe_study_statistics_against_published_values():
     5 is [0, 43.4%] and 3 of 5 [23.1%, 88.2%] (Newcombe 1998's method 3); Fisher's lady tasting tea, 3 of 4 against
     1 of 4, p = 0.486, and 4 of 4 against 0 of 4, p = 0.0286 (Fisher 1935); five seeds all above five others,
     p = 2 / 252."""
-    from sweep_report import fisher_exact, permutation_p, wilson
+    from compare.sweep_report import fisher_exact, permutation_p, wilson
 
     assert wilson(0, 5)[0] == 0 and wilson(0, 5)[1] == pytest.approx(0.4345, abs=1e-4)
     assert wilson(3, 5) == pytest.approx((0.2307, 0.8824), abs=1e-4)
@@ -459,8 +458,8 @@ def test_recipe_choice_and_grid():
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_train_py")
 def test_recipe_study_end_to_end(tmp_path):
-    """sweep.py --synthetic --recipes: the grid on the selection seed, each encoding's choice, the chosen recipe on
-    the fresh seeds (and only those evaluated and reported), the learned counts with their intervals, the floor
+    """compare/sweep.py --synthetic --recipes: the grid on the selection seed, each encoding's choice, the chosen recipe
+    on the fresh seeds (and only those evaluated and reported), the learned counts with their intervals, the floor
     with its band; a second run trains nothing. Seeds shared between the two sets are refused."""
     out = tmp_path / "study"
     cmd = ["--synthetic", "needle", "--recipes", "--encodings", "alibi", "rope", "--selection_seeds", "5"]

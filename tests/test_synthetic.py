@@ -1,6 +1,6 @@
 """The synthetic token-level tasks: each generator's layout, reproducibility and errors; an oracle that reads the
 answer from the sequence scores 100% and a context-blind predictor scores chance; the answer-only loss; a tiny run
-learns the one-step task; train.py's and sweep.py's synthetic track end to end."""
+learns the one-step task; train.py's and compare/sweep.py's synthetic track end to end."""
 
 import json
 import subprocess
@@ -14,16 +14,16 @@ import torch.nn.functional as F
 from conftest import run_cli, train_in_process
 from test_train import ENV, ROOT
 
-import options
-import sweep
-import synthetic as S
 import train
-from checkpoint import load_checkpoint
-from configurator import ConfigError, configure
+from compare import sweep
+from compare import synthetic as S
+from compare.sweep_report import Cell
+from lib import options
+from lib.checkpoint import load_checkpoint
+from lib.configurator import ConfigError, configure
+from lib.parallel import Processes
+from lib.tokenizer import IdsTokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig
-from parallel import Processes
-from sweep_report import Cell
-from tokenizer import IdsTokenizer, tokenizer_from_meta
 
 V = 128
 VOCAB = S.Vocab(V)
@@ -451,8 +451,8 @@ def test_synthetic_resume_is_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_train_py")
 def test_synthetic_suite_end_to_end(tmp_path):
-    """sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task with
-    the learned counts, the plot, and a second run reuses everything."""
+    """compare/sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task
+    with the learned counts, the plot, and a second run reuses everything."""
     out = tmp_path / "suite"
     cmd = ["--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
     cmd += ["--jobs", "2", "--task_trials", "20", f"--out_dir={out}", "--train", "--max_iters=30", "--eval_interval=10"]
@@ -474,7 +474,7 @@ def synthetic_checkpoint(out_dir, task: str = "needle", n_embd: int = 16) -> Non
     """A random model's checkpoint as train.py writes one for a synthetic task (block 64, vocabulary 128)."""
     from dataclasses import asdict
 
-    from checkpoint import save_checkpoint
+    from lib.checkpoint import save_checkpoint
 
     config = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=n_embd, pos_encoding="alibi")
     cfg = {"task": task, "task_vocab": V, "task_pairs": 8, "task_queries": 4, "block_size": 64, "max_iters": 1}
@@ -496,7 +496,7 @@ def synthetic_checkpoint(out_dir, task: str = "needle", n_embd: int = 16) -> Non
     ],
 )
 def test_synthetic_cli_bad_values_are_one_line_errors_before_work(tmp_path, args, message, monkeypatch):
-    """synthetic.py's options are checked before any evaluation: one line naming the value and the fix, no
+    """compare/synthetic.py's options are checked before any evaluation: one line naming the value and the fix, no
     traceback, nothing written."""
     synthetic_checkpoint(tmp_path / "run")
     monkeypatch.setattr(S, "accuracy", lambda *a, **k: pytest.fail("evaluated before the checks"))
@@ -562,8 +562,9 @@ def test_synthetic_suite_from_a_process_that_ran_torch_threads(tmp_path):
         synthetic_checkpoint(tmp_path / "needle" / f"{enc}-seed1")
     script = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(2); torch.randn(512, 512) @ "
-        "torch.randn(512, 512); import sweep; sweep.main(['--synthetic', 'needle', '--encodings', 'alibi', 'rope', "
-        "'--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2], '--train', '--max_iters=1'])"
+        "torch.randn(512, 512); from compare import sweep; sweep.main(['--synthetic', 'needle', '--encodings', "
+        "'alibi', 'rope', '--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2], '--train', "
+        "'--max_iters=1'])"
     )
     env = dict(ENV, OMP_NUM_THREADS="2")
     r = subprocess.run(

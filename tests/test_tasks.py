@@ -1,5 +1,5 @@
-"""Tests for tasks.py: the retrieval task generators, their evaluation (an oracle scores 100%, a model blind to the
-context scores chance), task rows in training batches, and the CLI."""
+"""Tests for compare/tasks.py: the retrieval task generators, their evaluation (an oracle scores 100%, a model blind to
+the context scores chance), task rows in training batches, and the CLI."""
 
 import json
 import re
@@ -11,14 +11,14 @@ import torch.nn as nn
 from conftest import run_cli, train_in_process
 from test_eval_length import save_run, save_synthetic_run
 
-import options
-import tasks
 import train as train_py
-from checkpoint import load_checkpoint
-from configurator import ConfigError, configure
-from datafiles import prepare_text, read_embedded_corpus
+from compare import tasks
+from lib import options
+from lib.checkpoint import load_checkpoint
+from lib.configurator import ConfigError, configure
+from lib.datafiles import prepare_text, read_embedded_corpus
+from lib.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAKESPEARE_CHARS = "\n !\"&'()*,-./0123456789:;?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[]_abcdefghijklmnopqrstuvwxyz{}"
 CHAR = CharTokenizer(SHAKESPEARE_CHARS)
@@ -289,7 +289,7 @@ def test_task_options_are_checked(tiny_data, tmp_path):
 
 
 def test_cli_writes_table_json_and_heatmap(tiny_data, tmp_path, capsys):
-    """tasks.py reads checkpoints and writes a markdown table, the JSON and the heatmap; learned is n/a past its
+    """compare/tasks.py reads checkpoints and writes a markdown table, the JSON and the heatmap; learned is n/a past its
     block size."""
     for pe in ("rope", "learned"):
         train_here(f"--dataset={tiny_data}", f"--out_dir={tmp_path / pe}", "--max_iters=1", f"--pos_encoding={pe}")
@@ -337,7 +337,7 @@ def tasks_here(*args: str):
         (
             ["--out_dir", "passkey"],
             1,
-            "synthetic task 'passkey', not on text; synthetic.py scores it: python synthetic.py",
+            "synthetic task 'passkey', not on text; score it with python -m compare.synthetic",
         ),
         (["--out_dir", "a/out", "no_digits"], 1, "no_digits: the passkey task writes characters that this"),
         (["--out_dir", "a/out", "a/out"], 2, "--out_dir: a folder is given twice"),

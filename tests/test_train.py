@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import forkserver, run_cli, tiny, train_in_process
 
-from checkpoint import load_checkpoint, save_checkpoint
-from datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
+from lib.checkpoint import load_checkpoint, save_checkpoint
+from lib.datafiles import DataError, get_batch, prepare_text, read_embedded_corpus
+from lib.tokenizer import GPT2_EOT, GPT2Tokenizer
 from model import POS_ENCODINGS
-from tokenizer import GPT2_EOT, GPT2Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -499,8 +499,8 @@ def test_text_recipe_char_and_gpt2(tmp_path):
         out = tmp_path / tokenizer
         r = run_cli(prepare, [f"--input={tmp_path / 'in.txt'}", f"--tokenizer={tokenizer}", f"--out_dir={out}"])
         assert r.returncode == 0, r.stderr
-        from datafiles import load_meta
-        from tokenizer import tokenizer_from_meta
+        from lib.datafiles import load_meta
+        from lib.tokenizer import tokenizer_from_meta
 
         tok = tokenizer_from_meta(load_meta(out)["tokenizer"])
         ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")]
@@ -591,8 +591,8 @@ def test_a_step_past_the_devices_memory_is_refused_with_what_fits(tiny_data, tmp
     """train.py logs the step's estimated peak memory; where it exceeds the device's, it stops before training, in one
     line naming activation checkpointing, a smaller batch (with more accumulation) and a shorter block, with what each
     would need; nothing is written."""
-    import devices
     import train as train_py
+    from lib import devices
 
     peak = {}
 
@@ -618,7 +618,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from model import GPT, GPTConfig
 from shape import set_activation_checkpointing
-from devices import training_bytes
+from lib.devices import training_bytes
 torch.manual_seed(0)
 pe, mode = sys.argv[2], sys.argv[3]
 m = GPT(GPTConfig(block_size=512, vocab_size=65, n_layer=4, n_head=4, n_embd=256, pos_encoding=pe)).train()
@@ -654,7 +654,7 @@ def test_the_estimate_counts_what_a_content_bias_keeps(pe):
     """What a bias of the content keeps for its backward (CoPE's kernel: its queries, keys and values in float32,
     reversed; FoX's: its padded q, k, v and its sums) is in the estimate's activations: the fit from three short
     lengths gives the bytes autograd keeps at 4x the longest of them, within 5% (no (T, T) term is missed)."""
-    import devices
+    from lib import devices
 
     model = tiny(pe, block_size=512, n_layer=2).train()
     estimate, _ = devices.activation_bytes(model, 2, 512, "cpu")

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import train_in_process
 
-import options
 import train
-from checkpoint import Checkpointer, CheckpointError
-from configurator import ConfigError, configure
-from datafiles import DataError, load_meta, prepare_text
+from lib import options
+from lib.checkpoint import Checkpointer, CheckpointError
+from lib.configurator import ConfigError, configure
+from lib.datafiles import DataError, load_meta, prepare_text
 
 
 def resolved(*args: str) -> dict:
@@ -51,7 +51,7 @@ def small_data(tmp_path_factory) -> Path:
         (lambda d: d.mkdir(), "holds neither a run's checkpoint (ckpt.pt or ckpt.dcp) nor Hugging Face GPT-2 weights"),
         (
             lambda d: (d.mkdir(), (d / "nanope.json").write_text("{}"), (d / "config.json").write_text("{}")),
-            "is a Hugging Face export of a nanoPE run (export.py wrote it), not the run: give the run's folder",
+            "is a Hugging Face export of a nanoPE run (python -m export wrote it), not the run: give the run's folder",
         ),
         (
             lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "llama"}')),

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from datafiles import prepare_text, read_embedded_corpus  # noqa: E402
+from lib.datafiles import prepare_text, read_embedded_corpus  # noqa: E402
 
 
 def prepare(out_dir: Path | None = None) -> None:

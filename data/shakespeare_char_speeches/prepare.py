@@ -1,6 +1,7 @@
 """The embedded corpus in short documents, character level: each speech (a speaker's line and what is said until the
 next speaker; a median of 85 characters), the record separator (\\x1e, the end-of-text token) before each one
-after the first. Documents shorter than a block: what document packing changes (sweep.py --packing). No network needed.
+after the first. Documents shorter than a block: what document packing changes (compare/sweep.py --packing). No network
+needed.
 python data/shakespeare_char_speeches/prepare.py
 """
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from datafiles import prepare_documents, read_embedded_corpus, speeches  # noqa: E402
+from lib.datafiles import prepare_documents, read_embedded_corpus, speeches  # noqa: E402
 
 
 def prepare(out_dir: Path | None = None) -> None:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from datafiles import hf_recipe, run_hf_recipe  # noqa: E402
+from lib.datafiles import hf_recipe, run_hf_recipe  # noqa: E402
 
 prepare = hf_recipe(Path(__file__).resolve().parent, lambda d: {"train": d["train"], "val": d["validation"]})
 

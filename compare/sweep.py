@@ -1,14 +1,16 @@
 """
 One command to compare encodings: train the same model with every encoding (same data, seeds and token budget),
-evaluate each at several lengths (eval_length.py), and write a report (markdown tables and plots, sweep_report.py).
+evaluate each at several lengths (compare/eval_length.py), and write a report (markdown tables and plots,
+compare/sweep_report.py).
 
-    python sweep.py --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~35 minutes
-    python sweep.py --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
-    python sweep.py --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1   # with retrieval tasks
-    python sweep.py --size=cpu --train --max_iters=500     # extra train.py options go after --train
-    python sweep.py --size=cpu --seeds 1337 1338 --packing stream documents   # with and without document packing
-    python sweep.py --synthetic --seeds 1337 1338 1339 --jobs 2   # the synthetic tasks (synthetic.py), on a CPU
-    python sweep.py --synthetic mqar offset --recipes --selection_seeds 2001 --seeds 3001 3002 3003 3004 3005 --jobs 2
+    python -m compare.sweep --size=cpu --seeds 1337 1338           # the whole sweep on 2 CPU cores: ~35 minutes
+    python -m compare.sweep --size=gpu --seeds 1337 1338 1339      # config/<encoding>.py as they are, on one GPU
+    python -m compare.sweep --size=gpu --seeds 1337 1338 1339 --jobs 3 --train --task_fraction=0.1  # with tasks
+    python -m compare.sweep --size=cpu --train --max_iters=500     # extra train.py options go after --train
+    python -m compare.sweep --size=cpu --seeds 1337 1338 --packing stream documents  # with and without packing
+    python -m compare.sweep --synthetic --seeds 1337 1338 1339 --jobs 2   # the synthetic tasks, on a CPU
+    python -m compare.sweep --synthetic mqar offset --recipes --selection_seeds 2001 \
+        --seeds 3001 3002 3003 3004 3005 --jobs 2
 
 Runs go to <out_dir>/<encoding>-seed<seed>. A finished run is not trained again and an interrupted one resumes, so
 re-running the command after a crash or Ctrl-C continues where it stopped. With several seeds the report gives
@@ -48,16 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import eval_length
-import synthetic
-import tasks
-from checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, configure
-from datafiles import dataset_dir, no_documents
-from model import POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
-from outputs import cannot_write, write_atomic
-from shape import PACKINGS
-from sweep_report import (
+from compare import eval_length, synthetic, tasks
+from compare.sweep_report import (
     Cell,
     Extension,
     Study,
@@ -70,9 +64,15 @@ from sweep_report import (
     synthetic_report,
     text_report,
 )
-from tokenizer import tokenizer_from_meta
+from lib.checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
+from lib.configurator import ConfigError, configure
+from lib.datafiles import dataset_dir, no_documents
+from lib.outputs import cannot_write, write_atomic
+from lib.tokenizer import tokenizer_from_meta
+from model import POS_ENCODINGS, ROPE_SCALINGS, GPTConfig
+from shape import PACKINGS
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # train.py arguments and evaluation lengths per size; the training length is the block size
     "cpu": dict(
         train=["config/cpu.py", "--max_iters=1200", "--lr_decay_iters=1200", "--eval_interval=400"],
@@ -183,8 +183,8 @@ NOT_TRAINING = (
 
 def asked_config(arguments: list[str]) -> dict:
     """The options train.py would run with these arguments, resolved as train.py resolves them."""
-    import options
     import train
+    from lib import options
 
     explicit: set[str] = set()
     try:
@@ -333,8 +333,8 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
 
 
 def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
-    """Retrieval accuracy of every run at every length (tasks.py): passkey over a grid of depths, recall and copy;
-    the same sequences for every run."""
+    """Retrieval accuracy of every run at every length (compare/tasks.py): passkey over a grid of depths, recall and
+    copy; the same sequences for every run."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     depths = np.linspace(0, 1, args.task_depths).round(3).tolist()
     out = {"lengths": lengths, "depths": depths, "trials": args.task_trials, "runs": {}}
@@ -355,7 +355,7 @@ def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The synthetic suite: every encoding on each token-level task (synthetic.py), scored past the training length
+# The synthetic suite: every encoding on each token-level task (compare/synthetic.py), scored past the training length
 
 SYNTHETIC_FACTORS = (1, 2, 4, 8)  # evaluation lengths, in training lengths (16x costs as much as these together)
 
@@ -549,8 +549,8 @@ def recipe_study(args, argv: list[str], out_dir: Path) -> None:
 
 
 def text_sweep(args, argv: list[str], out_dir: Path) -> None:
-    """Train every encoding and seed at the size's settings, evaluate them (eval_length, and tasks.py's tasks for
-    runs trained with them), report; a sweep with nothing new keeps the report it wrote."""
+    """Train every encoding and seed at the size's settings, evaluate them (eval_length, and compare/tasks.py's tasks
+    for runs trained with them), report; a sweep with nothing new keeps the report it wrote."""
     size = SIZES[args.size]
     plan = [
         (enc, packing, seed, run_dir(out_dir, enc if packing == "stream" else f"{enc}-{packing}", seed))
@@ -952,7 +952,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         args.rope_scaling = list(EXTEND_SCALINGS)
     args.encodings = args.encodings or list(EXTEND_ENCODINGS if args.extend else POS_ENCODINGS)
     if scalings_given and not any(POS_ENCODINGS[e].rope_scalable for e in args.encodings):  # as train.py says it
-        from options import idle_option
+        from lib.options import idle_option
 
         p.error(f"--rope_scaling: {idle_option(args.encodings[0], 'rope_scaling', scalings_given[0], {})}")
     if args.synthetic is not None:

@@ -11,7 +11,7 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-GPT2_RANKS = Path(__file__).resolve().parent / "data" / "gpt2.tiktoken"
+GPT2_RANKS = Path(__file__).resolve().parents[1] / "data" / "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base
 GPT2_EOT = 50256
 
@@ -58,7 +58,7 @@ class GPT2Tokenizer:
 
 
 class IdsTokenizer:
-    """The synthetic tasks' tokens (synthetic.py) as text: ids separated by spaces, "0 17 5"."""
+    """The synthetic tasks' tokens (compare/synthetic.py) as text: ids separated by spaces, "0 17 5"."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

@@ -2,7 +2,7 @@
 A training run's checkpoints: what they hold (a TrainingState, written and read back by the Checkpointer's save() and
 restore() alone), where they are (`latest`), how they are written (atomically) and read (weights_only: nothing loaded
 runs code). A sharded run (train.py --parallel=fsdp) writes ckpt.dcp instead of ckpt.pt, every process its shards,
-read back at any number of processes; `python checkpoint.py OUT_DIR` consolidates it into a ckpt.pt.
+read back at any number of processes; `python -m lib.checkpoint OUT_DIR` consolidates it into a ckpt.pt.
 
 It reads top to bottom: one file (ckpt.pt), the sharded folder (ckpt.dcp), the two formats, what a checkpoint holds,
 the Checkpointer (a training run's out_dir: its lock, what it may overwrite, its saves and its resume), and the
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lib.outputs import FolderLock, OutputError, cannot_write, fsync_dir, write_atomic
+from lib.parallel import Processes
 from model import GPT, POS_ENCODINGS, GPTConfig
-from outputs import FolderLock, OutputError, cannot_write, fsync_dir, write_atomic
-from parallel import Processes
 
 
 class CheckpointError(Exception):
@@ -434,7 +434,7 @@ class ShardedFormat(Format):
         """What an unsharded run is told that finds only this format's checkpoint to resume."""
         return (
             f"{out_dir} holds a sharded checkpoint (ckpt.dcp, from parallel=fsdp): resume it with --parallel=fsdp "
-            f"(at any number of processes), or turn it into a ckpt.pt first: python checkpoint.py {out_dir}"
+            f"(at any number of processes), or turn it into a ckpt.pt first: python -m lib.checkpoint {out_dir}"
         )
 
 
@@ -464,7 +464,7 @@ class TrainingState:
     loop's counters and its record of evaluations)."""
 
     cfg: dict  # train.py's options
-    tokenizer: dict  # the data's (tokenizer.py), which sample.py rebuilds
+    tokenizer: dict  # the data's (lib/tokenizer.py), which sample.py rebuilds
     model: torch.nn.Module  # the module itself, whose state_dict is saved
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -683,17 +683,17 @@ def check_replaceable(path: Path, iter_num: int) -> None:
     )
     raise CheckpointError(
         f"{path} {what}: consolidating would replace it. Keep it (resume from it), or move it aside, or pass "
-        f"--overwrite to replace it: python checkpoint.py {path.parent} --overwrite"
+        f"--overwrite to replace it: python -m lib.checkpoint {path.parent} --overwrite"
     )
 
 
 def main(argv: list[str]) -> None:
-    """python checkpoint.py OUT_DIR [--overwrite]: consolidate a sharded checkpoint into OUT_DIR/ckpt.pt."""
+    """python -m lib.checkpoint OUT_DIR [--overwrite]: consolidate a sharded checkpoint into OUT_DIR/ckpt.pt."""
     overwrite = "--overwrite" in argv
     args = [a for a in argv if a != "--overwrite"]
     if len(args) != 1 or args[0].startswith("-"):
         sys.exit(
-            "usage: python checkpoint.py OUT_DIR [--overwrite]  (writes OUT_DIR/ckpt.pt from the sharded "
+            "usage: python -m lib.checkpoint OUT_DIR [--overwrite]  (writes OUT_DIR/ckpt.pt from the sharded "
             "OUT_DIR/ckpt.dcp; --overwrite replaces a ckpt.pt newer than it)"
         )
     try:

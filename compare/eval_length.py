@@ -1,9 +1,9 @@
 """
 Train short, test long: validation loss and perplexity of checkpoints at several context lengths.
 
-    python eval_length.py out-rope out-alibi out-sinusoidal --lengths 256 512 1024 2048
-    python eval_length.py out-* --lengths 64 128 256 512 1024 --rope_scaling yarn ntk --plot length.png
-    python eval_length.py out-* --wandb_log
+    python -m compare.eval_length out-rope out-alibi out-sinusoidal --lengths 256 512 1024 2048
+    python -m compare.eval_length out-* --lengths 64 128 256 512 1024 --rope_scaling yarn ntk --plot length.png
+    python -m compare.eval_length out-* --wandb_log
 
 Two ways, as in the ALiBi paper (Press et al. 2021, §4): `nonoverlapping` cuts the validation text into windows of
 L tokens and scores every token (early tokens of each window see little context); `sliding` moves a window of L
@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import CheckpointError, model_from_checkpoint
-from configurator import ConfigError
-from datafiles import DataError, dataset_dir, load_meta, validation_tokens
-from devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
+from lib.checkpoint import CheckpointError, model_from_checkpoint
+from lib.configurator import ConfigError
+from lib.datafiles import DataError, dataset_dir, load_meta, validation_tokens
+from lib.devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
+from lib.options import idle_option
+from lib.outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
+from lib.runs import load_run
 from model import GPT, ROPE_SCALINGS
-from options import idle_option
-from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
-from runs import load_run
 from shape import PACKINGS
 
 MODES = ("nonoverlapping", "sliding")
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def evaluate_runs(out_dirs: list[str], **options) -> dict:
-    """The command from Python (sweep.py): the same checks, evaluation and report, with the options by the names of
-    its flags (lengths=[64, 128], plot="" for none, ...) instead of an argv to build."""
+    """The command from Python (compare/sweep.py): the same checks, evaluation and report, with the options by the names
+    of its flags (lengths=[64, 128], plot="" for none, ...) instead of an argv to build."""
     p = parser()
     args = p.parse_args([str(d) for d in out_dirs])
     unknown = sorted(set(options) - set(vars(args)))

@@ -13,7 +13,7 @@ with no code of ours:
              bias=False; one with biases is an error that gives the difference dropping them would make)
 
 Every other encoding (hf_architecture None; and any encoding with --remote_code) exports as a folder that carries its
-own code, loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and remote_code/modeling_nanope.py, a
+own code, loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and export/modeling_nanope.py, a
 transformers wrapper (a config, a Cache around generate.py's KVCache, and a PreTrainedModel whose generate steps as
 sample.py does) that imports it. config.json records the code's sha256, and the wrapper refuses to load other code.
 
@@ -21,9 +21,9 @@ The tokenizer: GPT-2's for a GPT-2 BPE run; for a character-level run, its chara
 end of text, start of text and padding), a character outside them encoding as a space. Only an export that carries
 nanoPE's code reads <|endoftext|>: the other architectures' vocabulary is the characters (docs/export.md).
 
-    python export.py out-rope --out hf-rope
-    python export.py out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
-    python export.py out-bias_rpe --out hf-bias_rpe
+    python -m export out-rope --out hf-rope
+    python -m export out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
+    python -m export out-bias_rpe --out hf-bias_rpe
 
 Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a folder this script
 wrote (its nanope.json lists its files, each a name an export writes, and it holds nothing else), and never the run's
@@ -43,22 +43,22 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from devices import DTYPES, device_memory, missing
+from lib.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from lib.devices import DTYPES, device_memory, missing
+from lib.outputs import cannot_write
+from lib.tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 from model import CONV1D_WEIGHTS, GPT, LLAMA3_HIGH, LLAMA3_LOW, YARN_ALPHA, YARN_BETA
-from outputs import cannot_write
-from tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # the code a remote-code export carries: nanoPE's model.py, shape.py, fast_paths.py and generate.py as they are, and the
 # transformers wrapper that imports them; config.json records each one's sha256, which the wrapper checks at load
 CODE_FILES = (
-    Path(__file__).resolve().parent / "model.py",
-    Path(__file__).resolve().parent / "shape.py",
-    Path(__file__).resolve().parent / "fast_paths.py",
-    Path(__file__).resolve().parent / "generate.py",
-    Path(__file__).resolve().parent / "remote_code" / "modeling_nanope.py",
+    Path(__file__).resolve().parents[1] / "model.py",
+    Path(__file__).resolve().parents[1] / "shape.py",
+    Path(__file__).resolve().parents[1] / "fast_paths.py",
+    Path(__file__).resolve().parents[1] / "generate.py",
+    Path(__file__).resolve().parent / "modeling_nanope.py",
 )
 REMOTE_MODULE = "modeling_nanope"
 # what an export wrote before nanope.json listed its files
@@ -298,7 +298,7 @@ def to_mpt(model: GPT, max_seq_len: int):
 
 
 def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot_as: int | None) -> None:
-    """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and remote_code/modeling_nanope.py,
+    """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and export/modeling_nanope.py,
     the transformers wrapper that imports it. config.json maps the Auto classes to them and records their sha256
     (which the wrapper checks at load); the weights go under the wrapper's `gpt.` prefix, lm_head left out as
     transformers leaves a tied weight out. eot: the end of text where the model has it (GPT-2's); read_eot_as: the
@@ -343,7 +343,7 @@ def stand_in(chars: str, preferred: str) -> int:
 
 
 def hf_tokenizer(meta: dict):
-    """A PreTrainedTokenizerFast that encodes and decodes as tokenizer.py's tokenizer for this meta (text outside a
+    """A PreTrainedTokenizerFast that encodes and decodes as lib/tokenizer.py's tokenizer for this meta (text outside a
     character vocabulary aside), with the special tokens transformers and lm-eval expect: an end of text, which is also
     the start of text and the padding, at the left (decoder-only generation pads there)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> Path:
         help="nanoPE's own model code in the folder (trust_remote_code), also for encodings transformers has",
     )
     args = p.parse_args(argv)
-    if problem := missing("transformers", "export.py"):
+    if problem := missing("transformers", "python -m export"):
         sys.exit(f"error: {problem}")
     ckpt_path = Path(args.out_dir) / args.ckpt
     try:

@@ -10,13 +10,13 @@ from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
-import runs
-import synthetic
-from configurator import ConfigError, require
-from devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
+from compare import synthetic
+from lib import runs
+from lib.configurator import ConfigError, require
+from lib.devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
+from lib.parallel import STRATEGIES
+from lib.runs import Source, extend_from
 from model import ENCODING_OPTIONS, GPTConfig
-from parallel import STRATEGIES
-from runs import Source, extend_from
 from shape import ACTIVATION_CHECKPOINTING
 
 TASK_OPTIONS = ("task_vocab", "task_pairs", "task_queries", "task_layout", "task_mix", "task_prev_tokens")
@@ -122,8 +122,8 @@ def check_init_from(init: str, source: Source | None) -> bool:
         raise ConfigError(f"init_from={init!r}: {what}; choose {choices}")
     if (folder / "nanope.json").is_file():
         raise ConfigError(
-            f"init_from={init!r} is a Hugging Face export of a nanoPE run (export.py wrote it), not the run: give the "
-            "run's folder (its out_dir, with ckpt.pt) to extend it"
+            f"init_from={init!r} is a Hugging Face export of a nanoPE run (python -m export wrote it), not the "
+            "run: give the run's folder (its out_dir, with ckpt.pt) to extend it"
         )
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")

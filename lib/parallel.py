@@ -7,7 +7,7 @@ are siblings:
   state, and DDP averages the gradients.
 - Sharded: FSDP2 (torch.distributed.fsdp.fully_shard): each process holds 1/N of every parameter, gradient and
   AdamW state, and gathers a block's weights just before the block runs. Its checkpoints are sharded too
-  (checkpoint.py); alone, it trains unsharded and still writes them.
+  (lib/checkpoint.py); alone, it trains unsharded and still writes them.
 
 FSDP and DTensor take about a second to import: they are imported where a sharded run uses them, so that every other
 start of train.py does not pay for them.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from devices import allow_tf32
+from lib.devices import allow_tf32
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """
 Synthetic token-level tasks (SYNTHETIC_TASKS): retrieval a small model can learn on a CPU, and how far past its
 training length each encoding still does it. train.py trains on them alone (task=..., e.g. `python train.py
-config/rope.py config/passkey.py`), this file scores checkpoints at longer lengths, and `sweep.py --synthetic` runs the
-whole suite. (tasks.py's TEXT_TASKS are retrieval written in a text dataset's tokens, mixed into text runs.)
+config/rope.py config/passkey.py`), this file scores checkpoints at longer lengths, and `compare/sweep.py --synthetic`
+runs the whole suite. (compare/tasks.py's TEXT_TASKS are retrieval written in a text dataset's tokens, mixed into text
+runs.)
 
-    python synthetic.py out-rope-passkey out-alibi-passkey            # 1x to 16x the training length
+    python -m compare.synthetic out-rope-passkey out-alibi-passkey            # 1x to 16x the training length
 
 A vocabulary of V tokens (task_vocab, default 128): three special tokens (MARK, QUERY, SEP), then three equal
 ranges of keys, values and filler. A sequence of length L is L + 1 tokens, as training reads T + 1 tokens for
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from devices import device_memory, forward_bytes, gb
+from lib.devices import device_memory, forward_bytes, gb
 
 MARK, QUERY, SEP = 0, 1, 2
 N_SPECIAL = 3
@@ -187,7 +188,8 @@ def offset(v: Vocab, L: int, rng: np.random.Generator, train: bool = False, **_)
 
 OFFSETS = 4  # offset asks for the 1st to the 4th token after the marker
 SYNTHETIC_TASKS = {"needle": needle, "passkey": passkey, "mqar": mqar, "copy": copy, "offset": offset}
-# sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this size, at 32 and 64 dims)
+# compare/sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this size, at 32 and 64
+# dims)
 SUITE = ("needle", "passkey", "mqar", "offset")
 
 
@@ -447,11 +449,11 @@ def check_memory(model, lengths: list[int], device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError
-    from configurator import ConfigError
-    from devices import check_device
-    from outputs import OutputError, check_output, write_atomic
-    from runs import load_run
+    from lib.checkpoint import CheckpointError
+    from lib.configurator import ConfigError
+    from lib.devices import check_device
+    from lib.outputs import OutputError, check_output, write_atomic
+    from lib.runs import load_run
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")

@@ -10,7 +10,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from configurator import ConfigError
+from lib.configurator import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}

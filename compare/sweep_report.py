@@ -1,8 +1,9 @@
 """
-sweep.py's reports: the records a sweep is made of, and the markdown tables and plots written from them. sweep.py
-trains and evaluates; everything a reader sees in <out_dir>/report.md is written here, one section per kind of sweep:
+compare/sweep.py's reports: the records a sweep is made of, and the markdown tables and plots written from them.
+compare/sweep.py trains and evaluates; everything a reader sees in <out_dir>/report.md is written here, one section per
+kind of sweep:
 
-- the text sweep (perplexity by length, and the retrieval tasks of tasks.py when the runs trained with them);
+- the text sweep (perplexity by length, and the retrieval tasks of compare/tasks.py when the runs trained with them);
 - the synthetic suite (accuracy by length per task, against each task's floor);
 - the recipe study (the synthetic suite with each encoding's best recipe of a small grid, on fresh seeds, with
   intervals and exact tests: which differences the seeds can tell).
@@ -22,13 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import eval_length
-import synthetic
-import tasks
+from compare import eval_length, synthetic, tasks
+from lib.outputs import save_figure, write_atomic
 from model import POS_ENCODINGS
-from outputs import save_figure, write_atomic
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Records
@@ -150,7 +149,7 @@ def machine() -> str:
 
 def provenance(argv: list[str]) -> list[str]:
     return [
-        f"Command: `python sweep.py {' '.join(argv)}`  ",
+        f"Command: `python -m compare.sweep {' '.join(argv)}`  ",
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
     ]
 
@@ -165,7 +164,7 @@ def matplotlib_pyplot():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The text sweep: perplexity by length (eval_length.py's report), and the retrieval tasks of tasks.py
+# The text sweep: perplexity by length (compare/eval_length.py's report), and the retrieval tasks of compare/tasks.py
 
 
 def aggregate(report: dict) -> dict:
@@ -219,11 +218,11 @@ def summary_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
 
 
 def retrieval_lines(report: dict, runs: list[TextRun]) -> list[str]:
-    """Accuracy by length for each of tasks.py's tasks (mean ± std over seeds)."""
+    """Accuracy by length for each of compare/tasks.py's tasks (mean ± std over seeds)."""
     tk = report["tasks"]
     lengths, depths = tk["lengths"], tk["depths"]
     lines = [
-        "## Retrieval tasks (tasks.py), mean ± std over seeds",
+        "## Retrieval tasks (compare/tasks.py), mean ± std over seeds",
         "",
         f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} depths. Exact match of "
         "each answer (5-digit key, 2-digit value), and for copy also the share of right characters.",

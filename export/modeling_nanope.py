@@ -1,5 +1,5 @@
 """
-nanoPE's GPT as a Hugging Face transformers model, for an export folder that carries its own code (export.py copies
+nanoPE's GPT as a Hugging Face transformers model, for an export folder that carries its own code (export/hf.py copies
 this file into the folder beside nanoPE's model.py, shape.py, fast_paths.py and generate.py, byte for byte). Loaded with
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -76,7 +76,7 @@ class NanoPEConfig(PretrainedConfig):
         self.code_sha256 = dict(code_sha256 or {})
         self.max_context, self.read_eot_as = max_context, read_eot_as
         a = self.model_args
-        # the names transformers and lm-eval read (export.py gives max_position_embeddings too)
+        # the names transformers and lm-eval read (export/hf.py gives max_position_embeddings too)
         self.vocab_size, self.hidden_size = a.get("vocab_size"), a.get("n_embd")
         self.num_hidden_layers, self.num_attention_heads = a.get("n_layer"), a.get("n_head")
         kwargs.setdefault("tie_word_embeddings", True)  # GPT ties lm_head to the token embeddings
@@ -143,7 +143,7 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
                 f"this folder's code ({', '.join(bad)}) is not the code it was exported with: config.json records "
                 f"sha256 {', '.join(str(config.code_sha256.get(n))[:12] for n in bad)}, the folder has "
                 f"{', '.join(str(found[n])[:12] for n in bad)} (edited, or files mixed from another export); export "
-                "the run again with nanoPE's export.py"
+                "the run again with nanoPE's python -m export"
             )
         super().__init__(config)
         # not on from_pretrained's meta device: encodings compute from their sizes at init (T5's last bucket) and

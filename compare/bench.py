@@ -3,10 +3,11 @@ Benchmarks: training step time (and MFU on a GPU) for every encoding, decode spe
 fused (FlexAttention) vs materialized attention for the bias encodings, and nanoGPT measured in the same process.
 Prints markdown tables; BENCHMARKS.md keeps the results. Nothing here is a test: it measures, it asserts nothing.
 
-    python bench.py                                  # every table this device can run (CPU: a few minutes)
-    python bench.py --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
-    python bench.py --only=decode                    # one table: train, encodings, packing, decode, attention, shapes
-    python bench.py --only=parallel                  # DDP against FSDP at 2 processes (torchrun)
+    python -m compare.bench                                  # every table this device can run (CPU: a few minutes)
+    python -m compare.bench --nanogpt=/tmp/nanoGPT           # + nanoGPT rows (a clone: git clone https://github.com/karpathy/nanoGPT)
+    python -m compare.bench --only=decode                    # one table: train, encodings, packing, decode, attention,
+                                                             # shapes
+    python -m compare.bench --only=parallel                  # DDP against FSDP at 2 processes (torchrun)
 
 CPU sizes: nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12) for the step
 against nanoGPT; block 256 for the encodings; 6 layers, 384 dims, block 256, batch 1, 512 tokens for decode. On a GPU:
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from configurator import ConfigError
-from devices import allow_tf32, autocast, check_device, estimate_mfu, peak_flops
 from fast_paths import AttentionOptions, with_kernel_fallbacks
 from generate import generate
+from lib.configurator import ConfigError
+from lib.devices import allow_tf32, autocast, check_device, estimate_mfu, peak_flops
+from lib.parallel import STRATEGIES
 from model import GPT, POS_ENCODINGS, GPTConfig
-from parallel import STRATEGIES
 from shape import PACKINGS
 
 ENCODINGS = list(POS_ENCODINGS)
@@ -375,9 +376,10 @@ def attention_cell(enc: str, T: int, fused: bool | None, args, device: str, batc
 
 def in_a_fresh_process(fn, *args):
     """fn(*args) in a process of its own, so that its peak resident memory is its own: forked from a server that has
-    imported torch, torch._dynamo (AdamW's first call imports it) and bench.py's modules once (seconds per process)."""
+    imported torch, torch._dynamo (AdamW's first call imports it) and this file's modules once (seconds per process)."""
     fresh = multiprocessing.get_context("forkserver")
-    fresh.set_forkserver_preload(["torch", "torch._dynamo", "model", "devices", "fast_paths", "generate", "parallel"])
+    preload = ["torch", "torch._dynamo", "model", "lib.devices", "fast_paths", "generate", "lib.parallel"]
+    fresh.set_forkserver_preload(preload)
     with ProcessPoolExecutor(1, mp_context=fresh) as pool:
         return pool.submit(fn, *args).result()
 
@@ -411,7 +413,7 @@ def memory_cell(
     activation checkpointing `mode`, in a fresh process: its measured peak above the model's setup (MiB: the resident
     high-water mark on a CPU, torch.cuda.max_memory_allocated on a GPU), its time (ms, the median of `steps`) and
     devices.training_bytes's estimate (MiB)."""
-    from devices import training_bytes
+    from lib.devices import training_bytes
     from shape import set_activation_checkpointing
 
     torch.manual_seed(0)
@@ -437,7 +439,7 @@ def memory_cell(
 
 def longest_block(enc: str, mode: str, B: int, budget: float, n_layer: int = 6) -> int:
     """The longest power-of-two block (from 256) whose estimated step fits budget bytes (devices.training_bytes)."""
-    from devices import training_bytes
+    from lib.devices import training_bytes
     from shape import set_activation_checkpointing
 
     T = 256
@@ -488,7 +490,7 @@ def run_train_py(cmd: list[str]) -> tuple[str, list[float], str | None]:
 
     with tempfile.TemporaryDirectory() as out:
         r = subprocess.run(
-            [*cmd, f"--out_dir={out}"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True
+            [*cmd, f"--out_dir={out}"], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
         )
     times = [float(t) for t in re.findall(r"^iter \d+: .*?time ([\d.]+)ms", r.stdout, re.M)]
     if r.returncode == 0:

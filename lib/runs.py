@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from checkpoint import CheckpointError, latest, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError
-from datafiles import dataset_dir, other_data, task_meta
+from lib.checkpoint import CheckpointError, latest, load_checkpoint, model_from_checkpoint
+from lib.configurator import ConfigError
+from lib.datafiles import dataset_dir, other_data, task_meta
 from model import GPT, POS_ENCODINGS, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -43,8 +43,8 @@ def load_run(out_dir: str | Path, device: str = "cpu", text: bool = False) -> Tr
     cfg = ckpt.get("config") or {}
     if text and cfg.get("task"):  # its tokens are a synthetic task's ids: no text means anything to it
         raise CheckpointError(
-            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; synthetic.py scores it: "
-            f"python synthetic.py {out_dir}"
+            f"{out_dir} was trained on the synthetic task {cfg['task']!r}, not on text; score it with "
+            f"python -m compare.synthetic {out_dir}"
         )
     return TrainedRun(ckpt, model_from_checkpoint(ckpt).to(device).eval(), path)
 

@@ -1,9 +1,10 @@
 """
 Retrieval tasks in text (TEXT_TASKS), trained on and evaluated: does an encoding *use* a long context, not only keep
 its perplexity? They are written in the dataset's own tokens, and train.py's task_fraction mixes them into a text
-run's training rows; synthetic.py's SYNTHETIC_TASKS (train.py's task=...) are token-level sequences without text.
+run's training rows; compare/synthetic.py's SYNTHETIC_TASKS (train.py's task=...) are token-level sequences without
+text.
 
-    python tasks.py --out_dir out-rope out-alibi --lengths 256 512 1024 4096 --trials 5
+    python -m compare.tasks --out_dir out-rope out-alibi --lengths 256 512 1024 4096 --trials 5
 
 - **passkey** (Mohtashami & Jaggi 2023, the protocol of position interpolation, Chen et al. 2023): a random key
   of digits hidden at a depth (0: start, 1: end) in repeated filler sentences, then "What is the pass key? The
@@ -32,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from configurator import ConfigError
-from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
+from lib.configurator import ConfigError
+from lib.outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DIGITS = "0123456789"
@@ -322,11 +323,11 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from checkpoint import CheckpointError
-    from datafiles import DataError
-    from devices import check_device, device_memory, forward_bytes, gb
-    from runs import load_run
-    from tokenizer import tokenizer_from_meta
+    from lib.checkpoint import CheckpointError
+    from lib.datafiles import DataError
+    from lib.devices import check_device, device_memory, forward_bytes, gb
+    from lib.runs import load_run
+    from lib.tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", nargs="+", required=True, help="folders holding ckpt.pt (train.py's out_dir)")

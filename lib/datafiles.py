@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
+from lib.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 EMBEDDED_CORPUS = DATA_DIR / "shakespeare_complete_works.txt.xz"
 SPLITS = ("train", "val")
 DOCUMENT_SEPARATOR = "\x1e"  # ASCII's record separator: a char dataset's end-of-text token, between its documents
@@ -229,7 +229,7 @@ def run_hf_recipe(doc: str, prepare: Callable, load: Callable) -> None:
     import argparse
     import sys
 
-    from devices import missing
+    from lib.devices import missing
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=None)
@@ -467,7 +467,7 @@ def load_data(cfg: dict, procs) -> Data:
         procs.barrier()
     meta = load_meta(data_dir, block_size=cfg["block_size"])
     n = meta["vocab_size"]
-    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None  # tasks.py checks them
+    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None  # compare/tasks.py checks them
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 

@@ -1,7 +1,7 @@
 """
 Look inside checkpoints: the score bias each head adds by distance, and how far back each head attends.
 
-    python probe.py out-bias_rpe out-alibi --length 1024 --plot probe.png
+    python -m compare.probe out-bias_rpe out-alibi --length 1024 --plot probe.png
 
 - **bias by distance**: what each head adds to a score at distance d = i - j, for every encoding with a score
   bias (has_score_bias), for the last query of a window of --length tokens (FIRE's bias also depends on the
@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError
-from configurator import ConfigError
-from datafiles import DataError, validation_tokens
-from devices import check_device, device_memory, forward_bytes, gb
+from lib.checkpoint import CheckpointError
+from lib.configurator import ConfigError
+from lib.datafiles import DataError, validation_tokens
+from lib.devices import check_device, device_memory, forward_bytes, gb
+from lib.outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
+from lib.runs import load_run
 from model import GPT
-from outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
-from runs import load_run
 
 
 @torch.no_grad()

@@ -1,0 +1,4 @@
+from export.hf import main
+
+if __name__ == "__main__":
+    main()

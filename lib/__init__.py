@@ -1,0 +1,1 @@
+"""The library the commands stand on: checkpoints, data, options, devices, processes, runs, tokenizers."""
