@@ -2,7 +2,7 @@
 Train a GPT with any positional encoding, with nanoGPT's config keys.
     python train.py config/rope.py                        # one GPU (bf16 + torch.compile), or the CPU
     python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
-    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task (compare/synthetic.py), on a CPU
+    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task, on a CPU
     python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
     python train.py config/rope.py --init_from=out-rope --out_dir=out-rope-yarn --block_size=1024 --rope_scaling=yarn
                                                           # extend a run: fine-tune its weights at 4x its length
@@ -17,13 +17,11 @@ import sys
 import time
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
-from compare import synthetic
-from compare.tasks import check_training_tasks, mix_tasks
 from fast_paths import fused_attention_note, with_kernel_fallbacks
 from lib import runs
+from lib.batches import Batches
 from lib.checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
 from lib.configurator import ConfigError, configure, script_usage
 from lib.datafiles import (
@@ -31,7 +29,6 @@ from lib.datafiles import (
     Data,
     DataError,
     data_name,
-    get_batch,
     load_data,
     model_data_problem,
     no_documents,
@@ -41,6 +38,7 @@ from lib.datafiles import (
 from lib.devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
 from lib.options import check_fits, odd_values, resolve
 from lib.parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
+from lib.synthetic_tasks import LEARNED, learned_at
 from lib.tokenizer import GPT2Tokenizer
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from shape import set_activation_checkpointing
@@ -75,7 +73,7 @@ defaults = dict(
     # it; the dataset must mark its documents, e.g. shakespeare_char_scenes, openwebtext, tinystories, wikitext103)
     task_fraction=0.0,  # training rows that are retrieval tasks (passkey, recall, copy), e.g. 0.05; val: text
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
-    # synthetic token-level tasks instead of text (compare/synthetic.py; config/<task>.py have their recipes)
+    # synthetic token-level tasks instead of text (config/<task>.py have their recipes)
     task="",  # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers only
     task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
     task_pairs=8,  # mqar: key-value pairs per sequence
@@ -175,7 +173,7 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     parallel = strategy(cfg["parallel"], procs)
     log = procs.log
     data = load_data(cfg, procs)
-    check_training_tasks(cfg, data.task_tok)
+    batches = Batches(cfg, data, procs)  # the rows the loop trains and evaluates on
     resumed = checkpointer.load() if cfg["init_from"] == "resume" else None
     shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
     model = build_model(cfg, data, resumed, source, log, shards=shards)
@@ -195,7 +193,7 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
         procs=procs,
         strategy=parallel,
         checkpointer=checkpointer,
-        data=data,
+        batches=batches,
     )
     if resumed is not None:
         checkpointer.restore(run, resumed, procs)
@@ -316,7 +314,7 @@ class Run(TrainingState):
     procs: Processes
     strategy: Strategy  # how the processes share the work (lib/parallel.py): the loop asks it, never its name
     checkpointer: Checkpointer  # out_dir's checkpoints, in the strategy's format
-    data: Data
+    batches: Batches  # the rows it trains and evaluates on
     net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped by the strategy
 
     @property
@@ -325,22 +323,6 @@ class Run(TrainingState):
 
     def autocast(self):
         return autocast(self.procs.device, self.cfg["dtype"])
-
-    def batch(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """This process's share of a batch x, y (B, T). A synthetic task's rows come from a seed that generator
-        draws (so the sampler's state is still one generator state), the split and the rank."""
-        p, cfg, B, T = self.procs, self.cfg, self.cfg["batch_size"], self.cfg["block_size"]
-        if cfg["task"]:
-            seed = int(torch.randint(2**62, (1,), generator=generator))
-            rng = np.random.default_rng([seed, SPLITS.index(split), p.rank])
-            # validation reads the rows the evaluation scores (no curriculum, the full task), so that "learned" and
-            # the 1x column of compare/synthetic.py measure one distribution
-            train = split == "train"
-            mix, previous = (cfg["task_mix"], cfg["task_prev_tokens"]) if train else (0.0, False)
-            opts = synthetic.task_options(cfg)
-            x, y = synthetic.batch(cfg["task"], cfg["task_vocab"], B, T, rng, train, mix, previous, **opts)
-            return x.to(p.device), y.to(p.device)
-        return get_batch(self.data.dir, split, B, T, generator, self.data.vocab_size, p.device, p.rank, p.world_size)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -366,10 +348,7 @@ def train_step(run: Run) -> torch.Tensor:
     grad_accum = cfg["gradient_accumulation_steps"] // run.procs.world_size
     loss_sum = torch.zeros((), device=run.procs.device)
     for micro_step in range(grad_accum):
-        X, Y = run.batch("train", run.data_rng)
-        # task rows seeded by the iteration, not a saved state: a resumed run draws the same tasks
-        seed = (cfg["task_seed"], run.iter_num, micro_step, run.procs.rank)
-        X, Y = mix_tasks(X, Y, cfg["task_fraction"], run.data.task_tok, seed)
+        X, Y = run.batches.batch("train", run.data_rng, step=(run.iter_num, micro_step))
         strategy.sync_gradients(run.net, micro_step == grad_accum - 1)
         with run.autocast():
             loss = run.net(X, Y)[1] / grad_accum
@@ -415,7 +394,7 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
             if stop is not None and stop.item() and not run.procs.distributed:
                 run.net.train()
                 return None
-            X, Y = run.batch(split, g)
+            X, Y = run.batches.batch(split, g)
             with run.autocast():
                 logits, losses[k] = run.net(X, Y)
             if run.cfg["task"] and split == "val":
@@ -451,8 +430,8 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
         f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
         f"(best {run.best_val_loss:.4f}){acc}, eval {seconds:.1f}s"
     )
-    if "acc" in losses and synthetic.learned_at(run.history) is None and losses["acc"] >= synthetic.LEARNED:
-        log(f"learned {cfg['task']} at step {run.iter_num} (val accuracy >= {synthetic.LEARNED:.0%})")
+    if "acc" in losses and learned_at(run.history) is None and losses["acc"] >= LEARNED:
+        log(f"learned {cfg['task']} at step {run.iter_num} (val accuracy >= {LEARNED:.0%})")
     run.history.append({"iter": run.iter_num, **losses})
     if wandb:
         metrics = {"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
@@ -569,8 +548,8 @@ def log_start(run: Run) -> None:
             f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
             "answers only"
         )
-    if model.config.packing == "documents" and run.data.dir is not None:
-        longest, median = trained_distances(run.data.dir, cfg["block_size"], model.config.eot_token)
+    if model.config.packing == "documents" and run.batches.data.dir is not None:
+        longest, median = trained_distances(run.batches.data.dir, cfg["block_size"], model.config.eot_token)
         log(
             f"documents: positions restart at each end-of-text token (id {model.config.eot_token}) and attention stays "
             f"inside a document; trained distances up to {longest}, median {median:g} (64 random windows)"

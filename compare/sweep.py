@@ -64,6 +64,7 @@ from compare.sweep_report import (
     synthetic_report,
     text_report,
 )
+from lib import synthetic_tasks, text_tasks
 from lib.checkpoint import CheckpointError, checkpoints, latest, load_checkpoint, model_from_checkpoint
 from lib.configurator import ConfigError, configure
 from lib.datafiles import dataset_dir, no_documents
@@ -345,9 +346,9 @@ def evaluate_tasks(runs: list[TextRun], lengths: list[int], args) -> dict:
         tok = tokenizer_from_meta(ckpt["tokenizer"])
         try:
             out["runs"][r.dir] = tasks.evaluate_checkpoint(
-                model, tok, lengths, depths, args.task_trials, 0, list(tasks.TEXT_TASKS), 8, device
+                model, tok, lengths, depths, args.task_trials, 0, list(text_tasks.TEXT_TASKS), 8, device
             )
-        except tasks.TaskError as e:
+        except text_tasks.TaskError as e:
             sys.exit(f"[sweep] {r.dir}: {e}")
         eta = (time.time() - t0) / (i + 1) * (len(runs) - i - 1) / 60
         print(f"[sweep] retrieval tasks: {Path(r.dir).name} done ({i + 1}/{len(runs)}, ETA {eta:.0f} min)", flush=True)
@@ -380,10 +381,10 @@ def evaluate_synthetic(d: Path, lengths: list[int] | None, trials: int) -> TaskS
     score = TaskScore(
         key=key,
         task=cfg["task"],
-        task_options={"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)},
+        task_options={"vocab": cfg["task_vocab"], **synthetic_tasks.task_options(cfg)},
         accuracy={L: None if a is None else a["token"] for L, a in acc.items()},
         whole_sequence={L: None if a is None else a["sequence"] for L, a in acc.items()},
-        learned_at=synthetic.learned_at(history),
+        learned_at=synthetic_tasks.learned_at(history),
         final_val_acc=history[-1]["acc"] if history else None,
         iters=ckpt["iter_num"],
         block_size=cfg["block_size"],
@@ -410,7 +411,7 @@ def evaluate_all(dirs: list[Path], lengths: list[int] | None, trials: int, jobs:
             for i, (d, future) in enumerate(zip(dirs, futures, strict=True)):
                 try:
                     out.append(future.result())
-                except (CheckpointError, synthetic.SyntheticError) as err:
+                except (CheckpointError, synthetic_tasks.SyntheticError) as err:
                     pool.shutdown(cancel_futures=True)
                     sys.exit(f"[sweep] {err}")
                 print(f"[sweep] evaluated {d.parent.name}/{d.name} ({i + 1}/{len(dirs)})", flush=True)
@@ -775,7 +776,10 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
             task_key,
             lambda: extension_task_scores(task_runs, task_lengths, list(args.rope_scaling), F, args.task_trials),
         )
-        options = {"vocab": cfg["task_vocab"], **synthetic.task_options(cfg)}  # the generator's: the floor reads them
+        options = {
+            "vocab": cfg["task_vocab"],
+            **synthetic_tasks.task_options(cfg),
+        }  # the generator's: the floor reads them
         tasks = {"task": kinds[1], "lengths": task_lengths, "trials": args.task_trials, "options": options} | scores
     evaluated = report["sources"]["seconds"] + report["fine-tuned"]["seconds"] + tasks.get("seconds", 0.0)
     seconds = {"sources": source_seconds, "evaluation": evaluated, "wall": time.time() - t0}
@@ -884,7 +888,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
         "--synthetic",
         nargs="*",
         default=None,
-        choices=list(synthetic.SYNTHETIC_TASKS),
+        choices=list(synthetic_tasks.SYNTHETIC_TASKS),
         help="run the synthetic suite: these tasks (none named: "
         + ", ".join(synthetic.SUITE)
         + "), config/<task>.py each; --size, --rope_scaling, --eval_tokens and --task_depths are the text sweep's",
@@ -916,7 +920,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     p.add_argument(
         "--extend_task",
         default=None,
-        choices=[*synthetic.SYNTHETIC_TASKS, "none"],
+        choices=[*synthetic_tasks.SYNTHETIC_TASKS, "none"],
         help="--extend: the synthetic task fine-tuned and scored after extension (passkey)",
     )
     p.add_argument(

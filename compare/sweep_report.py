@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from compare import eval_length, synthetic, tasks
+from lib import synthetic_tasks
 from lib.outputs import save_figure, write_atomic
 from model import POS_ENCODINGS
 
@@ -52,7 +53,7 @@ class TextRun:
 class TaskScore:
     """A synthetic-task run's scores: accuracy per answer token and per whole sequence at each evaluation length
     (None where the model has no positions: learned past its block), when it learned its task (the first evaluation
-    at synthetic.LEARNED), its final validation accuracy at the training length, and what it cost. Cached as
+    at synthetic_tasks.LEARNED), its final validation accuracy at the training length, and what it cost. Cached as
     <run>/synthetic.json, under key (the lengths, trials and checkpoint it was computed from)."""
 
     key: dict
@@ -427,12 +428,12 @@ def synthetic_report(out_dir: Path, cells: dict[str, list[Cell]], argv: list[str
         "minutes of wall clock.",
         "",
         f"A run *learned* its task when its validation accuracy at the training length (on the evaluation's "
-        f"distribution) reached {synthetic.LEARNED:.0%} at some evaluation; **learned** counts those seeds and gives "
-        "the step (the first evaluation at or above it, mean over them). Accuracy is exact match per answer token over "
-        f"{trials} sequences per length, the same sequences for every run, mean ± std over seeds: first over every "
-        "seed, then over the seeds that learned. The *floor* is the best of the task's shortcuts, strategies that "
-        "retrieve nothing (synthetic.SHORTCUTS), on the same sequences: a cell at the floor has learned a shortcut, "
-        "not the task.",
+        f"distribution) reached {synthetic_tasks.LEARNED:.0%} at some evaluation; **learned** counts those seeds and "
+        "gives the step (the first evaluation at or above it, mean over them). Accuracy is exact match per answer "
+        f"token over {trials} sequences per length, the same sequences for every run, mean ± std over seeds: first "
+        "over every seed, then over the seeds that learned. The *floor* is the best of the task's shortcuts, "
+        "strategies that retrieve nothing (synthetic.SHORTCUTS), on the same sequences: a cell at the floor has "
+        "learned a shortcut, not the task.",
     ]
     for task, cs in cells.items():
         token_floor = {L: f["token"] for L, f in floors[task].items()}
@@ -588,7 +589,7 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
         f"({', '.join(map(str, study.selection_seeds))}), and its recipe is the one with the highest final validation "
         "accuracy (at the training length, on the evaluation's distribution; mean over the selection seeds; within 1 "
         "point the earlier recipe of the grid). Then it is trained with that recipe on fresh seeds, which alone are "
-        f"reported. A run *learned* its task when its validation accuracy reached {synthetic.LEARNED:.0%}; the "
+        f"reported. A run *learned* its task when its validation accuracy reached {synthetic_tasks.LEARNED:.0%}; the "
         "interval of the learned count is Wilson's (95%). Accuracy is exact match per answer token over "
         f"{trials} sequences per length, the same for every run, mean ± std over seeds. The floor is the best "
         "shortcut (a strategy that retrieves nothing, synthetic.SHORTCUTS) on the same sequences, ± the band within "
@@ -800,7 +801,8 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
         f"per answer token over {tasks['trials']} sequences per length, the same for every run; seeds "
         f"{sorted({r.seed for r in rs_all})} (mean ± std where there are several). "
         f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} tokens of at least "
-        f"{synthetic.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing scores.",
+        f"{synthetic_tasks.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing "
+        "scores.",
         "",
         "| encoding · scaling | fine-tuned | learned at | " + " | ".join(f"{L} ({L / L0:g}×)" for L in lengths) + " |",
         "|---|---|---:|" + "---:|" * len(lengths),
@@ -809,7 +811,7 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
     for rs in by_encoding(rs_all, extension_name).values():
         label, scaling = extension_label(rs[0], F), rs[0].scaling
         before, after = task_accuracy(rs, tasks, scaling), task_accuracy(rs, tasks, None)
-        at = [synthetic.learned_at(r.history) for r in rs]
+        at = [synthetic_tasks.learned_at(r.history) for r in rs]
         learned = [a for a in at if a is not None]
         when = f"{mean_spread([float(a) for a in learned], 0)} ({len(learned)} of {len(at)})" if learned else "-"
         lines.append(f"| {label} | no | | " + " | ".join(pct(before[L]) for L in lengths) + " |")

@@ -454,8 +454,8 @@ class Data:
 
 def load_data(cfg: dict, procs) -> Data:
     """The dataset, prepared on first use where it is embedded and checked (meta.json, the token files) before any
-    training, and the tokenizer of its retrieval tasks (tasks.check_training_tasks checks them). A synthetic task has no
-    files."""
+    training, and the tokenizer of its retrieval tasks (text_tasks.check_training_tasks checks them). A synthetic task
+    has no files."""
     if cfg["task"]:
         V = cfg["task_vocab"]
         return Data(None, task_meta(V), V, None)
@@ -467,7 +467,7 @@ def load_data(cfg: dict, procs) -> Data:
         procs.barrier()
     meta = load_meta(data_dir, block_size=cfg["block_size"])
     n = meta["vocab_size"]
-    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None  # compare/tasks.py checks them
+    task_tok = tokenizer_from_meta(meta["tokenizer"]) if cfg["task_fraction"] else None  # lib/text_tasks.py checks them
     return Data(data_dir, meta, n if n < 1024 else -(-n // 64) * 64, task_tok)
 
 

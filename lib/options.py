@@ -10,8 +10,7 @@ from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
-from compare import synthetic
-from lib import runs
+from lib import runs, synthetic_tasks
 from lib.configurator import ConfigError, require
 from lib.devices import DTYPES, check_device, default_dtype, device_memory, gb, missing
 from lib.parallel import STRATEGIES
@@ -191,8 +190,8 @@ def check_task(cfg: dict, defaults: dict) -> None:
                 f"drop --{key} for the synthetic task, or drop --task to train on text"
             )
     try:
-        synthetic.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], **synthetic.task_options(cfg))
-    except synthetic.SyntheticError as e:
+        synthetic_tasks.check(cfg["task"], cfg["block_size"], cfg["task_vocab"], **synthetic_tasks.task_options(cfg))
+    except synthetic_tasks.SyntheticError as e:
         raise ConfigError(str(e)) from e
 
 

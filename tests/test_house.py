@@ -194,3 +194,21 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
     paths = [name if "." in name else f"{name}/{f}" for name in sorted(outputs) for f in written(name)]
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout.split()
     assert sorted(ignored) == sorted(paths), sorted(set(paths) - set(ignored))
+
+
+def test_the_top_level_is_the_commands_and_the_model():
+    """At the top of the repository: the two commands, the model and the few modules a reader of model.py opens beside
+    it (at most 6 Python files); the library, the comparison's tools and the export sit in folders of their own."""
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert top == ["fast_paths.py", "generate.py", "model.py", "sample.py", "shape.py", "train.py"], top
+    assert all((ROOT / folder / "__init__.py").is_file() for folder in ("lib", "compare", "export"))
+
+
+def test_training_imports_none_of_the_comparison_s_tools():
+    """train.py (and everything it imports) loads no module of compare/: the rows it trains on, text or a task's
+    sequences, come from lib/batches.py."""
+    import subprocess
+
+    code = "import sys, train; print(sorted(m for m in sys.modules if m.split('.')[0] in ('compare', 'export')))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout

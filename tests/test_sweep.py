@@ -16,9 +16,9 @@ from test_train import TINY, tiny_data  # noqa: F401 (a fixture)
 
 from compare import sweep, sweep_report
 from compare.sweep_report import Cell
-from compare.tasks import DIGITS
 from lib.checkpoint import load_checkpoint, save_checkpoint
 from lib.datafiles import load_meta, prepare_text, read_embedded_corpus
+from lib.text_tasks import DIGITS
 from model import GPT, GPTConfig
 
 

@@ -18,16 +18,19 @@ import train
 from compare import sweep
 from compare import synthetic as S
 from compare.sweep_report import Cell
-from lib import options
+from lib import options, synthetic_tasks
+from lib.batches import Batches
 from lib.checkpoint import load_checkpoint
 from lib.configurator import ConfigError, configure
+from lib.datafiles import load_data
 from lib.parallel import Processes
+from lib.synthetic_tasks import MARK, QUERY, SEP
 from lib.tokenizer import IdsTokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 V = 128
-VOCAB = S.Vocab(V)
-TASKS = list(S.SYNTHETIC_TASKS)
+VOCAB = synthetic_tasks.Vocab(V)
+TASKS = list(synthetic_tasks.SYNTHETIC_TASKS)
 
 
 def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:
@@ -43,10 +46,10 @@ def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:
 def test_generator_lengths_and_reproducibility(task, train_rows):
     """Every sequence is L inputs and L targets with at least one answer, inside the vocabulary, from the shortest
     length the task allows up; the same seed gives the same sequences and another seed others."""
-    shortest = S.fixed_tokens(task) - 1
+    shortest = synthetic_tasks.fixed_tokens(task) - 1
     for L in (shortest, shortest + 1, 64, 200):
-        a = [S.sequence(task, V, L, np.random.default_rng(7), train_rows) for _ in range(2)]
-        b = S.sequence(task, V, L, np.random.default_rng(8), train_rows)
+        a = [synthetic_tasks.sequence(task, V, L, np.random.default_rng(7), train_rows) for _ in range(2)]
+        b = synthetic_tasks.sequence(task, V, L, np.random.default_rng(8), train_rows)
         x, y = a[0]
         assert x.shape == y.shape == (L,) and x.dtype == y.dtype == np.int64
         assert (y >= 0).any() and in_range(x, (0, V)) and in_range(y[y >= 0], (0, V)) and (y[y < 0] == -1).all()
@@ -62,9 +65,9 @@ def test_lookup_layout(task):
     rng = np.random.default_rng(0)
     depths = []
     for _ in range(300):
-        x, y = S.sequence(task, V, 64, rng)
-        (at,) = np.flatnonzero(x == S.MARK)
-        assert x[-1] == S.QUERY and y[-1] == x[at + 1] and np.flatnonzero(y >= 0).tolist() == [63]
+        x, y = synthetic_tasks.sequence(task, V, 64, rng)
+        (at,) = np.flatnonzero(x == MARK)
+        assert x[-1] == QUERY and y[-1] == x[at + 1] and np.flatnonzero(y >= 0).tolist() == [63]
         assert in_range(x[at + 1 : at + 2], VOCAB.keys)
         rest = np.delete(x[:-1], [at, at + 1])
         assert in_range(rest, VOCAB.filler if task == "needle" else VOCAB.keys)
@@ -72,14 +75,14 @@ def test_lookup_layout(task):
     assert min(depths) <= 3 and max(depths) >= 58  # the key is hidden at every depth
 
 
-@pytest.mark.parametrize("layout", S.MQAR_LAYOUTS)
+@pytest.mark.parametrize("layout", synthetic_tasks.MQAR_LAYOUTS)
 def test_mqar_layout(layout):
     """mqar: task_pairs pairs, keys distinct and values distinct, each key and value once before the queries; each
     query is a key of them, whose target is its value; scattered puts the queries together at the end, zoology the
     pairs together at the start; the filler is from the filler range."""
     rng = np.random.default_rng(0)
     for L, pairs, queries in ((64, 8, 4), (20, 8, 4), (300, 6, 6), (40, 3, 1)):
-        x, y = S.sequence("mqar", V, L, rng, pairs=pairs, queries=queries, layout=layout)
+        x, y = synthetic_tasks.sequence("mqar", V, L, rng, pairs=pairs, queries=queries, layout=layout)
         at = np.flatnonzero(y >= 0)
         assert len(at) == queries and len(set(x[at].tolist())) == queries
         if layout == "scattered":
@@ -100,7 +103,7 @@ def test_mqar_layout(layout):
         assert in_range(x[others], VOCAB.filler)
 
 
-@pytest.mark.parametrize("layout", S.MQAR_LAYOUTS)
+@pytest.mark.parametrize("layout", synthetic_tasks.MQAR_LAYOUTS)
 def test_mqar_answers_never_enter_the_input(layout):
     """No mqar answer is in the input after its pair: a value occurs once, right after its key, so a model cannot
     rule out values already answered (before, a query's value followed it, and the last query was 100% by
@@ -108,7 +111,7 @@ def test_mqar_answers_never_enter_the_input(layout):
     rng = np.random.default_rng(1)
     for train_rows in (False, True):
         for _ in range(300):
-            x, y = S.sequence("mqar", V, 64, rng, train_rows, pairs=8, queries=8, layout=layout)
+            x, y = synthetic_tasks.sequence("mqar", V, 64, rng, train_rows, pairs=8, queries=8, layout=layout)
             for t in np.flatnonzero(y >= 0):
                 (where,) = np.flatnonzero(x == y[t])
                 assert where < t and x[where - 1] == x[t]
@@ -119,12 +122,12 @@ def test_copy_layout():
     take every length from 1 up."""
     rng = np.random.default_rng(0)
     for L in (2, 3, 64, 65):
-        x, y = S.sequence("copy", V, L, rng)
+        x, y = synthetic_tasks.sequence("copy", V, L, rng)
         tokens, n = np.append(x, y[-1]), L // 2
-        assert (y >= 0).sum() == n and tokens[L - n] == S.SEP
+        assert (y >= 0).sum() == n and tokens[L - n] == SEP
         assert np.array_equal(tokens[L + 1 - n :], tokens[L - 2 * n : L - n])
         assert np.array_equal(y[y >= 0], tokens[L + 1 - n :])
-    lengths = {int((S.sequence("copy", V, 64, rng, train=True)[1] >= 0).sum()) for _ in range(500)}
+    lengths = {int((synthetic_tasks.sequence("copy", V, 64, rng, train=True)[1] >= 0).sum()) for _ in range(500)}
     assert lengths == set(range(1, 33))
 
 
@@ -134,34 +137,39 @@ def test_offset_layout():
     rng = np.random.default_rng(0)
     ks = set()
     for _ in range(300):
-        x, y = S.sequence("offset", V, 64, rng)
-        (at,) = np.flatnonzero(x == S.MARK)
+        x, y = synthetic_tasks.sequence("offset", V, 64, rng)
+        (at,) = np.flatnonzero(x == MARK)
         k = x[-1] - VOCAB.values[0] + 1
         ks.add(int(k))
-        assert x[-2] == S.QUERY and y[-1] == x[at + k] and at + k < 62 and np.flatnonzero(y >= 0).tolist() == [63]
+        assert x[-2] == QUERY and y[-1] == x[at + k] and at + k < 62 and np.flatnonzero(y >= 0).tolist() == [63]
         assert in_range(np.delete(x[:-2], at), VOCAB.keys)
-    assert ks == set(range(1, S.OFFSETS + 1))
+    assert ks == set(range(1, synthetic_tasks.OFFSETS + 1))
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_too_short_and_too_small_vocabulary_are_errors(task):
     """A length below the task's fixed parts, and a vocabulary whose ranges are too small, are one-line errors
     that name the fix."""
-    shortest = S.fixed_tokens(task) - 1
-    S.check(task, shortest, V)
-    with pytest.raises(S.SyntheticError, match=f"at least {shortest} tokens.*raise block_size"):
-        S.check(task, shortest - 1, V)
+    shortest = synthetic_tasks.fixed_tokens(task) - 1
+    synthetic_tasks.check(task, shortest, V)
+    with pytest.raises(synthetic_tasks.SyntheticError, match=f"at least {shortest} tokens.*raise block_size"):
+        synthetic_tasks.check(task, shortest - 1, V)
     least = 8 if task == "mqar" else 2
-    S.check(task, 64, S.N_SPECIAL + 3 * least)
-    with pytest.raises(S.SyntheticError, match=rf"task_vocab={S.N_SPECIAL + 3 * least - 1} is too small.*>= "):
-        S.check(task, 64, S.N_SPECIAL + 3 * least - 1)
+    synthetic_tasks.check(task, 64, synthetic_tasks.N_SPECIAL + 3 * least)
+    with pytest.raises(
+        synthetic_tasks.SyntheticError,
+        match=rf"task_vocab={synthetic_tasks.N_SPECIAL + 3 * least - 1} is too small.*>= ",
+    ):
+        synthetic_tasks.check(task, 64, synthetic_tasks.N_SPECIAL + 3 * least - 1)
 
 
 def test_unknown_task_and_bad_queries_are_errors():
-    with pytest.raises(S.SyntheticError, match="'neddle' is not a synthetic task; choose one of needle, passkey"):
-        S.check("neddle", 64, V)
-    with pytest.raises(S.SyntheticError, match="task_queries=9 must be between 1 and task_pairs=8"):
-        S.check("mqar", 64, V, pairs=8, queries=9)
+    with pytest.raises(
+        synthetic_tasks.SyntheticError, match="'neddle' is not a synthetic task; choose one of needle, passkey"
+    ):
+        synthetic_tasks.check("neddle", 64, V)
+    with pytest.raises(synthetic_tasks.SyntheticError, match="task_queries=9 must be between 1 and task_pairs=8"):
+        synthetic_tasks.check("mqar", 64, V, pairs=8, queries=9)
 
 
 @pytest.mark.parametrize(
@@ -204,14 +212,14 @@ def oracle_answers(x: np.ndarray) -> np.ndarray:
     of the generators: the token after MARK (needle, passkey), k after it (offset), after the earlier copy of the
     current key (mqar), n + 1 back after SEP (copy)."""
     T = len(x)
-    marks, seps = np.flatnonzero(x == S.MARK), np.flatnonzero(x == S.SEP)
+    marks, seps = np.flatnonzero(x == MARK), np.flatnonzero(x == SEP)
     if len(seps):  # copy: the string is x[s - n : s] and its copy ends at the last target
         return x[np.arange(T) - (T - seps[-1])]
     out, first = np.zeros(T, dtype=np.int64), {}  # first: where each token first appears
     for t in range(T):
-        if x[t] == S.QUERY:
+        if x[t] == QUERY:
             out[t] = x[marks[0] + 1]
-        elif T >= 2 and x[T - 2] == S.QUERY and t == T - 1:  # offset: QUERY, k
+        elif T >= 2 and x[T - 2] == QUERY and t == T - 1:  # offset: QUERY, k
             out[t] = x[marks[0] + x[t] - VOCAB.values[0] + 1]
         elif x[t] in first:  # mqar: the pair of the queried key
             out[t] = x[first[x[t]] + 1]
@@ -239,7 +247,7 @@ def test_context_blind_predictor_scores_chance(task):
     see the context: it scores chance, one over the answer range's size (binomial bounds, 5 sigma)."""
     rng = np.random.default_rng(0)
     counts = torch.zeros(V, V)
-    x, y = S.batch(task, V, 3000, 64, rng)
+    x, y = synthetic_tasks.batch(task, V, 3000, 64, rng)
     mask = y >= 0
     counts.index_put_((x[mask], y[mask]), torch.ones(int(mask.sum())), accumulate=True)
     bigram = lambda x: counts[x]  # noqa: E731
@@ -256,7 +264,7 @@ def reference_floor(task: str, L: int, n: int, **kw) -> float:
     rng, hits = S.eval_rng(0, task, L), []
     for _ in range(n):
         rng.uniform()  # batch() draws whether each row is a curriculum row, also at evaluation (mix 0)
-        x, y = S.sequence(task, V, L, rng, **kw)
+        x, y = synthetic_tasks.sequence(task, V, L, rng, **kw)
         for t in np.flatnonzero(y >= 0):
             before = x[: t + 1].tolist()
             if task == "passkey":  # the most frequent key so far
@@ -266,7 +274,7 @@ def reference_floor(task: str, L: int, n: int, **kw) -> float:
             elif task == "mqar":  # a value present in the context
                 guesses = {tok for tok in before if VOCAB.values[0] <= tok < VOCAB.values[1]}
             elif task == "offset":  # the token right after the marker
-                guesses = {before[before.index(S.MARK) + 1]}
+                guesses = {before[before.index(MARK) + 1]}
             elif task == "copy":  # a token that followed the current one earlier
                 guesses = {before[i + 1] for i in range(t) if before[i] == before[t]} or set(range(*VOCAB.keys))
             else:  # needle: chance among the keys
@@ -311,7 +319,7 @@ def test_floor_reads_the_scored_sequences_and_takes_the_best_shortcut():
     S.scores(recorder, "offset", V, L, n)
     scored = torch.cat(seen)
     rng = S.eval_rng(0, "offset", L)
-    mine = torch.cat([S.batch("offset", V, 1, L, rng, train=False)[0] for _ in range(n)])
+    mine = torch.cat([synthetic_tasks.batch("offset", V, 1, L, rng, train=False)[0] for _ in range(n)])
     assert torch.equal(scored, mine)
     f = S.floor("offset", V, L, n)
     assert f["token"] == max(f["strategies"].values()) == f["strategies"][f["strategy"]]
@@ -330,7 +338,7 @@ def test_floor_reads_the_scored_sequences_and_takes_the_best_shortcut():
 def test_offsets_commonest_token_counts_every_tie():
     """Offset's shortcut that ignores k guesses among every token tied for the commonest of the four after the marker
     (scored as the expectation of a uniform pick), not the first of them."""
-    v, mark = VOCAB, S.MARK
+    v, mark = VOCAB, MARK
     k = list(range(*v.keys))
     distinct = np.array([k[0], mark, k[1], k[2], k[3], k[4], k[5]])
     assert sorted(S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](distinct, 6, v)) == k[1:5]
@@ -358,14 +366,12 @@ def test_validation_reads_the_evaluation_distribution():
     """train.py's validation rows are the evaluation's (every mqar row has task_pairs pairs and task_queries
     queries, no needle rows), its training rows the curriculum's (1 to task_pairs pairs, needle rows)."""
     cfg = options.resolve(configure(train.defaults, ["config/rope.py", "config/mqar.py"]), train.defaults)
-    nothing = dict.fromkeys(
-        ("tokenizer", "model", "optimizer", "scaler", "data_rng", "strategy", "checkpointer", "data")
-    )
-    run = train.Run(cfg=cfg, procs=Processes(False, 0, 0, 1, "cpu"), **nothing)
+    procs = Processes(False, 0, 0, 1, "cpu")
+    batches = Batches(cfg, load_data(cfg, procs), procs)
     g = torch.Generator().manual_seed(0)
     pairs = {}
     for split in ("train", "val"):
-        x, y = run.batch(split, g)
+        x, y = batches.batch(split, g)
         is_value = (x >= VOCAB.values[0]) & (x < VOCAB.values[1])
         pairs[split] = set(is_value.sum(1).tolist())
         assert split == "train" or set((y >= 0).sum(1).tolist()) == {cfg["task_queries"]}
@@ -376,7 +382,7 @@ def test_answer_only_loss_is_masked_cross_entropy():
     """The model's loss on a synthetic batch equals the cross-entropy computed by hand over the answer tokens alone."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32, pos_encoding="rope"))
-    x, y = S.batch("mqar", V, 6, 64, np.random.default_rng(1), train=False)
+    x, y = synthetic_tasks.batch("mqar", V, 6, 64, np.random.default_rng(1), train=False)
     logits, loss = model(x, y)
     lp = F.log_softmax(logits.double(), -1)
     terms = [-lp[b, t, y[b, t]] for b in range(6) for t in range(64) if y[b, t] >= 0]
@@ -387,8 +393,10 @@ def test_answer_only_loss_is_masked_cross_entropy():
 def test_previous_token_curriculum_asks_for_the_token_before():
     """task_prev_tokens: every position that is not an answer asks for the token before it, the answers stay, the
     first position asks for nothing; without it the rows are the task's alone."""
-    plain = S.batch("mqar", V, 8, 64, np.random.default_rng(3), pairs=4, queries=4, layout="zoology")
-    x, y = S.batch("mqar", V, 8, 64, np.random.default_rng(3), previous=True, pairs=4, queries=4, layout="zoology")
+    plain = synthetic_tasks.batch("mqar", V, 8, 64, np.random.default_rng(3), pairs=4, queries=4, layout="zoology")
+    x, y = synthetic_tasks.batch(
+        "mqar", V, 8, 64, np.random.default_rng(3), previous=True, pairs=4, queries=4, layout="zoology"
+    )
     assert torch.equal(x, plain[0])
     answers = plain[1] >= 0
     assert torch.equal(y[answers], plain[1][answers]) and (y[:, 0] == -1).all()
@@ -397,7 +405,7 @@ def test_previous_token_curriculum_asks_for_the_token_before():
 
 def test_mix_puts_needle_rows_in_training_batches():
     """task_mix: about that share of the rows are needle rows (filler from the filler range), the rest the task's."""
-    x, _ = S.batch("passkey", V, 2000, 64, np.random.default_rng(0), mix=0.25)
+    x, _ = synthetic_tasks.batch("passkey", V, 2000, 64, np.random.default_rng(0), mix=0.25)
     needle_rows = ((x >= VOCAB.filler[0]).sum(1) > 30).float().mean().item()
     assert 0.22 < needle_rows < 0.28
 

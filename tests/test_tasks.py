@@ -13,7 +13,7 @@ from test_eval_length import save_run, save_synthetic_run
 
 import train as train_py
 from compare import tasks
-from lib import options
+from lib import options, text_tasks
 from lib.checkpoint import load_checkpoint
 from lib.configurator import ConfigError, configure
 from lib.datafiles import prepare_text, read_embedded_corpus
@@ -26,7 +26,7 @@ TOKENIZERS = {"char": lambda: CHAR, "gpt2": GPT2Tokenizer}
 
 
 def make(task: str, tok=CHAR, length: int = 200, seed: int = 0, **kw) -> tuple[np.ndarray, np.ndarray]:
-    return tasks.TEXT_TASKS[task](tok, length, np.random.default_rng(seed), **kw)
+    return text_tasks.TEXT_TASKS[task](tok, length, np.random.default_rng(seed), **kw)
 
 
 def spans(answer: np.ndarray) -> list[tuple[int, int]]:
@@ -76,8 +76,8 @@ def test_copy_answer_repeats_the_string(kind, n_chars):
     x, a = make("copy", tok, 101, n_chars=n_chars)
     assert len(x) == 102
     copy = tok.decode(x[a].tolist())
-    assert len(copy) == (n_chars or (102 - len(tok.encode(tasks.COPY_SEPARATOR))) // 2)
-    assert tok.decode(x.tolist()).endswith(copy + tasks.COPY_SEPARATOR + copy)
+    assert len(copy) == (n_chars or (102 - len(tok.encode(text_tasks.COPY_SEPARATOR))) // 2)
+    assert tok.decode(x.tolist()).endswith(copy + text_tasks.COPY_SEPARATOR + copy)
 
 
 def test_training_copies_vary_in_length():
@@ -87,13 +87,13 @@ def test_training_copies_vary_in_length():
     for seed in range(40):
         x, a = make("copy", CHAR, 101, seed=seed, vary=True)
         copy = CHAR.decode(x[a].tolist())
-        assert len(x) == 102 and CHAR.decode(x.tolist()).endswith(copy + tasks.COPY_SEPARATOR + copy)
+        assert len(x) == 102 and CHAR.decode(x.tolist()).endswith(copy + text_tasks.COPY_SEPARATOR + copy)
         lengths.add(len(copy))
-    longest = (102 - len(tasks.COPY_SEPARATOR)) // 2
+    longest = (102 - len(text_tasks.COPY_SEPARATOR)) // 2
     assert len(lengths) >= 20 and max(lengths) <= longest and min(lengths) >= 1
 
 
-@pytest.mark.parametrize("task", tasks.TEXT_TASKS)
+@pytest.mark.parametrize("task", text_tasks.TEXT_TASKS)
 def test_generators_are_reproducible_and_seeds_differ(task):
     """The same seed gives the same sequence; another seed another one."""
     x1, a1 = make(task, seed=3)
@@ -109,19 +109,19 @@ def test_passkey_depth_places_the_key(depth):
     x, a = make("passkey", CHAR, 300, depth=depth)
     text = CHAR.decode(x.tolist())
     start = text.index("The pass key is")
-    n_fill = len(text) - len("The pass key is 12345. Remember it. ") - len(tasks.PASS_QUESTION) - 5
+    n_fill = len(text) - len("The pass key is 12345. Remember it. ") - len(text_tasks.PASS_QUESTION) - 5
     assert start == round(depth * n_fill)
 
 
 def test_tasks_explain_what_they_cannot_do():
     """A vocabulary without digits, or a length shorter than the phrases, is a TaskError that says so."""
     no_digits = CharTokenizer("".join(c for c in SHAKESPEARE_CHARS if not c.isdigit()))
-    with pytest.raises(tasks.TaskError, match=r"passkey task writes characters .* lacks \('0', '1', .*'9'\)"):
+    with pytest.raises(text_tasks.TaskError, match=r"passkey task writes characters .* lacks \('0', '1', .*'9'\)"):
         make("passkey", no_digits)
-    for task in tasks.TEXT_TASKS:
-        with pytest.raises(tasks.TaskError, match=f"the {task} task needs a length of at least"):
+    for task in text_tasks.TEXT_TASKS:
+        with pytest.raises(text_tasks.TaskError, match=f"the {task} task needs a length of at least"):
             make(task, CHAR, 5)
-    with pytest.raises(tasks.TaskError, match="depth"):
+    with pytest.raises(text_tasks.TaskError, match="depth"):
         make("passkey", depth=1.5)
 
 
@@ -155,7 +155,7 @@ class Blind(nn.Module):
         return nn.functional.one_hot(pick, self.vocab).float(), None
 
 
-@pytest.mark.parametrize("task", tasks.TEXT_TASKS)
+@pytest.mark.parametrize("task", text_tasks.TEXT_TASKS)
 def test_oracle_scores_100_percent(task):
     """A model that always predicts the true next token answers every trial."""
     seqs = [x for x, _ in tasks.trials(CHAR, task, 120, 6, seed=5)]
@@ -165,7 +165,7 @@ def test_oracle_scores_100_percent(task):
 
 def test_context_blind_model_scores_chance():
     """A model guessing digits without reading the context gets ~10% of the digits and almost no 5-digit key."""
-    blind = Blind(len(SHAKESPEARE_CHARS), CHAR.encode(tasks.DIGITS))
+    blind = Blind(len(SHAKESPEARE_CHARS), CHAR.encode(text_tasks.DIGITS))
     r = tasks.evaluate_task(blind, CHAR, "passkey", 100, 200, batch_size=50)
     assert 0.06 < r["token_accuracy"] < 0.14  # 1000 digits: 10% ± 3 standard deviations
     assert r["accuracy"] <= 0.01
@@ -179,7 +179,9 @@ def test_random_gpt_retrieves_nothing_and_learned_positions_stop_at_block_size()
     cfg = dict(vocab_size=len(SHAKESPEARE_CHARS), n_layer=1, n_head=2, n_embd=16, block_size=96)
     rope, learned = GPT(GPTConfig(**cfg, pos_encoding="rope")).eval(), GPT(GPTConfig(**cfg, pos_encoding="learned"))
     assert tasks.evaluate_task(rope, CHAR, "passkey", 192, 20)["accuracy"] <= 0.05
-    r = tasks.evaluate_checkpoint(learned.eval(), CHAR, [96, 192], [0.0, 1.0], 2, 0, list(tasks.TEXT_TASKS), 8, "cpu")
+    r = tasks.evaluate_checkpoint(
+        learned.eval(), CHAR, [96, 192], [0.0, 1.0], 2, 0, list(text_tasks.TEXT_TASKS), 8, "cpu"
+    )
     assert r["passkey_grid"][192] is None and r["recall"][192] is None and r["copy"][192] is None
     assert len(r["passkey_grid"][96]) == 2 and r["copy"][96] is not None
 
@@ -212,24 +214,24 @@ def test_mix_tasks_replaces_the_fraction_reproducibly():
     """task_fraction 0.25 of 8 rows makes 2 task rows, targets only at answers; the same seed the same batch;
     fraction 0 leaves the batch as it was."""
     x, y = batch()
-    mx, my = tasks.mix_tasks(x, y, 0.25, CHAR, (1, 7, 0, 0))
+    mx, my = text_tasks.mix_tasks(x, y, 0.25, CHAR, (1, 7, 0, 0))
     rows = (my == -1).any(1)
     assert rows.sum() == 2 and torch.equal(mx[~rows], x[~rows]) and torch.equal(my[~rows], y[~rows])
     for r in rows.nonzero().flatten():
         m = my[r] != -1
         assert m[-1] and torch.equal(my[r, :-1][m[:-1]], mx[r, 1:][m[:-1]])  # y is x shifted, at the answers
         assert re.fullmatch(r"\d+|[a-z]+", CHAR.decode(my[r][m].tolist()))  # digits (passkey, recall) or a copy
-    mx2, my2 = tasks.mix_tasks(x, y, 0.25, CHAR, (1, 7, 0, 0))
+    mx2, my2 = text_tasks.mix_tasks(x, y, 0.25, CHAR, (1, 7, 0, 0))
     assert torch.equal(mx, mx2) and torch.equal(my, my2)
-    assert not torch.equal(tasks.mix_tasks(x, y, 0.25, CHAR, (1, 8, 0, 0))[0], mx)
-    x0, y0 = tasks.mix_tasks(x, y, 0.0, CHAR, (1, 7, 0, 0))
+    assert not torch.equal(text_tasks.mix_tasks(x, y, 0.25, CHAR, (1, 8, 0, 0))[0], mx)
+    x0, y0 = text_tasks.mix_tasks(x, y, 0.0, CHAR, (1, 7, 0, 0))
     assert x0 is x and y0 is y
 
 
 def test_mix_tasks_fraction_is_right_on_average():
     """A fraction that is not a multiple of 1/B is met in expectation (stochastic rounding)."""
     x, y = batch(B=4, T=100)
-    n = [(tasks.mix_tasks(x, y, 0.1, CHAR, (0, i))[1] == -1).any(1).sum().item() for i in range(200)]
+    n = [(text_tasks.mix_tasks(x, y, 0.1, CHAR, (0, i))[1] == -1).any(1).sum().item() for i in range(200)]
     assert 0.25 < np.mean(n) < 0.55  # 0.4 rows per batch; std of the mean ~0.035
 
 
@@ -255,7 +257,7 @@ def tiny_data(tmp_path_factory):
     """A character-level dataset from the first 50k characters of the embedded corpus, and the digits (which that
     part lacks)."""
     d = tmp_path_factory.mktemp("data") / "tiny"
-    prepare_text(read_embedded_corpus()[:50_000] + tasks.DIGITS, d, "char")
+    prepare_text(read_embedded_corpus()[:50_000] + text_tasks.DIGITS, d, "char")
     return d
 
 
