@@ -1,15 +1,15 @@
 """
-The fast paths: faster ways to compute the attention model.py computes, tested equal to it. model.py's attention_for
-asks `kernel()` once per forward (once per layer for a bias of each layer's own); where it names a kernel,
-`fast_attention()` builds it from tensors (the positions, the bias's table of distances where it has one), the bias by
-blocks of queries, model.py's SDPA and the layer's score bias as a function of (head, query position, key position).
-Nothing here imports the project's code or reads a model object: train.py and compare/bench.py hand the kernel fallbacks
-the options.
+The fast paths: faster ways to compute the attention model.py computes, tested equal to it.
+model.py's attention_for asks `kernel()` once per forward (once per layer for a bias of each layer's
+own); where it names a kernel, `fast_attention()` builds it from tensors (the positions, the bias's
+table of distances where it has one), the bias by blocks of queries, model.py's SDPA and the layer's
+score bias as a function of (head, query position, key position). Nothing here imports the project's
+code or reads a model object: train.py and compare/bench.py hand the kernel fallbacks the options.
 
-Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block of queries at a
-time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and for FIRE's training on a GPU), the
-fallbacks when the compiler cannot build a kernel. docs/development.md ("How attention is computed") explains each
-path and why.
+Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block
+of queries at a time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and
+for FIRE's training on a GPU), the fallbacks when the compiler cannot build a kernel.
+docs/development.md ("How attention is computed") explains each path and why.
 """
 
 from __future__ import annotations
@@ -28,22 +28,25 @@ try:  # torch >= 2.9 (return_lse is deprecated there)
 except ImportError:  # pragma: no cover
     AuxRequest = None
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Which kernel: the user's options, and the table
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """The user's say in the table (model.attention_options; replaced, never edited). fused: a score bias through
-    FlexAttention; None: where it has a backward and is fused (compiled on CUDA); False: never, nor the CPU's kernels.
-    flex_kernel_options: FlexAttention's Triton options, e.g. {"num_stages": 1}."""
+    """The user's say in the table (model.attention_options; replaced, never edited). fused: a score
+    bias through FlexAttention; None: where it has a backward and is fused (compiled on CUDA);
+    False: never, nor the CPU's kernels. flex_kernel_options: FlexAttention's Triton options, e.g.
+    {"num_stages": 1}."""
 
     fused: bool | None = None
     flex_kernel_options: dict | None = None
 
 
 FLEX_MIN_HEAD_DIM = 16  # on CUDA: Triton's tl.dot needs at least 16
-MATERIALIZED = "attention adds a materialized bias instead (slower, memory quadratic in the context)"
+MATERIALIZED = (
+    "attention adds a materialized bias instead (slower, memory quadratic in the context)"
+)
 
 
 def flex_fits(head_dim: int, device_type: str) -> bool:
@@ -51,13 +54,18 @@ def flex_fits(head_dim: int, device_type: str) -> bool:
     return device_type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
 
 
-def fused_attention_note(head_dim: int, device_type: str, dropout: float = 0.0, compiled: bool = True) -> str | None:
-    """Why a score bias cannot be fused in training on this device, for the user; None where it can (or where no
-    fused kernel is taken anyway: a CPU, or an uncompiled run, for dropout)."""
+def fused_attention_note(
+    head_dim: int, device_type: str, dropout: float = 0.0, compiled: bool = True
+) -> str | None:
+    """Why a score bias cannot be fused in training on this device, for the user; None where it can
+    (or where no fused kernel is taken anyway: a CPU, or an uncompiled run, for dropout)."""
     if device_type != "cuda":
         return None
     if not flex_fits(head_dim, device_type):
-        why = f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model has {head_dim})"
+        why = (
+            f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model "
+            f"has {head_dim})"
+        )
         return f"{why}: {MATERIALIZED}"
     if dropout > 0 and compiled:
         why = f"FlexAttention has no attention dropout (dropout={dropout:g})"
@@ -80,25 +88,26 @@ def kernel(
     compiling: bool | None = None,
     sums: bool = False,
 ) -> str | None:
-    """The attention of a forward with a score bias: the first row of the table that matches, a kernel of this file's,
-    or None for model.py's reference (SDPA under the bias matrix, -inf where a query does not see a key).
+    """The attention of a forward with a score bias: the first row of the table that matches, a
+    kernel of this file's, or None for model.py's reference (SDPA under the bias matrix, -inf where
+    a query does not see a key).
 
-    | fused     | the bias                              | device, compile         | dropout | kernel         |
+    | fused | the bias | device, compile | dropout | kernel |
     |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | trained: a table of i - j, own keys   | ·                       | no      | flex_table     |
-    | yes, fits | not trained                           | ·                       | no      | flex           |
-    | yes       | trained, no table, own keys           | ·                       | no      | bias_blocks    |
-    | not False | a cached chunk of one block at most   | CPU                     | no      | the reference  |
-    | not False | a table of i - j, trained or not      | CPU: eager, or own keys | no      | bias_table     |
-    | not False | a sum c_i - c'_j (FoX's)              | CPU: eager, or own keys | no      | sum_blocks     |
-    | not False | any other, by blocks of its rows      | CPU: eager, or own keys | no      | bias_blocks    |
+    | yes, fits | trained: a table of i - j, own keys | · | no | flex_table | | yes, fits | not
+    trained | · | no | flex | | yes | trained, no table, own keys | · | no | bias_blocks | | not
+    False | a cached chunk of one block at most | CPU | no | the reference | | not False | a table
+    of i - j, trained or not | CPU: eager, or own keys | no | bias_table | | not False | a sum c_i -
+    c'_j (FoX's) | CPU: eager, or own keys | no | sum_blocks | | not False | any other, by blocks of
+    its rows | CPU: eager, or own keys | no | bias_blocks |
 
-    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes head_dim on the device (None:
-    flex_fits, asked only where fused). trainable: autograd records the bias's parameters; own_keys: the keys are the
-    queries' own, in order (no cache); table: the bias comes as its table over distances (a bias of i - j alone);
-    cached: the keys are a KV cache's, for `queries` queries (a decode step: one block, the reference's one matrix,
-    computed once for the layers that share it); sums: the bias is c_i - c'_j of a sum over the tokens (FoX's).
-    compiling: None reads torch.compiler.is_compiling()."""
+    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes head_dim on the
+    device (None: flex_fits, asked only where fused). trainable: autograd records the bias's
+    parameters; own_keys: the keys are the queries' own, in order (no cache); table: the bias comes
+    as its table over distances (a bias of i - j alone); cached: the keys are a KV cache's, for
+    `queries` queries (a decode step: one block, the reference's one matrix, computed once for the
+    layers that share it); sums: the bias is c_i - c'_j of a sum over the tokens (FoX's). compiling:
+    None reads torch.compiler.is_compiling()."""
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
@@ -106,9 +115,15 @@ def kernel(
         return "flex_table"
     if flex and not trainable:
         return "flex"
-    if fused and not dropout and trainable and own_keys and not table:  # FIRE on a GPU: never FlexAttention's atomics
+    # FIRE on a GPU: never FlexAttention's atomics
+    if fused and not dropout and trainable and own_keys and not table:
         return "bias_blocks"
-    cpu = device == "cpu" and (own_keys or not compiling) and not dropout and options.fused is not False
+    cpu = (
+        device == "cpu"
+        and (own_keys or not compiling)
+        and not dropout
+        and options.fused is not False
+    )
     if not cpu or (cached and queries <= TABLE_BLOCK):
         return None
     return "bias_table" if table else "sum_blocks" if sums else "bias_blocks"
@@ -128,14 +143,16 @@ def fast_attention(
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
     attend: Callable | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The attention (q, k, v) -> y of kernel `name` (kernel's answer) for one layer's score bias over this forward's
-    queries. bias(h, i, j): the layer's bias at head h, query position i, key position j (pos (Tq,) and key_pos (Tk,)
-    hold them); query i sees key j where 0 <= i - j < window (None: no window). table: a bias of i - j alone at
-    distances 0 … D - 1 (nh, D), the last for every longer distance; block_bias(i0, i1, j0, j1): the bias of queries
-    i0 … i1 - 1 over keys j0 … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a
-    key). starts: under packing="documents", where each query's and each key's document starts ((B, Tq), (B, Tk)): a
-    query sees only keys of its own document, the bias read at stream positions (the same i - j inside one).
-    attend(q, k, v, bias): model.py's SDPA under a bias, which bias_blocks runs on each block."""
+    """The attention (q, k, v) -> y of kernel `name` (kernel's answer) for one layer's score bias
+    over this forward's queries. bias(h, i, j): the layer's bias at head h, query position i, key
+    position j (pos (Tq,) and key_pos (Tk,) hold them); query i sees key j where 0 <= i - j < window
+    (None: no window). table: a bias of i - j alone at distances 0 … D - 1 (nh, D), the last for
+    every longer distance; block_bias(i0, i1, j0, j1): the bias of queries i0 … i1 - 1 over keys j0
+    … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key).
+    starts: under packing="documents", where each query's and each key's document starts ((B, Tq),
+    (B, Tk)): a query sees only keys of its own document, the bias read at stream positions (the
+    same i - j inside one). attend(q, k, v, bias): model.py's SDPA under a bias, which bias_blocks
+    runs on each block."""
     query_starts, key_starts = (None, None) if starts is None else starts
     if name == "bias_table":
         # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
@@ -149,36 +166,50 @@ def fast_attention(
     if starts is None:
         visible = lambda b, h, i, j: sees(pos[i] - key_pos[j], window)  # noqa: E731  query and key indices -> bool
     else:
-        visible = lambda b, h, i, j: sees(pos[i] - key_pos[j], window) & (query_starts[b, i] == key_starts[b, j])  # noqa: E731
+        visible = lambda b, h, i, j: (
+            sees(pos[i] - key_pos[j], window) & (query_starts[b, i] == key_starts[b, j])
+        )  # noqa: E731
     batch = None if starts is None else query_starts.size(0)
     block_mask = create_block_mask(visible, batch, None, len(pos), len(key_pos), device=pos.device)
     if name == "flex_table":  # own keys: the keys' starts are the queries'
-        return flex_table(table, pos, key_pos, window, block_mask, options.flex_kernel_options, query_starts)
+        return flex_table(
+            table, pos, key_pos, window, block_mask, options.flex_kernel_options, query_starts
+        )
     if name == "flex":
         if starts is None:
             score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], key_pos[j]).to(s.dtype)  # noqa: E731
-        else:  # at positions in each document: a bias that reads the query's own (FIRE's) reads its document's
+        # at positions in each document: a bias that reads the query's own (FIRE's) reads its
+        # document's
+        else:
             doc_pos = lambda b, i, j: (pos[i] - query_starts[b, i], key_pos[j] - key_starts[b, j])  # noqa: E731
             score_mod = lambda s, b, h, i, j: s + bias(h, *doc_pos(b, i, j)).to(s.dtype)  # noqa: E731
         return lambda q, k, v: flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options.flex_kernel_options
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            kernel_options=options.flex_kernel_options,
         )
     raise ValueError(f"kernel() answered {name!r}, which fast_attention does not build")
 
 
 def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one (model.py's rule)."""
+    """Whether a query sees a key at i - j = rel: causal, and inside the window if there is one
+    (model.py's rule)."""
     return rel >= 0 if window is None else (rel >= 0) & (rel < window)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
 
 
-def flex_table(table, pos, key_pos, window, block_mask, kernel_options: dict | None, starts=None) -> Callable:
-    """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the distances 0 … R (the
-    last for every longer one), which TableGrad gives its gradient. starts (B, T): where each token's document starts
-    (packing="documents"), else None."""
+def flex_table(
+    table, pos, key_pos, window, block_mask, kernel_options: dict | None, starts=None
+) -> Callable:
+    """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the
+    distances 0 … R (the last for every longer one), which TableGrad gives its gradient. starts (B,
+    T): where each token's document starts (packing="documents"), else None."""
     frozen, R = table.detach(), table.size(1) - 1
     score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - key_pos[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
 
@@ -199,10 +230,10 @@ def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
 
 
 class TableGrad(torch.autograd.Function):
-    """The identity on attention's output y, whose backward gives the gradient of table (nh, R + 1), a bias of the
-    distance i - j alone, constant from distance R on (table_grad). FlexAttention's own gradient would add every
-    pair's share into the table's few entries with atomics, which serialise and are not deterministic. Positions must
-    be consecutive, as in training."""
+    """The identity on attention's output y, whose backward gives the gradient of table (nh, R + 1),
+    a bias of the distance i - j alone, constant from distance R on (table_grad). FlexAttention's
+    own gradient would add every pair's share into the table's few entries with atomics, which
+    serialise and are not deterministic. Positions must be consecutive, as in training."""
 
     @staticmethod
     def forward(ctx, y, lse, q, k, v, table, window, starts):
@@ -221,15 +252,17 @@ DIAGONAL_TILE = 128  # queries (and keys) per tile of table_grad
 
 
 def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=None) -> torch.Tensor:
-    """d loss / d table (nh, R + 1): dS = P ⊙ (dO·Vᵀ - rowsum(dO ⊙ O)) summed over the pairs that read each entry,
-    without a (T, T) tensor and without atomics (deterministic). The queries and keys are cut in tiles of n; the tiles
-    on one block diagonal (query tile - key tile = kd) see the same distances kd·n + r - c, so their dS is summed over
-    the batch and the tiles first, (nh, n, n), then along its diagonals into the table. Only the block diagonals
-    with a distance below R (or the window) are read: linear in T for a clamped table (bias-RPE, T5), half of the pairs
-    for a table over every distance (KERPLE); dS sums to zero over each row, so the far entry's gradient is minus the
-    others' where some pair is past it (where none is, it sums its own: every row's rounding, bf16 y and TF32, would
-    gather in it). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); window as Chunk's; starts (B, T) where each token's
-    document starts (packing="documents"; None: one stream)."""
+    """d loss / d table (nh, R + 1): dS = P ⊙ (dO·Vᵀ - rowsum(dO ⊙ O)) summed over the pairs that
+    read each entry, without a (T, T) tensor and without atomics (deterministic). The queries and
+    keys are cut in tiles of n; the tiles on one block diagonal (query tile - key tile = kd) see the
+    same distances kd·n + r - c, so their dS is summed over the batch and the tiles first, (nh, n,
+    n), then along its diagonals into the table. Only the block diagonals with a distance below R
+    (or the window) are read: linear in T for a clamped table (bias-RPE, T5), half of the pairs for
+    a table over every distance (KERPLE); dS sums to zero over each row, so the far entry's gradient
+    is minus the others' where some pair is past it (where none is, it sums its own: every row's
+    rounding, bf16 y and TF32, would gather in it). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T);
+    window as Chunk's; starts (B, T) where each token's document starts (packing="documents"; None:
+    one stream)."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
     if R == 0:  # one bias for every distance: softmax ignores it
@@ -237,8 +270,8 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     n = min(R, DIAGONAL_TILE)
     nb = -(-T // n)
     seen = min(T, window or T)  # the distances 0 … seen - 1 a query sees
-    # where none is past R (a table over every distance: KERPLE's) every entry is summed from its own pairs; else
-    # the far one is inferred (its pairs are most of them), from the rows' zero sum
+    # where none is past R (a table over every distance: KERPLE's) every entry is summed from its
+    # own pairs; else the far one is inferred (its pairs are most of them), from the rows' zero sum
     direct = seen <= R + 1
     band = seen if direct else R  # the distances read from the tiles
     last = min(nb - 1, (band + n - 2) // n)  # the last block diagonal holding a distance below band
@@ -247,20 +280,27 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     qb, kb, vb, yb, dyb = (pad(t) for t in (q, k, v, y, dy))  # (B, nh, nb, n, hs)
     lse_b = F.pad(lse.to(dtype), (0, nb * n - T)).view(B, nh, nb, n, 1)
     D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
-    sb = None if starts is None else F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)  # documents' starts
+    # documents' starts
+    sb = None if starts is None else F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)
     r, c = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
-    frozen, near_grad = table.detach().to(dtype), torch.zeros(nh, band, device=q.device, dtype=dtype)
+    frozen, near_grad = (
+        table.detach().to(dtype),
+        torch.zeros(nh, band, device=q.device, dtype=dtype),
+    )
     for kd in range(last + 1):  # query tiles kd … nb - 1 against key tiles 0 … nb - 1 - kd
         rel = kd * n + r - c  # (n, n): i - j
-        i = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r  # (nb - kd, n, 1): the query's index
+        # (nb - kd, n, 1): the query's index
+        i = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r
         near = (rel >= 0) & (rel < band) & (i < T)  # (nb - kd, n, n)
         if sb is not None:  # and in the query's document: (B, 1, nb - kd, n, n)
             near = near & (sb[:, kd:, :, None] == sb[:, : nb - kd, None, :])[:, None]
         qt, dyt, lt, Dt = qb[:, :, kd:], dyb[:, :, kd:], lse_b[:, :, kd:], D[:, :, kd:]
         kt, vt = kb[:, :, : nb - kd], vb[:, :, : nb - kd]
-        s = (qt @ kt.transpose(-2, -1)) * hs**-0.5 + frozen[:, rel.clamp(0, R)][None, :, None]  # (B,nh,nb-kd,n,n)
+        # (B,nh,nb-kd,n,n)
+        s = (qt @ kt.transpose(-2, -1)) * hs**-0.5 + frozen[:, rel.clamp(0, R)][None, :, None]
         p = torch.where(near, (s - lt).exp(), 0.0)
-        ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))  # (nh, n, n), over the batch and the tiles
+        # (nh, n, n), over the batch and the tiles
+        ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))
         sums = diagonal_sums(ds)  # (nh, 2n - 1): distances kd·n - (n - 1) … kd·n + n - 1
         lo, d0, d1 = kd * n - (n - 1), max(0, kd * n - (n - 1)), min(band, kd * n + n)
         near_grad[:, d0:d1] += sums[:, d0 - lo : d1 - lo]
@@ -270,48 +310,65 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
 
 
 def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
-    """The sums of the diagonals of m (..., n, n): out[..., o + n - 1] sums m[..., r, c] over r - c = o. Each row
-    shifted by its index (a pad and a reshape) puts a diagonal in one column: a plain sum, no scatter."""
+    """The sums of the diagonals of m (..., n, n): out[..., o + n - 1] sums m[..., r, c] over r - c
+    = o. Each row shifted by its index (a pad and a reshape) puts a diagonal in one column: a plain
+    sum, no scatter."""
     n = m.size(-1)
-    shifted = F.pad(m.flip(-1), (0, n)).flatten(-2)[..., : n * (2 * n - 1)]  # row r, column c' = n - 1 - c at r + c'
+    # row r, column c' = n - 1 - c at r + c'
+    shifted = F.pad(m.flip(-1), (0, n)).flatten(-2)[..., : n * (2 * n - 1)]
     return shifted.unflatten(-1, (n, 2 * n - 1)).sum(-2)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# A score bias a block of queries at a time through SDPA: TableBiasAttention (on a CPU, a bias of i - j alone from its
-# table: the flash kernel, which gives a bias no gradient, and a backward of its own), SumBiasAttention (c_i - c'_j as
-# two more dimensions of q and k: the flash kernels forward and backward), bias_blocks (any bias, by rows)
+# --------------------------------------------------------------------------------------------------
+# A score bias a block of queries at a time through SDPA: TableBiasAttention (on a CPU, a bias of i
+# - j alone from its table: the flash kernel, which gives a bias no gradient, and a backward of its
+# own), SumBiasAttention (c_i - c'_j as two more dimensions of q and k: the flash kernels forward
+# and backward), bias_blocks (any bias, by rows)
 
 
 def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q·kᵀ·scale + bias)·v (scale None: 1/√hs) and its log-sum-exp (B, nh, Tq), for a float bias (nh, Tq, Tk)
-    or (B, nh, Tq, Tk): on a CPU by SDPA's flash kernel, elsewhere (or for a V of another head size) by its math. In
-    float32 at least, so that the bias is not rounded to steps of q's precision (ALiBi's -m·3000 to steps of 1/16)."""
+    """softmax(q·kᵀ·scale + bias)·v (scale None: 1/√hs) and its log-sum-exp (B, nh, Tq), for a float
+    bias (nh, Tq, Tk) or (B, nh, Tq, Tk): on a CPU by SDPA's flash kernel, elsewhere (or for a V of
+    another head size) by its math. In float32 at least, so that the bias is not rounded to steps of
+    q's precision (ALiBi's -m·3000 to steps of 1/16)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    q, k, v, bias = q.to(work), k.to(work), v.to(work), (bias if bias.dim() == 4 else bias[None]).to(work)
-    if v.size(-1) != q.size(-1) or q.device.type != "cpu":  # compare/probe.py reads with V the identity
+    q, k, v, bias = (
+        q.to(work),
+        k.to(work),
+        v.to(work),
+        (bias if bias.dim() == 4 else bias[None]).to(work),
+    )
+    # compare/probe.py reads with V the identity
+    if v.size(-1) != q.size(-1) or q.device.type != "cpu":
         s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
         lse = s.logsumexp(-1)
         return (s - lse[..., None]).exp() @ v, lse
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=bias, scale=scale
+    )
 
 
 class TableBiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + bias)·v for a bias of i - j alone, read from its table (nh, D) a block of queries at a time
-    (the last entry for every distance from D - 1 on), on a CPU: no (nh, Tq, Tk) tensor, forward or backward. The
-    forward is SDPA's flash kernel per block; the backward recomputes each block's probabilities from the log-sum-exp
-    and adds the bias's gradient into the table's entries, in order (deterministic)."""
+    """softmax(q·kᵀ/√hs + bias)·v for a bias of i - j alone, read from its table (nh, D) a block of
+    queries at a time (the last entry for every distance from D - 1 on), on a CPU: no (nh, Tq, Tk)
+    tensor, forward or backward. The forward is SDPA's flash kernel per block; the backward
+    recomputes each block's probabilities from the log-sum-exp and adds the bias's gradient into the
+    table's entries, in order (deterministic)."""
 
     @staticmethod
     def forward(ctx, q, k, v, table, pos, key_pos, window, starts=None, key_starts=None):
-        own_keys, key_pos = key_pos is None, pos if key_pos is None else key_pos  # None: the queries' own
+        # None: the queries' own
+        own_keys, key_pos = key_pos is None, pos if key_pos is None else key_pos
         key_starts = starts if key_starts is None else key_starts
 
-        def bias(rows: slice, cols: slice, dtype) -> torch.Tensor:  # (nh, bq, nk), or (B, nh, bq, nk) by documents
+        # (nh, bq, nk), or (B, nh, bq, nk) by documents
+        def bias(rows: slice, cols: slice, dtype) -> torch.Tensor:
             block, _ = table_block(table, pos[rows], key_pos[cols], window)
             return in_documents(block, starts, key_starts, rows, cols)
 
-        y, lse = flash_blocks(q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias)
+        y, lse = flash_blocks(
+            q, k, v, query_blocks(q.size(2), k.size(2), own_keys, pos, starts, window), bias
+        )
         ctx.save_for_backward(q, k, v, table, pos, key_pos, y, lse, starts, key_starts)
         ctx.window, ctx.own_keys = window, own_keys
         return y.to(q.dtype)
@@ -319,19 +376,36 @@ class TableBiasAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         q, k, v, table, pos, key_pos, y, lse, starts, key_starts = ctx.saved_tensors
-        dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 in, float32 arithmetic
+        # bf16 in, float32 arithmetic
+        dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
-        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)  # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
-        dq, dk, dv, dtable = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(table)
+        # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
+        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)
+        dq, dk, dv, dtable = (
+            torch.empty_like(q),
+            torch.zeros_like(k),
+            torch.zeros_like(v),
+            torch.zeros_like(table),
+        )
         for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
-            bias, index = table_block(table, pos[rows], key_pos[cols], ctx.window)  # (nh, bq, nk), (bq, nk)
+            # (nh, bq, nk), (bq, nk)
+            bias, index = table_block(table, pos[rows], key_pos[cols], ctx.window)
             qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
-            p = (qb @ kb.transpose(-2, -1)).mul_(scale).add_(bias.to(work)).sub_(lse[:, :, rows, None]).exp_()
-            if starts is not None:  # another document's keys: probability 0 (in place, no bias of each row's own)
+            p = (
+                (qb @ kb.transpose(-2, -1))
+                .mul_(scale)
+                .add_(bias.to(work))
+                .sub_(lse[:, :, rows, None])
+                .exp_()
+            )
+            # another document's keys: probability 0 (in place, no bias of each row's own)
+            if starts is not None:
                 p.masked_fill_(~same_document(starts, key_starts, rows, cols)[:, None], 0.0)
             dv[:, :, cols] += p.transpose(-2, -1) @ dyb
-            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D), (B, nh, bq, nk)
-            dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))  # unseen pairs add 0
+            # dS = P ⊙ (dP - D), (B, nh, bq, nk)
+            ds = p.mul_((dyb @ vb.transpose(-2, -1)).sub_(D[:, :, rows]))
+            # unseen pairs add 0
+            dtable.index_add_(1, index.flatten(), ds.sum(0).flatten(1).to(dtable.dtype))
             ds.mul_(scale)
             dq[:, :, rows] = ds @ kb
             dk[:, :, cols] += ds.transpose(-2, -1) @ qb
@@ -342,29 +416,34 @@ TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
 
 
 def query_blocks(Tq: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None):
-    """The blocks of TABLE_BLOCK queries, each as (its queries, the keys they may see: key_span), two slices."""
+    """The blocks of TABLE_BLOCK queries, each as (its queries, the keys they may see: key_span),
+    two slices."""
     for i0 in range(0, Tq, TABLE_BLOCK):
         i1 = min(i0 + TABLE_BLOCK, Tq)
         yield slice(i0, i1), slice(*key_span(i0, i1, Tk, own_keys, pos, starts, window))
 
 
 def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel a block of queries at a time: y (B, nh, Tq, hs) and the log-sum-exp (B, nh, Tq), each
-    block of (rows, cols) of `blocks` under bias(rows, cols, dtype), -inf where a query does not see a key."""
+    """SDPA's CPU flash kernel a block of queries at a time: y (B, nh, Tq, hs) and the log-sum-exp
+    (B, nh, Tq), each block of (rows, cols) of `blocks` under bias(rows, cols, dtype), -inf where a
+    query does not see a key."""
     B, nh, Tq, _ = q.shape
     work = torch.promote_types(q.dtype, torch.float32)
     y, lse = q.new_empty(B, nh, Tq, v.size(-1), dtype=work), q.new_empty(B, nh, Tq, dtype=work)
     for rows, cols in blocks:
-        y[:, :, rows], lse[:, :, rows] = flash(q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype))
+        y[:, :, rows], lse[:, :, rows] = flash(
+            q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype)
+        )
     return y, lse
 
 
 class SumBiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + c_i - c'_j)·v, a bias of two per-token vectors (FoX's running sums: c at the queries (B, nh,
-    Tq), c' at the keys (B, nh, Tk), None: the queries' own), a block of queries at a time on a CPU: no (Tq, Tk)
-    tensor, forward or backward. The bias is two more dimensions of the queries and keys (with_sums), so that SDPA's
-    flash kernels take it, forward and backward, under a mask of the unseen keys alone; c's gradient is the new
-    dimensions' (each row's sum of dS, and minus each column's)."""
+    """softmax(q·kᵀ/√hs + c_i - c'_j)·v, a bias of two per-token vectors (FoX's running sums: c at
+    the queries (B, nh, Tq), c' at the keys (B, nh, Tk), None: the queries' own), a block of queries
+    at a time on a CPU: no (Tq, Tk) tensor, forward or backward. The bias is two more dimensions of
+    the queries and keys (with_sums), so that SDPA's flash kernels take it, forward and backward,
+    under a mask of the unseen keys alone; c's gradient is the new dimensions' (each row's sum of
+    dS, and minus each column's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_c, pos, key_pos, window, starts=None, key_starts=None):
@@ -388,7 +467,11 @@ class SumBiasAttention(torch.autograd.Function):
         qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts = ctx.saved_tensors
         hs = qs.size(-1) - 2  # with a gradient v is q's size too (summed padded it)
         dys = F.pad(dy.to(qs.dtype), (0, 2))
-        dq, dk, dv = qs.new_empty(*qs.shape[:3], hs), torch.zeros_like(ks[..., :hs]), torch.zeros_like(vs[..., :hs])
+        dq, dk, dv = (
+            qs.new_empty(*qs.shape[:3], hs),
+            torch.zeros_like(ks[..., :hs]),
+            torch.zeros_like(vs[..., :hs]),
+        )
         dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
         for rows, cols in ctx.blocks:
             qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
@@ -406,73 +489,109 @@ class SumBiasAttention(torch.autograd.Function):
                 scale=1.0,
             )  # (B, nh, bq, hs + 2), (B, nh, nk, hs + 2), (B, nh, nk, hs + 2)
             dq[:, :, rows] = dqb[..., :hs]
-            dc[:, :, rows] += dqb[..., hs].to(dc.dtype)  # Σ_j dS_ij: the query's c against the keys' 1
+            # Σ_j dS_ij: the query's c against the keys' 1
+            dc[:, :, rows] += dqb[..., hs].to(dc.dtype)
             dk[:, :, cols] += dkb[..., :hs]
-            dkey_c[:, :, cols] -= dkb[..., hs + 1].to(dc.dtype)  # Σ_i dS_ij: the key's -c' against the queries' 1
+            # Σ_i dS_ij: the key's -c' against the queries' 1
+            dkey_c[:, :, cols] -= dkb[..., hs + 1].to(dc.dtype)
             dv[:, :, cols] += dvb[..., :hs]
         if ctx.own_keys:  # c is the keys' too: one gradient
             dc, dkey_c = dc + dkey_c, None
         dq = dq.mul_(hs**-0.5)  # the queries went in as q/√hs
-        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), dc, dkey_c, None, None, None, None, None
+        return (
+            dq.to(ctx.dtype),
+            dk.to(ctx.dtype),
+            dv.to(ctx.dtype),
+            dc,
+            dkey_c,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def summed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """q, k and v (B, nh, T, hs) with two dimensions more, in float32 at least (bf16 would round the bias): q as
-    q/√hs, the keys' 1 in the first new one and the queries' 1 in the second (with_sums writes the sums beside
-    them), v with zeros (the flash kernel takes one head size)."""
+    """q, k and v (B, nh, T, hs) with two dimensions more, in float32 at least (bf16 would round the
+    bias): q as q/√hs, the keys' 1 in the first new one and the queries' 1 in the second (with_sums
+    writes the sums beside them), v with zeros (the flash kernel takes one head size)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    qs, ks = F.pad(q.to(work) * q.size(-1) ** -0.5, (0, 2), value=1.0), F.pad(k.to(work), (0, 2), value=1.0)
-    return qs, ks, F.pad(v.to(work), (0, qs.size(-1) - v.size(-1))) if v.size(-1) == q.size(-1) else v.to(work)
+    qs, ks = (
+        F.pad(q.to(work) * q.size(-1) ** -0.5, (0, 2), value=1.0),
+        F.pad(k.to(work), (0, 2), value=1.0),
+    )
+    return (
+        qs,
+        ks,
+        F.pad(v.to(work), (0, qs.size(-1) - v.size(-1)))
+        if v.size(-1) == q.size(-1)
+        else v.to(work),
+    )
 
 
 def with_sums(qs, ks, c, key_c, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries in rows and the keys in cols (views of summed's) with c_i - r and -(c'_j - r) in their new
-    dimensions: q·k/√hs + c_i - c'_j, each sum taken from r, the block's last query's c, in float64 and then in
-    float32 (what rounds is far from it, where exp(bias) is 0)."""
+    """The queries in rows and the keys in cols (views of summed's) with c_i - r and -(c'_j - r) in
+    their new dimensions: q·k/√hs + c_i - c'_j, each sum taken from r, the block's last query's c,
+    in float64 and then in float32 (what rounds is far from it, where exp(bias) is 0)."""
     ref = c[:, :, rows.stop - 1, None]  # (B, nh, 1)
     qs[:, :, rows, -2] = c[:, :, rows] - ref
     ks[:, :, cols, -1] = ref - key_c[:, :, cols]
     return qs[:, :, rows], ks[:, :, cols]
 
 
-def unseen(pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype) -> torch.Tensor:
-    """The mask (1, 1, bq, nk), or (B, 1, bq, nk) by documents, of the queries in rows over the keys in cols: -inf
-    where a query does not see a key (the window, the future, another document), else 0."""
-    mask = torch.zeros(rows.stop - rows.start, cols.stop - cols.start, dtype=dtype, device=pos.device)
+def unseen(
+    pos, key_pos, window, starts, key_starts, rows: slice, cols: slice, dtype
+) -> torch.Tensor:
+    """The mask (1, 1, bq, nk), or (B, 1, bq, nk) by documents, of the queries in rows over the keys
+    in cols: -inf where a query does not see a key (the window, the future, another document), else
+    0."""
+    mask = torch.zeros(
+        rows.stop - rows.start, cols.stop - cols.start, dtype=dtype, device=pos.device
+    )
     mask.masked_fill_(~sees(pos[rows, None] - key_pos[cols], window), float("-inf"))
     return in_documents(mask[None, None], starts, key_starts, rows, cols)
 
 
 @dataclass(frozen=True)
 class GateCounts:
-    """One layer's bias of positions counted by gates (model.CoPE.counts): the gate of a key is σ(q·k·gate_scale),
-    a key's position p the sum of the gates from it to the query (at most p_max - 1), its bias q·e[p] read between
-    ⌊p⌋ and ⌈p⌉; e (p_max, hs)."""
+    """One layer's bias of positions counted by gates (model.CoPE.counts): the gate of a key is
+    σ(q·k·gate_scale), a key's position p the sum of the gates from it to the query (at most p_max -
+    1), its bias q·e[p] read between ⌊p⌋ and ⌈p⌉; e (p_max, hs)."""
 
     e: torch.Tensor
     gate_scale: float
 
 
 class CountAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + q·e[p])·v for CoPE's counted positions p over the queries' own keys at positions pos (Tq,)
-    (window, documents' starts (B, Tq) as Chunk's), a block of queries at a time, with a backward of its own that
-    recomputes each block: no (Tq, Tk) tensor is kept, and a block is a few passes (autograd through checkpointed
-    blocks took twice as long). The keys are read nearest first (reversed), so that the positions are a prefix sum."""
+    """softmax(q·kᵀ/√hs + q·e[p])·v for CoPE's counted positions p over the queries' own keys at
+    positions pos (Tq,) (window, documents' starts (B, Tq) as Chunk's), a block of queries at a
+    time, with a backward of its own that recomputes each block: no (Tq, Tk) tensor is kept, and a
+    block is a few passes (autograd through checkpointed blocks took twice as long). The keys are
+    read nearest first (reversed), so that the positions are a prefix sum."""
 
     @staticmethod
     def forward(ctx, q, k, v, e, counts: GateCounts, pos, window, starts, blocks):
         work = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            qs, kf, vf, es = q.to(work).contiguous(), k.to(work).flip(-2), v.to(work).flip(-2), e.to(work)
+            qs, kf, vf, es = (
+                q.to(work).contiguous(),
+                k.to(work).flip(-2),
+                v.to(work).flip(-2),
+                e.to(work),
+            )
             y, lse = qs.new_empty(*q.shape[:3], v.size(-1)), qs.new_empty(*q.shape[:3], 1)
             keys, nears = Keys(qs, kf, es, counts, pos, window, starts), []
-            for rows, cols in blocks:  # the bias alone: the kernel adds it to the scores it computes
+            # the bias alone: the kernel adds it to the scores it computes
+            for rows, cols in blocks:
                 them = reversed_keys(cols, kf.size(2))
                 bias, *_, near = counted_scores(keys, rows, cols, scores=False)
-                y[:, :, rows], lse[:, :, rows, 0] = flash(qs[:, :, rows], kf[:, :, them], vf[:, :, them], bias)
+                y[:, :, rows], lse[:, :, rows, 0] = flash(
+                    qs[:, :, rows], kf[:, :, them], vf[:, :, them], bias
+                )
                 nears.append(near)
         ctx.save_for_backward(qs, kf, vf, es, y, lse, pos, starts)
         ctx.counts, ctx.window, ctx.blocks, ctx.nears = counts, window, blocks, nears
@@ -482,7 +601,8 @@ class CountAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         qs, kf, vf, es, y, lse, pos, starts = ctx.saved_tensors
-        c, ratio = qs.size(-1) ** -0.5, ctx.counts.gate_scale * qs.size(-1) ** 0.5  # gate logit = score·ratio
+        # gate logit = score·ratio
+        c, ratio = qs.size(-1) ** -0.5, ctx.counts.gate_scale * qs.size(-1) ** 0.5
         with torch.autocast(qs.device.type, enabled=False):
             dy = dy.to(qs.dtype)
             D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P)
@@ -494,10 +614,13 @@ class CountAttention(torch.autograd.Function):
                 them, qb, dyb = reversed_keys(cols, kf.size(2)), qs[:, :, rows], dy[:, :, rows]
                 p = p.sub_(lse[:, :, rows]).exp_()  # the probabilities (B, nh, bq, nk)
                 dvf[:, :, them] += p.transpose(-2, -1) @ dyb
-                dP = torch.matmul(dyb, vf[:, :, them].transpose(-2, -1), out=keys.take("dp", p.shape))
+                dP = torch.matmul(
+                    dyb, vf[:, :, them].transpose(-2, -1), out=keys.take("dp", p.shape)
+                )
                 ds = p.mul_(dP.sub_(D[:, :, rows]))  # dS = P ⊙ (dP - D)
-                # the bias z[lo] + w·(z[lo + 1] - z[lo]): z[lo] takes dS·(1 - w), z[lo + 1] dS·w; past `near`
-                # every count has stopped at p_max - 1, each key's bias z[p_max - 1], its gate moving no count
+                # the bias z[lo] + w·(z[lo + 1] - z[lo]): z[lo] takes dS·(1 - w), z[lo + 1] dS·w;
+                # past `near` every count has stopped at p_max - 1, each key's bias z[p_max - 1],
+                # its gate moving no count
                 counted = ds[..., :near]
                 dsw = torch.mul(counted, w, out=w)
                 at_lo = dz[:, :, rows].zero_().scatter_add_(-1, lo, counted)
@@ -506,8 +629,10 @@ class CountAttention(torch.autograd.Function):
                 at_lo.sub_(w_at_lo)[..., 1:] += w_at_lo[..., :-1]  # dz (B, nh, bq, p_max)
                 dp = step.mul_(counted)  # d/dw; 0 where p is clamped (its z step is 0)
                 dg = torch.cumsum(dp, -1, out=keys.take("dg", dp.shape))
-                dg = dg.neg_().add_(dp).add_(dp.sum(-1, keepdim=True))  # each gate: the counts of the farther keys
-                dgate = torch.ops.aten.sigmoid_backward.grad_input(dg, g[..., :near], grad_input=dg)  # dg·g·(1 - g)
+                # each gate: the counts of the farther keys
+                dg = dg.neg_().add_(dp).add_(dp.sum(-1, keepdim=True))
+                # dg·g·(1 - g)
+                dgate = torch.ops.aten.sigmoid_backward.grad_input(dg, g[..., :near], grad_input=dg)
                 counted += dgate if ratio == 1 else dgate.mul_(ratio)
                 dscore = ds  # (B, nh, bq, nk)
                 dq[:, :, rows] = (dscore @ kf[:, :, them]).mul_(c)
@@ -520,16 +645,18 @@ class CountAttention(torch.autograd.Function):
 
 
 class Keys:
-    """What CountAttention's blocks read: the queries qs and the keys reversed kf (B, nh, T, hs), z = q·e[n] and
-    z[n + 1] (B, nh, Tq, p_max; z[p_max - 1] at the end, where p stops), the positions, and buffers each as large
-    as the largest block (B, nh, TABLE_BLOCK, Tk), kept between calls: on a CPU a fresh tensor of a block's size costs
-    as much again as the pass that fills it (the allocator returns its pages, and each is faulted in again)."""
+    """What CountAttention's blocks read: the queries qs and the keys reversed kf (B, nh, T, hs), z
+    = q·e[n] and z[n + 1] (B, nh, Tq, p_max; z[p_max - 1] at the end, where p stops), the positions,
+    and buffers each as large as the largest block (B, nh, TABLE_BLOCK, Tk), kept between calls: on
+    a CPU a fresh tensor of a block's size costs as much again as the pass that fills it (the
+    allocator returns its pages, and each is faulted in again)."""
 
     kept: dict = {}  # (name, dtype, device) -> a flat buffer, grown as needed
 
     def __init__(self, qs, kf, es, counts: GateCounts, pos, window, starts):
         self.qs, self.kf, self.counts, self.window = qs, kf, counts, window
-        zz = qs @ torch.cat([es, es[-1:]]).T  # (B, nh, Tq, p_max + 1): z[n] = q·e[n], and z[p_max - 1] again
+        # (B, nh, Tq, p_max + 1): z[n] = q·e[n], and z[p_max - 1] again
+        zz = qs @ torch.cat([es, es[-1:]]).T
         self.z, self.z_next = zz[..., :-1], zz[..., 1:]  # z[n], z[n + 1]
         self.pos, self.key_pos, self.starts = pos, pos.flip(0), starts
         self.key_starts = None if starts is None else starts.flip(-1)
@@ -549,15 +676,19 @@ def reversed_keys(cols: slice, Tk: int) -> slice:
     return slice(Tk - cols.stop, Tk - cols.start)
 
 
-def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True, near: int | None = None) -> tuple:
-    """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: the bias z[p] alone) over the keys in cols
-    nearest first, -inf where a query does not see a key, and what the backward reads: the gates g, then over the
-    `near` nearest keys (None: found here, the keys before every count has stopped at p_max - 1) ⌊p⌋, p - ⌊p⌋ and z's
-    step at each pair, and near; in keys' buffers."""
+def counted_scores(
+    keys: Keys, rows: slice, cols: slice, scores: bool = True, near: int | None = None
+) -> tuple:
+    """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: the bias z[p] alone) over the
+    keys in cols nearest first, -inf where a query does not see a key, and what the backward reads:
+    the gates g, then over the `near` nearest keys (None: found here, the keys before every count
+    has stopped at p_max - 1) ⌊p⌋, p - ⌊p⌋ and z's step at each pair, and near; in keys' buffers."""
     them = reversed_keys(cols, keys.kf.size(2))
     qb, kb, c = keys.qs[:, :, rows], keys.kf[:, :, them], keys.qs.size(-1) ** -0.5
     shape = (*qb.shape[:3], kb.size(2))
-    mask = unseen(keys.pos, keys.key_pos, keys.window, keys.starts, keys.key_starts, rows, them, qb.dtype)
+    mask = unseen(
+        keys.pos, keys.key_pos, keys.window, keys.starts, keys.key_starts, rows, them, qb.dtype
+    )
     qk, g = keys.take("s", shape), keys.take("g", shape)
     torch.bmm(qb.flatten(0, 1), kb.flatten(0, 1).transpose(1, 2), out=qk.flatten(0, 1))
     if keys.counts.gate_scale != c:  # σ(q·k·gate_scale), 0 where unseen
@@ -567,12 +698,18 @@ def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True, ne
         torch.sigmoid(s, out=g)  # σ(-inf) = 0
     last = keys.z.size(-1) - 1
     p = torch.cumsum(g, -1, out=keys.take("w", shape)).clamp_(max=last)  # the gates from the key on
-    if near is None:  # eager: p grows along the keys, so the stopped ones end each row; compiled: every key
-        near = shape[-1] if torch.compiler.is_compiling() else int((p.amin(dim=(0, 1, 2)) < last).sum())
+    # eager: p grows along the keys, so the stopped ones end each row; compiled: every key
+    if near is None:
+        near = (
+            shape[-1]
+            if torch.compiler.is_compiling()
+            else int((p.amin(dim=(0, 1, 2)) < last).sum())
+        )
     p, z = p[..., :near], keys.z[:, :, rows]
     lo = keys.take("lo", p.shape, torch.long).copy_(p)  # ⌊p⌋ (p >= 0)
     w = p.frac_()
-    step = torch.gather(keys.z_next[:, :, rows], -1, lo, out=keys.take("step", p.shape))  # z[⌊p⌋ + 1]
+    # z[⌊p⌋ + 1]
+    step = torch.gather(keys.z_next[:, :, rows], -1, lo, out=keys.take("step", p.shape))
     bias = keys.take("z", shape)
     counted = torch.gather(z, -1, lo, out=bias[..., :near])  # z[⌊p⌋]
     counted.addcmul_(w, step.sub_(counted))  # z[⌊p⌋] + w·(z[⌊p⌋ + 1] - z[⌊p⌋])
@@ -583,60 +720,78 @@ def counted_scores(keys: Keys, rows: slice, cols: slice, scores: bool = True, ne
 def key_span(
     i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None = None
 ) -> tuple[int, int]:
-    """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: with their own keys none past the last query (its
-    future), none window or more before the first, and under packing="documents" none before the earliest start of
-    their documents (eager: the start is data, read on the host; compiled, from the first key)."""
+    """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: with their own keys none past the last
+    query (its future), none window or more before the first, and under packing="documents" none
+    before the earliest start of their documents (eager: the start is data, read on the host;
+    compiled, from the first key)."""
     if not own_keys:
         return 0, Tk
-    j0 = 0 if window is None else max(0, i0 - window + 1)  # own keys: consecutive, key j at position pos[0] + j
+    # own keys: consecutive, key j at position pos[0] + j
+    j0 = 0 if window is None else max(0, i0 - window + 1)
     if starts is not None and not torch.compiler.is_compiling():
         j0 = max(j0, int(starts[:, i0:i1].min() - pos[0]))
     return j0, i1
 
 
-def table_block(table: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> tuple:
-    """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys at key_pos (Tk,), -inf where a query does not
-    see a key, and the table entry each pair reads (bq, Tk): i - j, from 0 (the future, masked) to D - 1."""
+def table_block(
+    table: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
+) -> tuple:
+    """The bias (nh, bq, Tk) float32 of queries at pos (bq,) over keys at key_pos (Tk,), -inf where
+    a query does not see a key, and the table entry each pair reads (bq, Tk): i - j, from 0 (the
+    future, masked) to D - 1."""
     rel = pos[:, None] - key_pos[None, :]
     index = rel.clamp(0, table.size(1) - 1)
     bias = table[:, index].to(torch.promote_types(table.dtype, torch.float32))
     return bias.masked_fill(~sees(rel, window), float("-inf")), index
 
 
-def in_documents(bias: torch.Tensor, starts, key_starts, query_slice: slice, key_slice: slice) -> torch.Tensor:
-    """A block's bias (nh, bq, nk) of the queries in query_slice over the keys in key_slice, -inf where in different
-    documents ((B, nh, bq, nk); starts (B, Tq) and key_starts (B, Tk): where each one's document starts), or as it is
-    without documents (starts None)."""
+def in_documents(
+    bias: torch.Tensor, starts, key_starts, query_slice: slice, key_slice: slice
+) -> torch.Tensor:
+    """A block's bias (nh, bq, nk) of the queries in query_slice over the keys in key_slice, -inf
+    where in different documents ((B, nh, bq, nk); starts (B, Tq) and key_starts (B, Tk): where each
+    one's document starts), or as it is without documents (starts None)."""
     if starts is None:
         return bias
     same = same_document(starts, key_starts, query_slice, key_slice)
-    return torch.where(same[:, None], bias, float("-inf"))  # one pass (masked_fill would copy, then fill)
+    # one pass (masked_fill would copy, then fill)
+    return torch.where(same[:, None], bias, float("-inf"))
 
 
-def same_document(starts: torch.Tensor, key_starts: torch.Tensor, query_slice: slice, key_slice: slice) -> torch.Tensor:
-    """Whether the queries in query_slice and the keys in key_slice are in one document (B, bq, nk)."""
+def same_document(
+    starts: torch.Tensor, key_starts: torch.Tensor, query_slice: slice, key_slice: slice
+) -> torch.Tensor:
+    """Whether the queries in query_slice and the keys in key_slice are in one document (B, bq,
+    nk)."""
     return starts[:, query_slice, None] == key_starts[:, None, key_slice]
 
 
 def bias_blocks(
-    block_bias: Callable[[int, int, int, int], torch.Tensor], span: Callable[[int, int], tuple], attend
+    block_bias: Callable[[int, int, int, int], torch.Tensor],
+    span: Callable[[int, int], tuple],
+    attend,
 ) -> Callable:
-    """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias without a table,
-    FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see, their bias block_bias(i0, i1, j0, j1)
-    (fast_attention's), then attend(q, k, v, bias) (model.py's SDPA under a bias): no (nh, Tq, Tk) tensor. With a
-    gradient each block runs under activation checkpointing, so that its bias and probabilities are computed again in
-    the backward, one block at a time, and autograd takes the bias's gradient into its parameters from there (FIRE's
-    MLP, any formula)."""
+    """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias
+    without a table, FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see,
+    their bias block_bias(i0, i1, j0, j1) (fast_attention's), then attend(q, k, v, bias) (model.py's
+    SDPA under a bias): no (nh, Tq, Tk) tensor. With a gradient each block runs under activation
+    checkpointing, so that its bias and probabilities are computed again in the backward, one block
+    at a time, and autograd takes the bias's gradient into its parameters from there (FIRE's MLP,
+    any formula)."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)
-        return attend(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=block_bias(i0, i1, j0, j1))
+        return attend(
+            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=block_bias(i0, i1, j0, j1)
+        )
 
     def attention(q, k, v):
         grad = torch.is_grad_enabled()
         run = (lambda *a: checkpoint(block, *a, use_reentrant=False)) if grad else block
         Tq = q.size(2)
-        return torch.cat([run(q, k, v, i0, min(i0 + TABLE_BLOCK, Tq)) for i0 in range(0, Tq, TABLE_BLOCK)], dim=2)
+        return torch.cat(
+            [run(q, k, v, i0, min(i0 + TABLE_BLOCK, Tq)) for i0 in range(0, Tq, TABLE_BLOCK)], dim=2
+        )
 
     return attention
 
@@ -656,12 +811,13 @@ def content_attention(
     attend: Callable,
     counts: Callable[[], GateCounts] | None = None,
 ) -> Callable:
-    """The attention (q, k, v, x) -> y of a bias that reads the content (model.py's CoPE, FoX): content_bias(q, k,
-    seen, order, sums) of a block of queries over their keys, -inf where a query does not see a key (visible(i0, i1,
-    j0, j1)), by kernel's blocks of queries (no (Tq, Tk) tensor: sum_blocks, SumBiasAttention; bias_blocks: by rows,
-    or CountAttention over the queries' own keys where counts() gives a bias of counted positions) or as one block (the
-    reference). The keys are counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is
-    what each token adds to a running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by
+    """The attention (q, k, v, x) -> y of a bias that reads the content (model.py's CoPE, FoX):
+    content_bias(q, k, seen, order, sums) of a block of queries over their keys, -inf where a query
+    does not see a key (visible(i0, i1, j0, j1)), by kernel's blocks of queries (no (Tq, Tk) tensor:
+    sum_blocks, SumBiasAttention; bias_blocks: by rows, or CountAttention over the queries' own keys
+    where counts() gives a bias of counted positions) or as one block (the reference). The keys are
+    counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is what each
+    token adds to a running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by
     sums(increments): the queries' and every key's."""
     order = None if own_keys else key_pos.argsort()  # (Tk,)
     query_starts, key_starts = (None, None) if starts is None else starts
@@ -675,16 +831,28 @@ def content_attention(
         def block_bias(i0, i1, j0, j1):
             seen = visible(i0, i1, j0, j1)
             part = None if running is None else (running[0][..., i0:i1], running[1][..., j0:j1])
-            bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)  # a cache's chunk: one block
+            # a cache's chunk: one block
+            bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)
             return bias.masked_fill(~seen, float("-inf"))
 
         if kernel == "sum_blocks":  # c_i - c'_j alone (FoX's): its CPU kernel
-            c, key_c = running  # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
-            key_c, keys, their_starts = (None, None, None) if own_keys else (key_c, key_pos, key_starts)
-            return SumBiasAttention.apply(q, k, v, c, key_c, pos, keys, window, query_starts, their_starts)
-        if kernel == "bias_blocks" and counts is not None and own_keys:  # CoPE's positions, counted in order
-            gate_counts, blocks = counts(), list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window))
-            return CountAttention.apply(q, k, v, gate_counts.e, gate_counts, pos, window, query_starts, blocks)
+            # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
+            c, key_c = running
+            key_c, keys, their_starts = (
+                (None, None, None) if own_keys else (key_c, key_pos, key_starts)
+            )
+            return SumBiasAttention.apply(
+                q, k, v, c, key_c, pos, keys, window, query_starts, their_starts
+            )
+        # CoPE's positions, counted in order
+        if kernel == "bias_blocks" and counts is not None and own_keys:
+            gate_counts, blocks = (
+                counts(),
+                list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window)),
+            )
+            return CountAttention.apply(
+                q, k, v, gate_counts.e, gate_counts, pos, window, query_starts, blocks
+            )
         if kernel == "bias_blocks":
             return bias_blocks(block_bias, span, attend)(q, k, v)
         return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))
@@ -692,17 +860,18 @@ def content_attention(
     return attention
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# A bias that is a small MLP of each pair's input (FIRE's), computed fast: the MLP once per distance where its input
-# is a function of i - j alone, its units at once for few inputs or one at a time for many, a gradient that keeps
-# the input alone
+# --------------------------------------------------------------------------------------------------
+# A bias that is a small MLP of each pair's input (FIRE's), computed fast: the MLP once per distance
+# where its input is a function of i - j alone, its units at once for few inputs or one at a time
+# for many, a gradient that keeps the input alone
 
 
 @dataclass(frozen=True)
 class MLPBias:
-    """One layer's bias f(x) as its encoding declares it (model.FIRE.layer_bias): x = input(c, threshold, i, j) of
-    the query and key positions, f(x) = mlp(x, w1, b1, w2, together) summed over its units (the last dim of w1, b1,
-    w2 (nh, units)), and for a query below the threshold (i < threshold) x a function of i - j alone."""
+    """One layer's bias f(x) as its encoding declares it (model.FIRE.layer_bias): x = input(c,
+    threshold, i, j) of the query and key positions, f(x) = mlp(x, w1, b1, w2, together) summed over
+    its units (the last dim of w1, b1, w2 (nh, units)), and for a query below the threshold (i <
+    threshold) x a function of i - j alone."""
 
     input: Callable
     mlp: Callable
@@ -717,13 +886,14 @@ MLP_FEW = 1 << 14  # MLP inputs up to which its units are kept at once (16,384 x
 
 
 def recomputed(fn: Callable) -> Callable:
-    """fn under activation checkpointing: its intermediates are computed again in the backward instead of kept."""
+    """fn under activation checkpointing: its intermediates are computed again in the backward
+    instead of kept."""
     return lambda *args: checkpoint(fn, *args, use_reentrant=False)
 
 
 class UnitByUnit(torch.autograd.Function):
-    """mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes its units one at a time in the backward
-    (autograd would keep one bias-sized pre-activation per unit)."""
+    """mlp(x, w1, b1, w2) with a gradient that keeps x alone and recomputes its units one at a time
+    in the backward (autograd would keep one bias-sized pre-activation per unit)."""
 
     @staticmethod
     def forward(ctx, mlp, x, w1, b1, w2):
@@ -733,7 +903,12 @@ class UnitByUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = torch.zeros_like(g), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        gx, gw1, gb1, gw2 = (
+            torch.zeros_like(g),
+            torch.zeros_like(w1),
+            torch.zeros_like(b1),
+            torch.zeros_like(w2),
+        )
         for u in range(w1.size(-1)):
             a = x * w1[..., u] + b1[..., u]
             ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
@@ -745,8 +920,9 @@ class UnitByUnit(torch.autograd.Function):
 
 
 def run_mlp(mlp: Callable, x: torch.Tensor, w1, b1, w2, few: bool = False) -> torch.Tensor:
-    """mlp(x, w1, b1, w2) the fastest exact way: its units together for few inputs (a block's distances, a decode
-    step's row) or compiled with a gradient; eager with a gradient, UnitByUnit, which keeps x alone."""
+    """mlp(x, w1, b1, w2) the fastest exact way: its units together for few inputs (a block's
+    distances, a decode step's row) or compiled with a gradient; eager with a gradient, UnitByUnit,
+    which keeps x alone."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2))
     if few or (grad and torch.compiler.is_compiling()):
         return mlp(x, w1, b1, w2, together=True)
@@ -754,16 +930,17 @@ def run_mlp(mlp: Callable, x: torch.Tensor, w1, b1, w2, few: bool = False) -> to
 
 
 def mlp_distances(f: MLPBias, T: int, c, threshold, w1, b1, w2) -> torch.Tensor:
-    """The bias (nh, T) of the distances 0 … T - 1 for queries below the threshold (x of i - j alone), the MLP run
-    once per distance; w2 (nh, 1, units)."""
+    """The bias (nh, T) of the distances 0 … T - 1 for queries below the threshold (x of i - j
+    alone), the MLP run once per distance; w2 (nh, 1, units)."""
     x = f.input(c, threshold, torch.arange(T, device=c.device), 0)
     return run_mlp(f.mlp, x, w1, b1, w2, few=T <= MLP_FEW)
 
 
 def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
-    """The bias as a table over the distances 0 … T - 1 (nh, T) where every query is below the threshold and the keys
-    are the queries' own at consecutive positions pos (T,), queries (T,) or (B, T) their positions (in documents);
-    else None. Eager on a CPU only: whether every query is below it reads the data (a host sync per layer on a GPU)."""
+    """The bias as a table over the distances 0 … T - 1 (nh, T) where every query is below the
+    threshold and the keys are the queries' own at consecutive positions pos (T,), queries (T,) or
+    (B, T) their positions (in documents); else None. Eager on a CPU only: whether every query is
+    below it reads the data (a host sync per layer on a GPU)."""
     if torch.compiler.is_compiling() or pos.device.type != "cpu":
         return None
     if bool(queries.max() >= f.threshold):  # at i = L max(L, i) splits its gradient: by pairs
@@ -772,12 +949,14 @@ def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Ten
 
 
 def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2) -> torch.Tensor:
-    """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own, at consecutive
-    positions pos (T,), doc_pos (B, T) each query's position in its document: a function of that position p and the
-    distance d alone, so the MLP runs once per (p, d) for the positions past the threshold (every position, compiled:
-    their number is data) and once per d for those below, then each row gathers its own."""
+    """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own, at
+    consecutive positions pos (T,), doc_pos (B, T) each query's position in its document: a function
+    of that position p and the distance d alone, so the MLP runs once per (p, d) for the positions
+    past the threshold (every position, compiled: their number is data) and once per d for those
+    below, then each row gathers its own."""
     T, device = len(pos), pos.device
-    within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))  # p < L
+    # p < L
+    within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))
     table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T): p < L reads d alone
     p, d = torch.arange(within, T, device=device)[:, None], torch.arange(T, device=device)
     past = run_mlp(f.mlp, f.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
@@ -786,34 +965,48 @@ def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2)
     return by_position[:, doc_pos[:, :, None], rel].transpose(0, 1)  # (B, nh, T, T)
 
 
-def mlp_matrix(f: MLPBias, pos, key_pos, own_keys: bool, doc_pos=None, recompute: bool = False) -> torch.Tensor:
-    """The bias at every pair of queries at pos (Tq,) and keys at key_pos (Tk,), (nh, Tq, Tk), its x and units computed
-    once for the layer; doc_pos: under packing="documents" each query's and key's position in its document ((B, Tq),
-    (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries' own at consecutive positions, a query below the
-    threshold has x of i - j alone: its row is a gather from the MLP run on the T distances; only queries past it (a
-    suffix) take the MLP per pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
-    # the tensors the MLP's evaluations take (so that checkpointing and torch.cond see them); w2 (nh, 1, 1, units)
+def mlp_matrix(
+    f: MLPBias, pos, key_pos, own_keys: bool, doc_pos=None, recompute: bool = False
+) -> torch.Tensor:
+    """The bias at every pair of queries at pos (Tq,) and keys at key_pos (Tk,), (nh, Tq, Tk), its x
+    and units computed once for the layer; doc_pos: under packing="documents" each query's and key's
+    position in its document ((B, Tq), (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries'
+    own at consecutive positions, a query below the threshold has x of i - j alone: its row is a
+    gather from the MLP run on the T distances; only queries past it (a suffix) take the MLP per
+    pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
+    # the tensors the MLP's evaluations take (so that checkpointing and torch.cond see them); w2
+    # (nh, 1, 1, units)
     operands = f.c, f.threshold, f.w1, f.b1, f.w2[:, None, None]
     if doc_pos is not None:  # positions restart per document: each row's own bias (B, nh, T, Tk)
-        # pair by pair at each row's positions where the keys are not the queries' own, or a document began
-        # before the chunk (read on the host, eager, only then)
+        # pair by pair at each row's positions where the keys are not the queries' own, or a
+        # document began before the chunk (read on the host, eager, only then)
         if not own_keys or (not torch.compiler.is_compiling() and bool(doc_pos[0][:, 0].max() > 0)):
             i, j = doc_pos  # (B, Tq), (B, Tk)
             few = i.numel() * j.size(1) <= MLP_FEW
 
-            def by_rows(c, threshold, w1, b1, w2):  # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
+            # x (B, 1, Tq, Tk), the heads' in w2: (B, nh, Tq, Tk)
+            def by_rows(c, threshold, w1, b1, w2):
                 return run_mlp(
-                    f.mlp, f.input(c, threshold, i[:, None, :, None], j[:, None, None, :]), w1, b1, w2, few=few
+                    f.mlp,
+                    f.input(c, threshold, i[:, None, :, None], j[:, None, None, :]),
+                    w1,
+                    b1,
+                    w2,
+                    few=few,
                 )
 
             return (recomputed(by_rows) if recompute and not few else by_rows)(*operands)
         return mlp_by_document_position(f, pos, doc_pos[0], *operands)
 
-    def pairs(queries: torch.Tensor) -> Callable:  # the bias of these queries over every key: (nh, Tq, Tk)
-        few = len(queries) * len(key_pos) <= MLP_FEW  # little to keep for the backward: nothing to recompute
+    # the bias of these queries over every key: (nh, Tq, Tk)
+    def pairs(queries: torch.Tensor) -> Callable:
+        # little to keep for the backward: nothing to recompute
+        few = len(queries) * len(key_pos) <= MLP_FEW
 
         def at(c, threshold, w1, b1, w2):
-            return run_mlp(f.mlp, f.input(c, threshold, queries[:, None], key_pos), w1, b1, w2, few=few)
+            return run_mlp(
+                f.mlp, f.input(c, threshold, queries[:, None], key_pos), w1, b1, w2, few=few
+            )
 
         return recomputed(at) if recompute and not few else at
 
@@ -823,22 +1016,30 @@ def mlp_matrix(f: MLPBias, pos, key_pos, own_keys: bool, doc_pos=None, recompute
 
 
 def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) -> torch.Tensor:
-    """mlp_matrix where the keys are the queries' own at consecutive positions pos (T,): the queries below the
-    threshold (a prefix) gather from the distances, those past it take pairs(queries) (the MLP per pair)."""
+    """mlp_matrix where the keys are the queries' own at consecutive positions pos (T,): the queries
+    below the threshold (a prefix) gather from the distances, those past it take pairs(queries) (the
+    MLP per pair)."""
     T = len(pos)
     rel = (pos[:, None] - pos[None, :]).clamp(min=0)  # (T, T): 0 … T - 1
 
-    def by_distance(c, threshold, w1, b1, w2, prefix: int = T):  # the first `prefix` queries, within L
+    # the first `prefix` queries, within L
+    def by_distance(c, threshold, w1, b1, w2, prefix: int = T):
         table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T)
-        return table[:, rel[:prefix]]  # (nh, prefix, T); keeps little for the backward: nothing to recompute
+        # (nh, prefix, T); keeps little for the backward: nothing to recompute
+        return table[:, rel[:prefix]]
 
-    past = pos >= operands[1]  # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
-    if torch.compiler.is_compiling():  # one graph, so no size from the data: branches taken at run time
-        R = max(1, T // 8)  # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
+    # (T,): True on a suffix (at i = L too: max(L, i) splits its gradient there)
+    past = pos >= operands[1]
+    # one graph, so no size from the data: branches taken at run time
+    if torch.compiler.is_compiling():
+        # up to R queries past L: the last R rows pair by pair where past, a gather elsewhere
+        R = max(1, T // 8)
 
         def few_past(*operands):
             table = by_distance(*operands)  # (nh, T, T)
-            tail = torch.where(past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :])
+            tail = torch.where(
+                past[T - R :, None], pairs(pos[T - R :])(*operands), table[:, T - R :]
+            )
             return torch.cat([table[:, : T - R], tail], dim=1)
 
         def some_past(*operands):
@@ -860,10 +1061,11 @@ KERNELS = (
 )  # kernel()'s answers, each a path of fast_attention
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Kernel fallbacks: a fused kernel that the compiler cannot build for this model on this GPU (Triton's shared memory,
-# an unsupported shape) is replaced, never a crash: first the same kernel with one pipeline stage (less shared memory
-# per block), then a materialized bias (always compiles). Each replaces fields of the model's AttentionOptions.
+# --------------------------------------------------------------------------------------------------
+# Kernel fallbacks: a fused kernel that the compiler cannot build for this model on this GPU
+# (Triton's shared memory, an unsupported shape) is replaced, never a crash: first the same kernel
+# with one pipeline stage (less shared memory per block), then a materialized bias (always
+# compiles). Each replaces fields of the model's AttentionOptions.
 KERNEL_FALLBACKS = [
     (
         "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
@@ -874,39 +1076,57 @@ KERNEL_FALLBACKS = [
 
 
 def compiler_failure(e: BaseException | None) -> bool:
-    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor, Triton)."""
+    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor,
+    Triton)."""
     from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor import exc as inductor_exc  # imported here: torch does not load inductor until it compiles
+
+    # imported here: torch does not load inductor until it compiles
+    from torch._inductor import exc as inductor_exc
 
     kinds = (BackendCompilerFailed, getattr(inductor_exc, "InductorError", BackendCompilerFailed))
     while e is not None:
         name = f"{type(e).__module__}.{type(e).__name__}"
-        if isinstance(e, kinds) or name.startswith("triton.") or name.endswith("NoTritonConfigsError"):
+        if (
+            isinstance(e, kinds)
+            or name.startswith("triton.")
+            or name.endswith("NoTritonConfigsError")
+        ):
             return True
         e = e.__cause__ or e.__context__
     return False
 
 
-def fall_back(options: AttentionOptions, error: BaseException) -> tuple[AttentionOptions, str] | None:
-    """Where error is the compiler failing on the fused kernel the default options chose, the next fallback's options
-    and what changed (one line); None where there is nothing to fall back from or to."""
+def fall_back(
+    options: AttentionOptions, error: BaseException
+) -> tuple[AttentionOptions, str] | None:
+    """Where error is the compiler failing on the fused kernel the default options chose, the next
+    fallback's options and what changed (one line); None where there is nothing to fall back from or
+    to."""
     if not (options.fused is None and compiler_failure(error)):
         return None
     for what, settings in KERNEL_FALLBACKS:
         if any(getattr(options, k) != v for k, v in settings.items()):
-            first_line = next((ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__)[:200]
-            note = f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); {what}"
+            first_line = next(
+                (ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__
+            )[:200]
+            note = (
+                f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); "
+                f"{what}"
+            )
             return replace(options, **settings), note
     return None
 
 
 def with_kernel_fallbacks(
-    step: Callable, options: AttentionOptions | None, retry: Callable[[AttentionOptions], None], log=print
+    step: Callable,
+    options: AttentionOptions | None,
+    retry: Callable[[AttentionOptions], None],
+    log=print,
 ):
-    """step(), and where the fused kernel cannot be compiled, step() again after each fallback in turn (one log line
-    each). options: the model's attention options (None: it has no score bias, so no fused kernel to fall back from);
-    retry(options) gives the model the fallback's options and puts back what the failed step changed. A fallback
-    stays."""
+    """step(), and where the fused kernel cannot be compiled, step() again after each fallback in
+    turn (one log line each). options: the model's attention options (None: it has no score bias, so
+    no fused kernel to fall back from); retry(options) gives the model the fallback's options and
+    puts back what the failed step changed. A fallback stays."""
     while True:
         try:
             return step()

@@ -1,14 +1,17 @@
 """
 Train a GPT with any positional encoding, with nanoGPT's config keys.
-    python train.py config/rope.py                        # one GPU (bf16 + torch.compile), or the CPU
-    python train.py config/rope.py config/cpu.py          # a CPU-sized run (minutes on a laptop)
-    python train.py config/rope.py config/passkey.py      # a synthetic retrieval task, on a CPU
-    python train.py config/rope.py --init_from=resume     # continue a run exactly where it stopped
-    python train.py config/rope.py --init_from=out-rope --out_dir=out-rope-yarn --block_size=1024 --rope_scaling=yarn
-                                                          # extend a run: fine-tune its weights at 4x its length
-    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py                  # DDP: a copy per GPU
-    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py --parallel=fsdp  # FSDP: the model sharded
-Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to quit at once.
+    python train.py config/rope.py                     # one GPU (bf16 + torch.compile), or the CPU
+    python train.py config/rope.py config/cpu.py       # a CPU-sized run (minutes on a laptop)
+    python train.py config/rope.py config/passkey.py   # a synthetic retrieval task, on a CPU
+    python train.py config/rope.py --init_from=resume  # continue a run exactly where it stopped
+    # extend a run: fine-tune its weights at 4x its length
+    python train.py config/rope.py --init_from=out-rope --out_dir=out-rope-yarn --block_size=1024 \
+        --rope_scaling=yarn
+    # DDP (a copy per GPU), FSDP (the model sharded)
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py --parallel=fsdp
+Ctrl-C (or SIGTERM) saves a checkpoint after the current iteration, then exits; press it twice to
+quit at once.
 """
 
 import math
@@ -37,15 +40,24 @@ from lib.datafiles import (
 )
 from lib.devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
 from lib.options import check_fits, odd_values, resolve
-from lib.parallel import STRATEGIES, Processes, Strategy, held_bytes, start_processes, stop_on_signals, strategy
+from lib.parallel import (
+    STRATEGIES,
+    Processes,
+    Strategy,
+    held_bytes,
+    start_processes,
+    stop_on_signals,
+    strategy,
+)
 from lib.synthetic_tasks import LEARNED, learned_at
 from lib.tokenizer import GPT2Tokenizer
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
 from shape import set_activation_checkpointing
 
-# -----------------------------------------------------------------------------------------------------------------
-# Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT on the complete
-# works of Shakespeare at block 256 (nanoGPT's shakespeare_char sizes; minutes on one GPU).
+# --------------------------------------------------------------------------------------------------
+# Defaults: the comparison experiment of config/<encoding>.py, a ~10M-parameter character-level GPT
+# on the complete works of Shakespeare at block 256 (nanoGPT's shakespeare_char sizes; minutes on
+# one GPU).
 defaults = dict(
     # I/O
     out_dir="",  # default: out-<pos_encoding>
@@ -53,38 +65,55 @@ defaults = dict(
     log_interval=10,
     eval_iters=200,  # batches per split for each validation estimate (the same batches every time)
     eval_only=False,  # evaluate once and exit
-    always_save_checkpoint=True,  # save ckpt.pt at every eval; False: only when val loss improves, and at the end
-    init_from="scratch",  # scratch | resume (from out_dir/ckpt.pt) | a run's folder (extend it: a new run from its
-    # weights and model, at a block_size at least its own, dropout and RoPE scaling free) | gpt2 | gpt2-medium |
-    # gpt2-large | gpt2-xl | a local Hugging Face GPT-2 folder
+    # save ckpt.pt at every eval; False: only when val loss improves, and at the end
+    always_save_checkpoint=True,
+    # scratch | resume (from out_dir/ckpt.pt) | a run's folder (extend it: a new run from its
+    init_from="scratch",
+    # weights and model, at a block_size at least its own, dropout and RoPE scaling free) | gpt2 |
+    # gpt2-medium | gpt2-large | gpt2-xl | a local Hugging Face GPT-2 folder
     overwrite=False,  # True: start afresh in an out_dir that holds a run, replacing its checkpoints
     # wandb
     wandb_log=False,
     wandb_project="nanope",
     wandb_run_name="",  # default: <pos_encoding>
-    wandb_group="",  # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit together
+    # default: <dataset>-<n_layer>L-<n_embd>d-T<block_size>, so one experiment's encodings sit
+    # together
+    wandb_group="",
     # data
-    dataset="",  # a folder of data/ or a prepared one's path; default shakespeare_char (embedded: prepared at once)
+    # a folder of data/ or a prepared one's path; default shakespeare_char (embedded: prepared at
+    # once)
+    dataset="",
     gradient_accumulation_steps=1,  # micro-steps per iteration, over all processes
     batch_size=64,  # sequences per micro-step and process
     block_size=256,
-    packing="stream",  # stream (nanoGPT's: documents joined by the end-of-text token, every token sees its whole
-    # window) | documents (each end-of-text token begins a document: positions restart and attention stays inside
-    # it; the dataset must mark its documents, e.g. shakespeare_char_scenes, openwebtext, tinystories, wikitext103)
-    task_fraction=0.0,  # training rows that are retrieval tasks (passkey, recall, copy), e.g. 0.05; val: text
+    # stream (nanoGPT's: documents joined by the end-of-text token, every token sees its whole
+    packing="stream",
+    # window) | documents (each end-of-text token begins a document: positions restart and attention
+    # stays inside it; the dataset must mark its documents, e.g. shakespeare_char_scenes,
+    # openwebtext, tinystories, wikitext103)
+    # training rows that are retrieval tasks (passkey, recall, copy), e.g. 0.05; val: text
+    task_fraction=0.0,
     task_seed=None,  # seeds the task sequences with the iteration (default: seed)
     # synthetic token-level tasks instead of text (config/<task>.py have their recipes)
-    task="",  # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers only
-    task_vocab=128,  # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
+    # needle | passkey | mqar | offset | copy: train on the task's sequences, loss on the answers
+    # only
+    task="",
+    # the task's vocabulary: 3 special tokens, then three equal ranges of keys, values and filler
+    task_vocab=128,
     task_pairs=8,  # mqar: key-value pairs per sequence
     task_queries=4,  # mqar: keys asked per sequence, each one trial
-    task_layout="scattered",  # mqar: scattered (pairs in filler, queries last) | zoology (pairs first, queries after)
-    task_mix=0.0,  # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on them,
+    # mqar: scattered (pairs in filler, queries last) | zoology (pairs first, queries after)
+    task_layout="scattered",
+    # the fraction of training rows that are needle rows (a curriculum: the lookup is learned on
+    # them,
+    task_mix=0.0,
     # then found through the marker); validation has the task's rows alone
-    task_prev_tokens=False,  # training rows also ask, at every position that is not an answer, for the token before
-    # it (a curriculum that builds the previous-token head retrieval by key needs); validation has the answers alone
-    # model
-    pos_encoding="rope",  # one of the encodings (--help lists them); each encoding's own options follow this block
+    # training rows also ask, at every position that is not an answer, for the token before
+    task_prev_tokens=False,
+    # it (a curriculum that builds the previous-token head retrieval by key needs); validation has
+    # the answers alone model
+    # one of the encodings (--help lists them); each encoding's own options follow this block
+    pos_encoding="rope",
     gelu="exact",  # exact (nanoGPT's) | tanh (GPT-2's; GPT-2 checkpoints bring their own)
     n_layer=6,
     n_head=6,
@@ -93,7 +122,9 @@ defaults = dict(
     bias=False,  # biases in Linears and LayerNorms (GPT-2 has them)
     # AdamW
     learning_rate=1e-3,
-    pe_lr_scale=None,  # the encoding's parameters learn this many times faster; None: its own (30: zero-started biases)
+    # the encoding's parameters learn this many times faster; None: its own (30: zero-started
+    # biases)
+    pe_lr_scale=None,
     max_iters=5000,
     weight_decay=1e-1,
     beta1=0.9,
@@ -105,20 +136,28 @@ defaults = dict(
     lr_decay_iters=5000,  # ~= max_iters (Chinchilla)
     min_lr=1e-4,  # ~= learning_rate / 10 (Chinchilla)
     # system
-    parallel="ddp",  # under torchrun: ddp (a full copy of the model, gradients and AdamW's state per process) | fsdp
-    # (each process holds 1/N of them: FSDP2; checkpoints go to ckpt.dcp, which resumes at any number of processes)
+    # under torchrun: ddp (a full copy of the model, gradients and AdamW's state per process) | fsdp
+    parallel="ddp",
+    # (each process holds 1/N of them: FSDP2; checkpoints go to ckpt.dcp, which resumes at any
+    # number of processes)
     backend="",  # the processes' backend: nccl | gloo; default nccl on GPU, gloo on CPU
     device=default_device(),  # cuda, cuda:1, mps, cpu; default the best available
-    dtype="",  # float32 | bfloat16 | float16; default bfloat16 where the GPU has it, else float16; float32 on CPU
+    # float32 | bfloat16 | float16; default bfloat16 where the GPU has it, else float16; float32 on
+    # CPU
+    dtype="",
     compile=None,  # torch.compile the model; default on for CUDA
-    activation_checkpointing="none",  # none | full (every block's activations computed again in the backward: the
-    # least memory) | selective (each block's attention alone, where a (T, T) tensor lives); the same numbers
+    # none | full (every block's activations computed again in the backward: the
+    activation_checkpointing="none",
+    # least memory) | selective (each block's attention alone, where a (T, T) tensor lives); the
+    # same numbers
     seed=1337,
 )
-defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}  # each encoding's: rpe_max_distance, ...
+# each encoding's: rpe_max_distance, ...
+defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}
 ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
-PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))  # longer work between log lines shows progress
+# longer work between log lines shows progress
+PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))
 
 
 class TrainError(Exception):
@@ -126,11 +165,12 @@ class TrainError(Exception):
 
 
 def usage() -> str:
-    """--help: the module docstring, the defaults block of this file (comments and all), the encodings and each
-    encoding's options from the registry."""
+    """--help: the module docstring, the defaults block of this file (comments and all), the
+    encodings and each encoding's options from the registry."""
     encodings = "\n".join(f"  {name}: {cls.summary}" for name, cls in POS_ENCODINGS.items())
     options = "\n".join(
-        f"{name}={defaults[name]!r}  # {owner}: {opt.help}" for name, (owner, opt) in ENCODING_OPTIONS.items()
+        f"{name}={defaults[name]!r}  # {owner}: {opt.help}"
+        for name, (owner, opt) in ENCODING_OPTIONS.items()
     )
     return (
         f"{script_usage(__file__, __doc__)}\n\npos_encoding, one of:\n{encodings}\n\n"
@@ -138,8 +178,9 @@ def usage() -> str:
     )
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# main: the options checked, the run set up, then nanoGPT's loop; the helpers follow in the order it calls them
+# --------------------------------------------------------------------------------------------------
+# main: the options checked, the run set up, then nanoGPT's loop; the helpers follow in the order it
+# calls them
 
 
 def main(argv: list[str]) -> None:
@@ -147,14 +188,21 @@ def main(argv: list[str]) -> None:
         print(usage())
         return
     explicit: set[str] = set()
-    options = configure(defaults, argv, explicit, owners=dict.fromkeys(POS_ENCODINGS, "pos_encoding"))
-    source = runs.source(options["init_from"])  # the run an extension starts from, read once: its options, its weights
+    options = configure(
+        defaults, argv, explicit, owners=dict.fromkeys(POS_ENCODINGS, "pos_encoding")
+    )
+    # the run an extension starts from, read once: its options, its weights
+    source = runs.source(options["init_from"])
     cfg = resolve(options, defaults, explicit, source)
-    master = int(os.environ.get("RANK", 0)) == 0  # known before the process group: errors come before any work
-    checkpointer = Checkpointer(cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master)
+    # known before the process group: errors come before any work
+    master = int(os.environ.get("RANK", 0)) == 0
+    checkpointer = Checkpointer(
+        cfg["out_dir"], sharded=STRATEGIES[cfg["parallel"]].sharded, master=master
+    )
     try:
         if master:
-            if cfg["init_from"] == "resume" and cfg["eval_only"]:  # prepare() checks it for a training run
+            # prepare() checks it for a training run
+            if cfg["init_from"] == "resume" and cfg["eval_only"]:
                 checkpointer.check_resumable()
             if not cfg["eval_only"]:  # eval_only writes nothing
                 for line in checkpointer.prepare(cfg["init_from"], cfg["overwrite"]):
@@ -163,12 +211,13 @@ def main(argv: list[str]) -> None:
                 print(f"note: {note}")
         train(cfg, checkpointer, source)
     finally:
-        checkpointer.release()  # a second main() in this process, or another run, may use the folder now
+        # a second main() in this process, or another run, may use the folder now
+        checkpointer.release()
 
 
 def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = None) -> None:
-    """Set up the processes, the data, the model and the run's state; then the loop: evaluate and save every
-    eval_interval, train one iteration, log; a signal saves and stops."""
+    """Set up the processes, the data, the model and the run's state; then the loop: evaluate and
+    save every eval_interval, train one iteration, log; a signal saves and stops."""
     procs = start_processes(cfg["device"], cfg["backend"], cfg["seed"])
     parallel = strategy(cfg["parallel"], procs)
     log = procs.log
@@ -178,11 +227,13 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     shards = procs.world_size if parallel.sharded else 1  # the processes each weight is split over
     model = build_model(cfg, data, resumed, source, log, shards=shards)
     del source  # its checkpoint, in memory until now
-    set_activation_checkpointing(model, cfg["activation_checkpointing"])  # a training setting: a resume may change it
+    # a training setting: a resume may change it
+    set_activation_checkpointing(model, cfg["activation_checkpointing"])
     model.to(procs.device)
     if not cfg["eval_only"]:
         check_memory(model, cfg, procs, shards)
-    parallel.prepare(model, cfg["dtype"])  # before the optimizer, which takes the (sharded) parameters
+    # before the optimizer, which takes the (sharded) parameters
+    parallel.prepare(model, cfg["dtype"])
     run = Run(
         cfg=cfg,
         tokenizer=data.meta["tokenizer"],
@@ -197,18 +248,21 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     )
     if resumed is not None:
         checkpointer.restore(run, resumed, procs)
-        # the run is saved with how it started (scratch, its source...), not with this process's "resume"
+        # the run is saved with how it started (scratch, its source...), not with this process's
+        # "resume"
         cfg["init_from"] = resumed.config.get("init_from", "resume")
         del resumed  # a ckpt.pt's states, in memory until now
     if run.iter_num >= cfg["max_iters"] and not cfg["eval_only"]:
         log(
-            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to train, nothing "
+            f"the run in {cfg['out_dir']} already reached max_iters={cfg['max_iters']}: nothing to "
+            "train, nothing "
             "written; raise --max_iters to train on, or evaluate it with --eval_only=True"
         )
         parallel.finish()
         return
     start_iter = run.iter_num
-    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)  # from here, Ctrl-C is answered
+    # from here, Ctrl-C is answered
+    stop = stop_on_signals(procs, trained=lambda: run.iter_num > start_iter)
     log_start(run)
     run.net = parallel.wrap(model, cfg["compile"])
     wandb = start_wandb(run)
@@ -216,14 +270,22 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     if cfg["compile"] and not cfg["eval_only"]:
         log("compiling the model (the first iterations; once per run) ...")
     while True:
-        if parallel.any(stop).item():  # a signal on any process: every process stops at this iteration
+        # a signal on any process: every process stops at this iteration
+        if parallel.any(stop).item():
             checkpointer.save(run, procs, best=False)
-            log(f"stopped at iteration {run.iter_num}; resume with --init_from=resume --out_dir={cfg['out_dir']}")
+            log(
+                f"stopped at iteration {run.iter_num}; resume with --init_from=resume "
+                f"--out_dir={cfg['out_dir']}"
+            )
             break
         lr = get_lr(run.iter_num, cfg)
         for group in run.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
-        if run.iter_num % cfg["eval_interval"] == 0 or run.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
+        if (
+            run.iter_num % cfg["eval_interval"] == 0
+            or run.iter_num >= cfg["max_iters"]
+            or cfg["eval_only"]
+        ):
             seconds = evaluate_and_save(run, stop, wandb, lr)
             if seconds is None:  # stopped mid-evaluation: the top of the loop saves
                 continue
@@ -242,22 +304,35 @@ def train(cfg: dict, checkpointer: Checkpointer, source: runs.Source | None = No
     parallel.finish()
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Setup: the data, the model, the run's state
 
 
 def build_model(
-    cfg: dict, data: Data, resumed: Checkpoint | None, source: runs.Source | None, log, shards: int = 1
+    cfg: dict,
+    data: Data,
+    resumed: Checkpoint | None,
+    source: runs.Source | None,
+    log,
+    shards: int = 1,
 ) -> GPT:
-    """The model from scratch (checked to fit the device, its training state split over `shards` processes), the
-    shape of the checkpoint it resumes (its weights load in the Checkpointer's restore), the run it extends (its
-    weights: runs.extended_model), or GPT-2's weights. The checkpoint or GPT-2 decides the architecture: cfg follows
-    it, with a note where it disagreed. What the data is cannot follow it: a resume on other data (check_resumed_data),
-    or an extension on tokens that mean other things, is an error."""
-    # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T), the rest its shape
+    """The model from scratch (checked to fit the device, its training state split over `shards`
+    processes), the shape of the checkpoint it resumes (its weights load in the Checkpointer's
+    restore), the run it extends (its weights: runs.extended_model), or GPT-2's weights. The
+    checkpoint or GPT-2 decides the architecture: cfg follows it, with a note where it disagreed.
+    What the data is cannot follow it: a resume on other data (check_resumed_data), or an extension
+    on tokens that mean other things, is an error."""
+    # block_size is the model's capacity (it may be larger: RoPE, ALiBi... resumed at a smaller T),
+    # the rest its shape
     model_keys = [f.name for f in fields(GPTConfig) if f.name in cfg and f.name != "block_size"]
-    eot = data.meta.get("eot") if cfg["packing"] == "documents" else None  # the model reads documents from it
-    if cfg["packing"] == "documents" and eot is None and cfg["init_from"] != "resume" and source is None:
+    # the model reads documents from it
+    eot = data.meta.get("eot") if cfg["packing"] == "documents" else None
+    if (
+        cfg["packing"] == "documents"
+        and eot is None
+        and cfg["init_from"] != "resume"
+        and source is None
+    ):
         raise TrainError(no_documents(cfg))
     if cfg["init_from"] == "scratch":
         try:
@@ -277,55 +352,75 @@ def build_model(
     elif source is not None:
         model = runs.extended_model(source, cfg, data.meta["tokenizer"], log)
     else:
-        if problem := tokenizer_difference(data.meta["tokenizer"], GPT2Tokenizer.meta):  # before any weights load
+        # before any weights load
+        if problem := tokenizer_difference(data.meta["tokenizer"], GPT2Tokenizer.meta):
             raise TrainError(
-                f"init_from={cfg['init_from']!r} is GPT-2's weights, and this run's data ({data_name(cfg)}) {problem}: "
-                "its token ids mean other things; fine-tune GPT-2 on data in its BPE (e.g. --dataset=shakespeare), or "
+                f"init_from={cfg['init_from']!r} is GPT-2's weights, and this run's data "
+                f"({data_name(cfg)}) {problem}: "
+                "its token ids mean other things; fine-tune GPT-2 on data in its BPE (e.g. "
+                "--dataset=shakespeare), or "
                 "train from scratch (--init_from=scratch)"
             )
         try:
             model = GPT.from_pretrained(cfg["init_from"], dropout=cfg["dropout"])
-        except (OSError, ImportError, ValueError) as e:  # offline, a misspelled name, no transformers
+        # offline, a misspelled name, no transformers
+        except (OSError, ImportError, ValueError) as e:
             raise TrainError(f"cannot load GPT-2 weights from {cfg['init_from']!r}: {e}") from e
         if cfg["block_size"] < model.config.block_size:
             model.crop_block_size(cfg["block_size"])
-        model.config.packing, model.config.eot_token = cfg["packing"], eot  # an attention rule, not a weight
+        # an attention rule, not a weight
+        model.config.packing, model.config.eot_token = cfg["packing"], eot
     for k in model_keys:
         if getattr(model.config, k) != cfg[k]:
-            log(f"note: {k}={getattr(model.config, k)!r} from {cfg['init_from']} (config says {cfg[k]!r})")
+            log(
+                f"note: {k}={getattr(model.config, k)!r} from {cfg['init_from']} (config says "
+                f"{cfg[k]!r})"
+            )
             cfg[k] = getattr(model.config, k)
     if problem := model_data_problem(model.config, cfg, data):
         raise TrainError(problem)
     if cfg["pe_lr_scale"] is None:  # a resumed run keeps its own; else the encoding's
-        cfg["pe_lr_scale"] = (resumed and resumed.config.get("pe_lr_scale")) or model.encoding.lr_scale
+        cfg["pe_lr_scale"] = (
+            resumed and resumed.config.get("pe_lr_scale")
+        ) or model.encoding.lr_scale
     return model
 
 
 def new_optimizer(model: GPT, cfg: dict, device_type: str) -> torch.optim.Optimizer:
-    """AdamW as the options set it up (GPT.configure_optimizers: no decay on biases, norms or a score bias)."""
+    """AdamW as the options set it up (GPT.configure_optimizers: no decay on biases, norms or a
+    score bias)."""
     betas = (cfg["beta1"], cfg["beta2"])
-    return model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"])
+    return model.configure_optimizers(
+        cfg["weight_decay"], cfg["learning_rate"], betas, device_type, cfg["pe_lr_scale"]
+    )
 
 
 @dataclass(kw_only=True)
 class Run(TrainingState):
-    """A training run: its state (TrainingState, what a checkpoint saves), and what the loop works with."""
+    """A training run: its state (TrainingState, what a checkpoint saves), and what the loop works
+    with."""
 
     procs: Processes
-    strategy: Strategy  # how the processes share the work (lib/parallel.py): the loop asks it, never its name
+    # how the processes share the work (lib/parallel.py): the loop asks it, never its name
+    strategy: Strategy
     checkpointer: Checkpointer  # out_dir's checkpoints, in the strategy's format
     batches: Batches  # the rows it trains and evaluates on
-    net: torch.nn.Module | None = None  # what the loop calls: the model, compiled and/or wrapped by the strategy
+    # what the loop calls: the model, compiled and/or wrapped by the strategy
+    net: torch.nn.Module | None = None
 
     @property
     def tokens_per_iter(self) -> int:
-        return self.cfg["gradient_accumulation_steps"] * self.cfg["batch_size"] * self.cfg["block_size"]
+        return (
+            self.cfg["gradient_accumulation_steps"]
+            * self.cfg["batch_size"]
+            * self.cfg["block_size"]
+        )
 
     def autocast(self):
         return autocast(self.procs.device, self.cfg["dtype"])
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loop's steps: the learning rate, one iteration of training, evaluation and saving, the log
 
 
@@ -338,12 +433,14 @@ def get_lr(it: int, cfg: dict) -> float:
     if it > cfg["lr_decay_iters"]:
         return cfg["min_lr"]
     ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
-    return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+    return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (
+        cfg["learning_rate"] - cfg["min_lr"]
+    )
 
 
 def train_step(run: Run) -> torch.Tensor:
-    """One optimizer step over gradient_accumulation_steps micro-batches (gradients synchronized on the last);
-    returns the loss (a 0-d tensor: reading it would wait for the GPU)."""
+    """One optimizer step over gradient_accumulation_steps micro-batches (gradients synchronized on
+    the last); returns the loss (a 0-d tensor: reading it would wait for the GPU)."""
     cfg, strategy = run.cfg, run.strategy
     grad_accum = cfg["gradient_accumulation_steps"] // run.procs.world_size
     loss_sum = torch.zeros((), device=run.procs.device)
@@ -359,8 +456,10 @@ def train_step(run: Run) -> torch.Tensor:
     # fp16's GradScaler skips steps with inf gradients by design; a non-finite loss is always fatal
     if bad := non_finite(strategy, loss_sum, norm, check_norm=not run.scaler.is_enabled()):
         raise TrainError(
-            f"non-finite {bad} at iteration {run.iter_num}: stopped before the optimizer step; the last good "
-            f"checkpoint is in {cfg['out_dir']} (try a lower learning_rate, grad_clip, or dtype=bfloat16)"
+            f"non-finite {bad} at iteration {run.iter_num}: stopped before the optimizer step; the "
+            "last good "
+            f"checkpoint is in {cfg['out_dir']} (try a lower learning_rate, grad_clip, or "
+            "dtype=bfloat16)"
         )
     run.scaler.step(run.optimizer)
     run.scaler.update()
@@ -368,9 +467,11 @@ def train_step(run: Run) -> torch.Tensor:
     return loss_sum
 
 
-def non_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor, check_norm: bool) -> str | None:
-    """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets the same answer:
-    one stopping alone would leave the others waiting in their next collective."""
+def non_finite(
+    strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor, check_norm: bool
+) -> str | None:
+    """'loss' or 'gradient norm' if any process saw a non-finite one, else None. Every process gets
+    the same answer: one stopping alone would leave the others waiting in their next collective."""
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm) & check_norm]).float()
     loss_bad, norm_bad = strategy.any(flags).tolist()
     return "loss" if loss_bad else "gradient norm" if norm_bad else None
@@ -378,10 +479,11 @@ def non_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor, check
 
 @torch.no_grad()
 def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float] | None:
-    """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split over ranks. For a
-    synthetic task also "acc", the validation accuracy: exact match (argmax) at the answer tokens. A long evaluation
-    (a GPU-sized one on a CPU) shows its progress and ETA; a stop request (the flag `stop`) ends it at the next batch,
-    returning None, except under torchrun, where every rank must finish the same batches."""
+    """Mean loss over eval_iters batches per split: the same batches at every eval (seeded), split
+    over ranks. For a synthetic task also "acc", the validation accuracy: exact match (argmax) at
+    the answer tokens. A long evaluation (a GPU-sized one on a CPU) shows its progress and ETA; a
+    stop request (the flag `stop`) ends it at the next batch, returning None, except under torchrun,
+    where every rank must finish the same batches."""
     out = {}
     run.net.eval()
     n, done, t0 = len(SPLITS) * run.cfg["eval_iters"], 0, time.time()
@@ -415,8 +517,8 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
 
 def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float | None:
     """Estimate the losses, log them (and to wandb), and save a checkpoint: at every evaluation with
-    always_save_checkpoint, else when the val loss improves, and at the end; ckpt_best when it improves. Returns the
-    evaluation's seconds, or None when a stop request ended it early."""
+    always_save_checkpoint, else when the val loss improves, and at the end; ckpt_best when it
+    improves. Returns the evaluation's seconds, or None when a stop request ended it early."""
     cfg, log = run.cfg, run.procs.log
     t0 = time.time()
     losses = with_fallback(run, lambda: estimate_loss(run, stop))
@@ -434,16 +536,24 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
         log(f"learned {cfg['task']} at step {run.iter_num} (val accuracy >= {LEARNED:.0%})")
     run.history.append({"iter": run.iter_num, **losses})
     if wandb:
-        metrics = {"iter": run.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+        metrics = {
+            "iter": run.iter_num,
+            "train/loss": losses["train"],
+            "val/loss": losses["val"],
+            "lr": lr,
+        }
         wandb.log(metrics | ({"val/accuracy": losses["acc"]} if "acc" in losses else {}))
-    if not cfg["eval_only"] and (cfg["always_save_checkpoint"] or improved or run.iter_num >= cfg["max_iters"]):
+    if not cfg["eval_only"] and (
+        cfg["always_save_checkpoint"] or improved or run.iter_num >= cfg["max_iters"]
+    ):
         run.checkpointer.save(run, run.procs, best=improved)
     return seconds
 
 
 class Progress:
-    """The run's clock and its log lines: the time per iteration (averaged past the first ones: compilation,
-    warm-up), the run's estimate after ESTIMATE_AFTER iterations, and each log_interval's loss, speed, MFU and ETA."""
+    """The run's clock and its log lines: the time per iteration (averaged past the first ones:
+    compilation, warm-up), the run's estimate after ESTIMATE_AFTER iterations, and each
+    log_interval's loss, speed, MFU and ETA."""
 
     def __init__(self, run: Run):
         self.run, self.start_iter = run, run.iter_num
@@ -462,28 +572,43 @@ class Progress:
         run, cfg, log = self.run, self.run.cfg, self.run.procs.log
         t1 = time.time()
         dt, self.t0 = t1 - self.t0, t1
-        if run.iter_num > self.start_iter + 1:  # skip the first iterations (compilation, warm-up) in the average
+        # skip the first iterations (compilation, warm-up) in the average
+        if run.iter_num > self.start_iter + 1:
             self.dt_avg = dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * dt
-        if run.iter_num == self.start_iter and (line := run.strategy.memory_line(run.model, run.optimizer)):
+        if run.iter_num == self.start_iter and (
+            line := run.strategy.memory_line(run.model, run.optimizer)
+        ):
             log(line)  # AdamW's state exists from the first step
         left, evals = self.left()
         if run.iter_num == self.start_iter + ESTIMATE_AFTER and left > 0:
             log(
-                f"this run: about {format_duration(self.dt_avg * left + self.eval_dt * evals)} more ({left:,} "
-                f"iterations at {self.dt_avg * 1000:.0f} ms, {evals} evaluations at {self.eval_dt:.1f} s)"
+                f"this run: about {format_duration(self.dt_avg * left + self.eval_dt * evals)} "
+                f"more ({left:,} "
+                f"iterations at {self.dt_avg * 1000:.0f} ms, {evals} evaluations at "
+                f"{self.eval_dt:.1f} s)"
             )
         if run.iter_num % cfg["log_interval"] == 0 and run.procs.master:
             eta = (self.dt_avg or dt) * left + self.eval_dt * evals
             tok_s = run.tokens_per_iter / dt
             per_process = run.tokens_per_iter // run.procs.world_size
-            mfu = estimate_mfu(run.model, per_process, self.dt_avg or dt, self.flops) if self.flops else None
+            mfu = (
+                estimate_mfu(run.model, per_process, self.dt_avg or dt, self.flops)
+                if self.flops
+                else None
+            )
             log(
-                f"iter {run.iter_num}: loss {loss.item():.4f}, time {dt * 1000:.1f}ms, {tok_s:,.0f} tok/s"
+                f"iter {run.iter_num}: loss {loss.item():.4f}, time {dt * 1000:.1f}ms, "
+                f"{tok_s:,.0f} tok/s"
                 + (f", mfu {mfu * 100:.1f}%" if mfu is not None else "")
                 + f", eta {format_duration(eta)}"
             )
             if wandb:
-                metrics = {"iter": run.iter_num, "train/loss_step": loss.item(), "lr": lr, "tokens_per_sec": tok_s}
+                metrics = {
+                    "iter": run.iter_num,
+                    "train/loss_step": loss.item(),
+                    "lr": lr,
+                    "tokens_per_sec": tok_s,
+                }
                 wandb.log(metrics | ({"mfu": mfu} if mfu is not None else {}))
 
 
@@ -494,9 +619,9 @@ def format_duration(seconds: float) -> str:
 
 
 def with_fallback(run: Run, step):
-    """step(), falling back to another attention kernel where the fused one cannot be compiled (fast_paths.py's
-    KERNEL_FALLBACKS, one log line each). The training sampler and the gradients are put back first, so the retried
-    step is the step that failed."""
+    """step(), falling back to another attention kernel where the fused one cannot be compiled
+    (fast_paths.py's KERNEL_FALLBACKS, one log line each). The training sampler and the gradients
+    are put back first, so the retried step is the step that failed."""
     sampler = run.data_rng.get_state()
 
     def retry(options):
@@ -509,12 +634,13 @@ def with_fallback(run: Run, step):
     return with_kernel_fallbacks(step, options, retry, run.procs.log)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The run's surroundings: wandb, the first log lines
 
 
 def start_wandb(run: Run):
-    """wandb, logging this run (resumed where the checkpoint's left off), or None when wandb_log is off."""
+    """wandb, logging this run (resumed where the checkpoint's left off), or None when wandb_log is
+    off."""
     if not (run.cfg["wandb_log"] and run.procs.master):
         return None
     import wandb
@@ -531,7 +657,8 @@ def log_start(run: Run) -> None:
     """The run's first lines: what trains where, and anything about the setup worth a note."""
     cfg, procs, model, log = run.cfg, run.procs, run.model, run.procs.log
     log(
-        f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; {run.tokens_per_iter:,} tokens "
+        f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; "
+        f"{run.tokens_per_iter:,} tokens "
         f"per iteration on {procs.world_size} process(es)"
         + (f" ({run.strategy.name})" if procs.distributed else "")
         + f", {held_bytes(model.parameters()) / 2**20:,.2f} MiB of parameters per process"
@@ -540,38 +667,50 @@ def log_start(run: Run) -> None:
     )
     if cfg["task_fraction"]:
         log(
-            f"retrieval tasks (passkey, recall, copy) in {cfg['task_fraction']:.0%} of the training rows, "
+            f"retrieval tasks (passkey, recall, copy) in {cfg['task_fraction']:.0%} of the "
+            "training rows, "
             f"seed {cfg['task_seed']}"
         )
     if cfg["task"]:
         log(
-            f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary {cfg['task_vocab']}: loss on the "
+            f"synthetic task {cfg['task']} at {cfg['block_size']} tokens, vocabulary "
+            f"{cfg['task_vocab']}: loss on the "
             "answers only"
         )
     if model.config.packing == "documents" and run.batches.data.dir is not None:
-        longest, median = trained_distances(run.batches.data.dir, cfg["block_size"], model.config.eot_token)
+        longest, median = trained_distances(
+            run.batches.data.dir, cfg["block_size"], model.config.eot_token
+        )
         log(
-            f"documents: positions restart at each end-of-text token (id {model.config.eot_token}) and attention stays "
-            f"inside a document; trained distances up to {longest}, median {median:g} (64 random windows)"
+            f"documents: positions restart at each end-of-text token (id {model.config.eot_token}) "
+            "and attention stays "
+            f"inside a document; trained distances up to {longest}, median {median:g} (64 random "
+            "windows)"
         )
     head_dim = model.config.n_embd // model.config.n_head
     note = fused_attention_note(head_dim, procs.device_type, cfg["dropout"], bool(cfg["compile"]))
     if note and model.encoding.has_score_bias:
         log(f"note: {note}")  # what the fused kernel cannot take here: a slower path, not a crash
-    if procs.device_type == "cpu" and 6 * model.get_num_params() * run.tokens_per_iter > CPU_SIZED_FLOPS:
+    if (
+        procs.device_type == "cpu"
+        and 6 * model.get_num_params() * run.tokens_per_iter > CPU_SIZED_FLOPS
+    ):
         log(
-            f"note: a GPU-sized run on a CPU: each iteration takes seconds here. For a CPU-sized run (minutes), add "
+            "note: a GPU-sized run on a CPU: each iteration takes seconds here. For a CPU-sized "
+            "run (minutes), add "
             f"config/cpu.py: python train.py config/{cfg['pos_encoding']}.py config/cpu.py"
         )
 
 
 def cli(argv: list[str]) -> None:
-    """main as a command: a problem the user can fix is one line on stderr and exit status 1, never a traceback."""
+    """main as a command: a problem the user can fix is one line on stderr and exit status 1, never
+    a traceback."""
     try:
         main(argv)
     except (ConfigError, CheckpointError, DataError, TrainError) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # before the run's handler is installed (data, model), or a second Ctrl-C
+    # before the run's handler is installed (data, model), or a second Ctrl-C
+    except KeyboardInterrupt:
         sys.exit("interrupted")
 
 

@@ -2,21 +2,24 @@
 Train short, test long: validation loss and perplexity of checkpoints at several context lengths.
 
     python -m compare.eval_length out-rope out-alibi out-sinusoidal --lengths 256 512 1024 2048
-    python -m compare.eval_length out-* --lengths 64 128 256 512 1024 --rope_scaling yarn ntk --plot length.png
+    python -m compare.eval_length out-* --lengths 64 128 256 512 1024 --rope_scaling yarn ntk \
+        --plot length.png
     python -m compare.eval_length out-* --wandb_log
 
-Two ways, as in the ALiBi paper (Press et al. 2021, §4): `nonoverlapping` cuts the validation text into windows of
-L tokens and scores every token (early tokens of each window see little context); `sliding` moves a window of L
-tokens by `stride` and scores only the last `stride` tokens of each, so every scored token has at least L - stride
-tokens of context (the first L - stride tokens of the text, which cannot have that much, are not scored). Every
-length scores (nearly) the same stretch of text, the first --eval_tokens validation tokens. Also the loss at each
-position of the window (the non-overlapping windows), where an encoding breaks.
+Two ways, as in the ALiBi paper (Press et al. 2021, §4): `nonoverlapping` cuts the validation text
+into windows of L tokens and scores every token (early tokens of each window see little context);
+`sliding` moves a window of L tokens by `stride` and scores only the last `stride` tokens of each,
+so every scored token has at least L - stride tokens of context (the first L - stride tokens of the
+text, which cannot have that much, are not scored). Every length scores (nearly) the same stretch of
+text, the first --eval_tokens validation tokens. Also the loss at each position of the window (the
+non-overlapping windows), where an encoding breaks.
 
-`learned` has no position past its block size: n/a there. --rope_scaling adds rows for RoPE checkpoints evaluated
-with a scaling, by default with the factor s matched to each length (s = L / training length, as YaRN is meant
-to be used: at the training length and below, no scaling), or one fixed --rope_factor for every length.
-dynamic_ntk takes s = 1 by default: it scales with the length by itself (its NTK ratio s·L/L0 - (s-1) is L/L0).
-Writes a markdown table (stdout and --out_md), the numbers (--out_json) and a plot (--plot).
+`learned` has no position past its block size: n/a there. --rope_scaling adds rows for RoPE
+checkpoints evaluated with a scaling, by default with the factor s matched to each length (s = L /
+training length, as YaRN is meant to be used: at the training length and below, no scaling), or one
+fixed --rope_factor for every length. dynamic_ntk takes s = 1 by default: it scales with the length
+by itself (its NTK ratio s·L/L0 - (s-1) is L/L0). Writes a markdown table (stdout and --out_md), the
+numbers (--out_json) and a plot (--plot).
 """
 
 import argparse
@@ -45,9 +48,10 @@ MODES = ("nonoverlapping", "sliding")
 
 
 def windows(n_tokens: int, L: int, mode: str, stride: int) -> list[tuple[int, int]]:
-    """(start, first scored offset) of each window of L tokens over n_tokens + 1 tokens (inputs and targets).
-    nonoverlapping scores every target of each window; sliding only the last `stride` ones of each, a contiguous
-    stretch from target L - stride on, each scored once with at least L - stride tokens of context."""
+    """(start, first scored offset) of each window of L tokens over n_tokens + 1 tokens (inputs and
+    targets). nonoverlapping scores every target of each window; sliding only the last `stride` ones
+    of each, a contiguous stretch from target L - stride on, each scored once with at least L -
+    stride tokens of context."""
     step, first = (L, 0) if mode == "nonoverlapping" else (stride, L - stride)
     return [(s, first) for s in range(0, n_tokens - L + 1, step)]
 
@@ -57,15 +61,18 @@ def sliding_stride(L: int, stride: int | None) -> int:
     return stride or max(1, L // 4)
 
 
-def rope_factor(model: GPT, scaling: str, L: int, train_len: int, factor: float | None = None) -> float:
-    """The factor s a RoPE scaling gets at evaluation length L: a fixed factor if given, else the encoding's default
-    (L / train_len; 1 for dynamic_ntk, which scales with L itself)."""
+def rope_factor(
+    model: GPT, scaling: str, L: int, train_len: int, factor: float | None = None
+) -> float:
+    """The factor s a RoPE scaling gets at evaluation length L: a fixed factor if given, else the
+    encoding's default (L / train_len; 1 for dynamic_ntk, which scales with L itself)."""
     return factor or model.encoding.default_factor(scaling, L, train_len)
 
 
 def window_batch(model: GPT, L: int, budget_bytes: float) -> int:
-    """Windows per forward that fit in budget_bytes: logits (fp32, with the loss's copy), activations, and the
-    (nh, L, L) attention bias or mask that the reference attention path materializes."""
+    """Windows per forward that fit in budget_bytes: logits (fp32, with the loss's copy),
+    activations, and the (nh, L, L) attention bias or mask that the reference attention path
+    materializes."""
     c = model.config
     per_window = L * (8 * c.vocab_size + 64 * c.n_embd * c.n_layer) + 8 * c.n_head * L * L
     return max(1, int(budget_bytes // per_window))
@@ -83,22 +90,32 @@ def evaluate(
     ctx,
     bar: tqdm,
 ) -> dict:
-    """Mean loss and perplexity over the scored tokens, and (nonoverlapping) the mean loss at each window position."""
+    """Mean loss and perplexity over the scored tokens, and (nonoverlapping) the mean loss at each
+    window position."""
     n = len(data) - 1
     spans = windows(n, L, mode, stride)
     B = window_batch(model, L, budget_bytes)
     total, count, per_pos, i = 0.0, 0, torch.zeros(L, dtype=torch.float64), 0
     while i < len(spans):
         chunk = spans[i : i + B]
-        x = torch.from_numpy(np.stack([data[s : s + L] for s, _ in chunk]).astype(np.int64)).to(device)
-        y = torch.from_numpy(np.stack([data[s + 1 : s + 1 + L] for s, _ in chunk]).astype(np.int64)).to(device)
+        x = torch.from_numpy(np.stack([data[s : s + L] for s, _ in chunk]).astype(np.int64)).to(
+            device
+        )
+        y = torch.from_numpy(
+            np.stack([data[s + 1 : s + 1 + L] for s, _ in chunk]).astype(np.int64)
+        ).to(device)
         try:
             with ctx:
                 logits, _ = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(len(chunk), L)
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten(), reduction="none"
+            ).view(len(chunk), L)
         except torch.OutOfMemoryError:
             if B == 1:
-                sys.exit(f"error: out of memory at one window of {L} tokens on {device}; evaluate shorter lengths")
+                sys.exit(
+                    f"error: out of memory at one window of {L} tokens on {device}; evaluate "
+                    "shorter lengths"
+                )
             B = max(1, B // 2)  # shrink and retry this batch, not silently fail
             torch.cuda.empty_cache()
             tqdm.write(f"out of memory at {len(chunk)} windows of {L} tokens: retrying with {B}")
@@ -111,38 +128,59 @@ def evaluate(
         i += len(chunk)
         bar.update(len(chunk) * L)
     mean = total / count
-    return {"loss": mean, "ppl": math.exp(mean), "tokens": count, "per_position": (per_pos / len(spans)).tolist()}
+    return {
+        "loss": mean,
+        "ppl": math.exp(mean),
+        "tokens": count,
+        "per_position": (per_pos / len(spans)).tolist(),
+    }
 
 
 def dataset_meta(ckpt: dict, data_dir: str | None) -> dict:
-    """meta.json of the dataset the evaluation reads (data_dir, else the one the checkpoint trained on)."""
+    """meta.json of the dataset the evaluation reads (data_dir, else the one the checkpoint trained
+    on)."""
     trained_on = (ckpt.get("config") or {}).get("dataset") or "shakespeare_char"
     return load_meta(Path(data_dir) if data_dir else dataset_dir(trained_on))
 
 
 def evaluate_packed(model: GPT, packing: str, meta: dict, out_dir: str) -> None:
-    """Set the model's rule for this evaluation: documents apart at the data's end-of-text token, or one stream."""
+    """Set the model's rule for this evaluation: documents apart at the data's end-of-text token, or
+    one stream."""
     if packing == "documents" and meta.get("eot") is None:
         raise DataError(
-            f"{out_dir}: --packing=documents evaluates inside the data's documents, and its dataset marks none (no "
+            f"{out_dir}: --packing=documents evaluates inside the data's documents, and its "
+            "dataset marks none (no "
             "'eot' in its meta.json); evaluate on a dataset prepared with documents (--data_dir)"
         )
-    model.config.packing, model.config.eot_token = packing, meta.get("eot") if packing == "documents" else None
+    model.config.packing, model.config.eot_token = (
+        packing,
+        meta.get("eot") if packing == "documents" else None,
+    )
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every option in its range, before any work: p.error prints usage and one line, and exits 2."""
+    """Every option in its range, before any work: p.error prints usage and one line, and exits
+    2."""
     for L in args.lengths:
         if L < 2:
             p.error(f"--lengths {L}: every length must be >= 2")
     if args.stride is not None and not 1 <= args.stride <= min(args.lengths):
-        p.error(f"--stride={args.stride}: must be between 1 and the shortest length, {min(args.lengths)}")
+        p.error(
+            f"--stride={args.stride}: must be between 1 and the shortest length, "
+            f"{min(args.lengths)}"
+        )
     if args.names is not None and len(args.names) != len(args.out_dirs):
-        p.error(f"--names: {len(args.names)} labels for {len(args.out_dirs)} checkpoints; give one per checkpoint")
+        p.error(
+            f"--names: {len(args.names)} labels for {len(args.out_dirs)} checkpoints; give "
+            "one per checkpoint"
+        )
     if args.eval_tokens < 1:
         p.error(f"--eval_tokens={args.eval_tokens}: must be >= 1")
     if args.rope_factor is not None and not 1 <= args.rope_factor < math.inf:
-        p.error(f"--rope_factor={args.rope_factor}: must be a number >= 1 (how many times longer than training)")
+        p.error(
+            f"--rope_factor={args.rope_factor}: must be a number >= 1 (how many times longer "
+            "than training)"
+        )
     if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
         p.error(f"--memory_gb={args.memory_gb}: must be a positive number")
     if args.dtype not in (None, *DTYPES):
@@ -162,29 +200,55 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    p.add_argument("--names", nargs="+", default=None, help="a label per checkpoint (default: its encoding)")
+    p.add_argument(
+        "--names", nargs="+", default=None, help="a label per checkpoint (default: its encoding)"
+    )
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--stride", type=int, default=None, help="sliding stride (default: a quarter of the length)")
-    p.add_argument("--eval_tokens", type=int, default=32768, help="validation tokens scored at every length")
-    p.add_argument("--rope_scaling", nargs="*", default=[], choices=[s for s in ROPE_SCALINGS if s != "none"])
-    p.add_argument("--rope_factor", type=float, default=None, help="default: each length / the training length")
-    p.add_argument("--data_dir", default=None, help="a prepared dataset folder (default: the checkpoint's dataset)")
+    p.add_argument(
+        "--stride", type=int, default=None, help="sliding stride (default: a quarter of the length)"
+    )
+    p.add_argument(
+        "--eval_tokens", type=int, default=32768, help="validation tokens scored at every length"
+    )
+    p.add_argument(
+        "--rope_scaling", nargs="*", default=[], choices=[s for s in ROPE_SCALINGS if s != "none"]
+    )
+    p.add_argument(
+        "--rope_factor", type=float, default=None, help="default: each length / the training length"
+    )
+    p.add_argument(
+        "--data_dir",
+        default=None,
+        help="a prepared dataset folder (default: the checkpoint's dataset)",
+    )
     p.add_argument(
         "--packing",
         choices=PACKINGS,
         default=None,
-        help="evaluate every checkpoint under this rule (documents: inside the data's documents, which it must mark; "
+        help="evaluate every checkpoint under this rule (documents: inside the data's documents, "
+        "which it must mark; "
         "stream: across them); default: the rule each was trained with",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
-    p.add_argument("--memory_gb", type=float, default=None, help="memory for one batch (default: 2, or 1/2 the GPU's)")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)"
+    )
+    p.add_argument(
+        "--memory_gb",
+        type=float,
+        default=None,
+        help="memory for one batch (default: 2, or 1/2 the GPU's)",
+    )
     p.add_argument("--out_json", default="eval_length.json", help="the numbers ('': none)")
     p.add_argument("--out_md", default=None, help="the table, as stdout shows it")
-    p.add_argument("--plot", default="eval_length.png", help=f"{', '.join(PLOT_FORMATS)} ('': none)")
+    p.add_argument(
+        "--plot", default="eval_length.png", help=f"{', '.join(PLOT_FORMATS)} ('': none)"
+    )
     p.add_argument("--wandb_log", action="store_true")
     p.add_argument("--wandb_project", default="nanope")
     p.add_argument("--wandb_run_name", default="eval_length")
@@ -199,8 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def evaluate_runs(out_dirs: list[str], **options) -> dict:
-    """The command from Python (compare/sweep.py): the same checks, evaluation and report, with the options by the names
-    of its flags (lengths=[64, 128], plot="" for none, ...) instead of an argv to build."""
+    """The command from Python (compare/sweep.py): the same checks, evaluation and report, with the
+    options by the names of its flags (lengths=[64, 128], plot="" for none, ...) instead of an argv
+    to build."""
     p = parser()
     args = p.parse_args([str(d) for d in out_dirs])
     unknown = sorted(set(options) - set(vars(args)))
@@ -212,9 +277,14 @@ def evaluate_runs(out_dirs: list[str], **options) -> dict:
 
 
 def evaluate_args(args: argparse.Namespace) -> dict:
-    """Evaluate every checkpoint at every length, print the table, write the outputs; returns the report."""
+    """Evaluate every checkpoint at every length, print the table, write the outputs; returns the
+    report."""
     lengths = sorted(set(args.lengths))
-    args.modes, args.rope_scaling = list(dict.fromkeys(args.modes)), list(dict.fromkeys(args.rope_scaling))  # once
+    # once
+    args.modes, args.rope_scaling = (
+        list(dict.fromkeys(args.modes)),
+        list(dict.fromkeys(args.rope_scaling)),
+    )
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     ctx = autocast(device, dtype)
@@ -227,28 +297,51 @@ def evaluate_args(args: argparse.Namespace) -> dict:
     for n, out_dir in enumerate(args.out_dirs):
         try:
             run = load_run(out_dir, device, text=True)
-            data, dataset = validation_tokens(run.ckpt, run.model.config.vocab_size, out_dir, args.data_dir)
+            data, dataset = validation_tokens(
+                run.ckpt, run.model.config.vocab_size, out_dir, args.data_dir
+            )
             if args.packing is not None:
-                evaluate_packed(run.model, args.packing, dataset_meta(run.ckpt, args.data_dir), out_dir)
+                evaluate_packed(
+                    run.model, args.packing, dataset_meta(run.ckpt, args.data_dir), out_dir
+                )
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         ckpt, model = run.ckpt, run.model
-        label, T = args.names[n] if args.names else model.config.pos_encoding, model.config.block_size
+        label, T = (
+            args.names[n] if args.names else model.config.pos_encoding,
+            model.config.block_size,
+        )
         packing = model.config.packing  # its own, or --packing's
-        own = dict(name=label, out_dir=out_dir, model=model, data=data, dataset=dataset, train_len=T, packing=packing)
+        own = dict(
+            name=label,
+            out_dir=out_dir,
+            model=model,
+            data=data,
+            dataset=dataset,
+            train_len=T,
+            packing=packing,
+        )
         runs.append(own)
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
-            scaled.config.packing, scaled.config.eot_token = model.config.packing, model.config.eot_token
+            scaled.config.packing, scaled.config.eot_token = (
+                model.config.packing,
+                model.config.eot_token,
+            )
             if args.rope_factor:
                 name = f"{label}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself
-                name = f"{label}+{scaling}" if scaling == "dynamic_ntk" else f"{label}+{scaling} (s=L/{T})"
+                name = (
+                    f"{label}+{scaling}"
+                    if scaling == "dynamic_ntk"
+                    else f"{label}+{scaling} (s=L/{T})"
+                )
             runs.append(own | dict(name=name, model=scaled, scaling=scaling))
     given = ({"rope_scaling": args.rope_scaling[0]} if args.rope_scaling else {}) | (
         {"rope_factor": args.rope_factor} if args.rope_factor is not None else {}
     )
-    for name, value in given.items():  # refused where no checkpoint reads it, as train.py refuses it
+    # refused where no checkpoint reads it, as train.py refuses it
+    for name, value in given.items():
         problems = {idle_option(r["model"].config.pos_encoding, name, value, given) for r in runs}
         if None not in problems:
             sys.exit(f"error: {sorted(problems)[0]}")
@@ -256,7 +349,8 @@ def evaluate_args(args: argparse.Namespace) -> dict:
     for r in runs:
         if len(r["data"]) < need:
             sys.exit(
-                f"error: {r['out_dir']}: the validation set has {len(r['data'])} tokens, fewer than the longest "
+                f"error: {r['out_dir']}: the validation set has {len(r['data'])} tokens, fewer "
+                "than the longest "
                 f"length + 1 = {need}; evaluate shorter lengths"
             )
         r["data"] = np.asarray(r["data"][: max(args.eval_tokens, max(lengths)) + 1])
@@ -266,14 +360,18 @@ def evaluate_args(args: argparse.Namespace) -> dict:
 
     if not any(feasible(r, L) for r in runs for L in lengths):
         longest = max(r["model"].config.block_size for r in runs)
-        sys.exit(f"error: every length is past what the checkpoints' positions reach ({longest}); add lengths up to it")
+        sys.exit(
+            f"error: every length is past what the checkpoints' positions reach ({longest}); "
+            "add lengths up to it"
+        )
     memory = device_memory(device)
     for r in runs:
         L = max((L for L in lengths if feasible(r, L)), default=0)
         need = forward_bytes(r["model"], L)
         if memory and L and need > memory:
             sys.exit(
-                f"error: {r['out_dir']}: one window of {L} tokens needs at least {gb(need)}, more than the "
+                f"error: {r['out_dir']}: one window of {L} tokens needs at least {gb(need)}, more "
+                "than the "
                 f"{gb(memory)} of {device}; evaluate shorter lengths"
             )
 
@@ -291,7 +389,8 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         for L in lengths:
             if r.get("scaling"):
                 r["model"].set_rope_scaling(
-                    r["scaling"], rope_factor(r["model"], r["scaling"], L, r["train_len"], args.rope_factor)
+                    r["scaling"],
+                    rope_factor(r["model"], r["scaling"], L, r["train_len"], args.rope_factor),
                 )
             for mode in args.modes:
                 if not feasible(r, L):
@@ -299,7 +398,9 @@ def evaluate_args(args: argparse.Namespace) -> dict:
                     continue
                 bar.set_postfix_str(f"{r['name']} L={L} {mode}")
                 stride = sliding_stride(L, args.stride)
-                r["results"][mode][L] = evaluate(r["model"], r["data"], L, mode, stride, budget, device, ctx, bar)
+                r["results"][mode][L] = evaluate(
+                    r["model"], r["data"], L, mode, stride, budget, device, ctx, bar
+                )
     bar.close()
 
     report = {
@@ -321,7 +422,9 @@ def evaluate_args(args: argparse.Namespace) -> dict:
     if args.wandb_log:
         import wandb
 
-        run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args), job_type="eval")
+        run = wandb.init(
+            project=args.wandb_project, name=args.wandb_run_name, config=vars(args), job_type="eval"
+        )
         cols = ["name", "out_dir", "mode", "length", "loss", "ppl"]
         rows = [
             [r["name"], r["out_dir"], m, L, *((res["loss"], res["ppl"]) if res else (None, None))]
@@ -344,19 +447,24 @@ def markdown_table(report: dict) -> str:
         out.append("| encoding | " + " | ".join(str(L) for L in report["lengths"]) + " |")
         out.append("|---|" + "---:|" * len(report["lengths"]))
         for r in report["runs"]:
-            cells = [("n/a" if res is None else f"{res['ppl']:.2f}") for res in r["results"][mode].values()]
+            cells = [
+                ("n/a" if res is None else f"{res['ppl']:.2f}")
+                for res in r["results"][mode].values()
+            ]
             out.append(f"| {r['name']} [{r['train_len']}] | " + " | ".join(cells) + " |")
     inside = [r["name"] for r in report["runs"] if r.get("packing") == "documents"]
     if inside:  # a window's tokens attend within their documents, positions from each start
         out.append(
-            f"\n{', '.join(inside)}: evaluated inside documents (packing=documents: a token sees only its document's "
+            f"\n{', '.join(inside)}: evaluated inside documents (packing=documents: a token sees "
+            "only its document's "
             "tokens in the window)"
         )
     return "\n".join(out)
 
 
 def line_styles():
-    """Ten colours, solid then dashed: a line each for up to 20 rows (the default cycle repeats after 10)."""
+    """Ten colours, solid then dashed: a line each for up to 20 rows (the default cycle repeats
+    after 10)."""
     import matplotlib.pyplot as plt
     from cycler import cycler
 
@@ -377,7 +485,12 @@ def plot(report: dict, path: str) -> None:
         pts = [(L, res["ppl"]) for L, res in r["results"][mode].items() if res is not None]
         if pts:  # none where every length is past a learned table's block size
             axes[0].plot(*zip(*pts, strict=True), marker="o", label=r["name"])
-    axes[0].set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel=f"perplexity ({mode})")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="evaluation length (tokens)",
+        ylabel=f"perplexity ({mode})",
+    )
     axes[0].set_title("Train short, test long")
     train_len = min(r["train_len"] for r in report["runs"])
     axes[0].axvline(train_len, color="gray", ls=":", lw=1)
@@ -388,9 +501,15 @@ def plot(report: dict, path: str) -> None:
                 curve = np.array(res[-1]["per_position"])
                 k = max(1, len(curve) // 64)  # smooth over k positions
                 smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
-                axes[1].plot(np.arange(len(smooth)) + k // 2, smooth, label=f"{r['name']} (L={len(curve)})")
+                axes[1].plot(
+                    np.arange(len(smooth)) + k // 2, smooth, label=f"{r['name']} (L={len(curve)})"
+                )
         axes[1].axvline(train_len, color="gray", ls=":", lw=1)
-        axes[1].set(xlabel="position in the window", ylabel="loss (nats)", title="Loss by position, longest windows")
+        axes[1].set(
+            xlabel="position in the window",
+            ylabel="loss (nats)",
+            title="Loss by position, longest windows",
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -1,12 +1,13 @@
 """
-compare/sweep.py's reports: the records a sweep is made of, and the markdown tables and plots written from them.
-compare/sweep.py trains and evaluates; everything a reader sees in <out_dir>/report.md is written here, one section per
-kind of sweep:
+compare/sweep.py's reports: the records a sweep is made of, and the markdown tables and plots
+written from them. compare/sweep.py trains and evaluates; everything a reader sees in
+<out_dir>/report.md is written here, one section per kind of sweep:
 
-- the text sweep (perplexity by length, and the retrieval tasks of compare/tasks.py when the runs trained with them);
+- the text sweep (perplexity by length, and the retrieval tasks of compare/tasks.py when the runs
+  trained with them);
 - the synthetic suite (accuracy by length per task, against each task's floor);
-- the recipe study (the synthetic suite with each encoding's best recipe of a small grid, on fresh seeds, with
-  intervals and exact tests: which differences the seeds can tell).
+- the recipe study (the synthetic suite with each encoding's best recipe of a small grid, on fresh
+  seeds, with intervals and exact tests: which differences the seeds can tell).
 """
 
 import json
@@ -30,7 +31,7 @@ from model import POS_ENCODINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Records
 
 
@@ -51,10 +52,11 @@ class TextRun:
 
 @dataclass
 class TaskScore:
-    """A synthetic-task run's scores: accuracy per answer token and per whole sequence at each evaluation length
-    (None where the model has no positions: learned past its block), when it learned its task (the first evaluation
-    at synthetic_tasks.LEARNED), its final validation accuracy at the training length, and what it cost. Cached as
-    <run>/synthetic.json, under key (the lengths, trials and checkpoint it was computed from)."""
+    """A synthetic-task run's scores: accuracy per answer token and per whole sequence at each
+    evaluation length (None where the model has no positions: learned past its block), when it
+    learned its task (the first evaluation at synthetic_tasks.LEARNED), its final validation
+    accuracy at the training length, and what it cost. Cached as <run>/synthetic.json, under key
+    (the lengths, trials and checkpoint it was computed from)."""
 
     key: dict
     task: str
@@ -105,7 +107,7 @@ def by_encoding(items: list, enc=lambda x: x.enc) -> dict[str, list]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Formatting and provenance
 
 
@@ -116,15 +118,18 @@ def mean_spread(xs: list[float], digits: int = 2) -> str:
 
 
 def pct(xs: list[float | None] | None) -> str:
-    """Accuracies over seeds as a percentage, mean ± std; n/a where the model has no positions there (learned)."""
+    """Accuracies over seeds as a percentage, mean ± std; n/a where the model has no positions there
+    (learned)."""
     xs = [100 * x for x in xs or [] if x is not None]
     return mean_spread(xs, 0) + "%" if xs else "n/a"
 
 
 def commit() -> str:
-    """The code the study ran: the commit, marked where the tree has changes it does not hold (a new encoding being
-    tried: edited files, or new ones git does not ignore)."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    """The code the study ran: the commit, marked where the tree has changes it does not hold (a new
+    encoding being tried: edited files, or new ones git does not ignore)."""
+    git = lambda *a: subprocess.run(
+        ["git", *a], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()  # noqa: E731
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=normal")
     return f"{head} with uncommitted changes" if head != "unknown" and dirty else head
@@ -151,7 +156,8 @@ def machine() -> str:
 def provenance(argv: list[str]) -> list[str]:
     return [
         f"Command: `python -m compare.sweep {' '.join(argv)}`  ",
-        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit {commit()}  ",
+        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; commit "
+        f"{commit()}  ",
     ]
 
 
@@ -164,12 +170,14 @@ def matplotlib_pyplot():
     return plt
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The text sweep: perplexity by length (compare/eval_length.py's report), and the retrieval tasks of compare/tasks.py
+# --------------------------------------------------------------------------------------------------
+# The text sweep: perplexity by length (compare/eval_length.py's report), and the retrieval tasks of
+# compare/tasks.py
 
 
 def aggregate(report: dict) -> dict:
-    """{name: {mode: {L: [ppl per seed]}}}: eval_length's runs of one encoding (and scaling) over seeds together."""
+    """{name: {mode: {L: [ppl per seed]}}}: eval_length's runs of one encoding (and scaling) over
+    seeds together."""
     out: dict = {}
     for r in report["runs"]:
         by_mode = out.setdefault(r["name"], {m: {} for m in report["modes"]})
@@ -188,9 +196,12 @@ def summary_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
     far = [k for k in (4, 16) if k * train_len in lengths]
     L4 = 4 * train_len if tk and 4 * train_len in tk["lengths"] else None
     cols = ["val loss"] + [f"perplexity {k}×" for k in far]
-    cols += (["passkey k_max"] if tk else []) + ([f"recall {L4}", f"copy {L4} (chars)"] if L4 else [])
+    cols += (["passkey k_max"] if tk else []) + (
+        [f"recall {L4}", f"copy {L4} (chars)"] if L4 else []
+    )
     lines = [
-        f"## Summary: mean ± std over seeds (perplexity with {mode} windows; accuracy is exact match, copy's per "
+        f"## Summary: mean ± std over seeds (perplexity with {mode} windows; accuracy is exact "
+        "match, copy's per "
         "character; k_max: the longest length with passkey accuracy >= 20%, 0 if none)",
         "",
         "| encoding | " + " | ".join(cols) + " | training k tokens/s |",
@@ -204,7 +215,10 @@ def summary_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
             k_max = [x["k_max"] or 0 for x in res]
             cells.append(mean_spread(k_max, 0) if any(k_max) else "0")
             if L4:
-                cells += [pct([x["recall"][L4] for x in res]), pct([x["copy_tokens"][L4] for x in res])]
+                cells += [
+                    pct([x["recall"][L4] for x in res]),
+                    pct([x["copy_tokens"][L4] for x in res]),
+                ]
         speed = [r.tokens / r.seconds / 1000 for r in rs if r.seconds]
         cells.append(mean_spread(speed, 1) if speed else "-")
         lines.append(f"| {enc} | " + " | ".join(cells) + " |")
@@ -225,8 +239,10 @@ def retrieval_lines(report: dict, runs: list[TextRun]) -> list[str]:
     lines = [
         "## Retrieval tasks (compare/tasks.py), mean ± std over seeds",
         "",
-        f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} depths. Exact match of "
-        "each answer (5-digit key, 2-digit value), and for copy also the share of right characters.",
+        f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} "
+        "depths. Exact match of "
+        "each answer (5-digit key, 2-digit value), and for copy also the share of right "
+        "characters.",
     ]
     for task, title in (
         ("passkey", "passkey"),
@@ -234,18 +250,25 @@ def retrieval_lines(report: dict, runs: list[TextRun]) -> list[str]:
         ("copy", "copy (exact)"),
         ("copy_tokens", "copy (characters)"),
     ):
-        lines += ["", f"| {title} | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---:|" * len(lengths)]
+        lines += [
+            "",
+            f"| {title} | " + " | ".join(map(str, lengths)) + " |",
+            "|---|" + "---:|" * len(lengths),
+        ]
         for enc, rs in by_encoding(runs).items():
             res = [tk["runs"][r.dir] for r in rs]
-            lines.append(f"| {enc} | " + " | ".join(pct([x[task][L] for x in res]) for L in lengths) + " |")
+            lines.append(
+                f"| {enc} | " + " | ".join(pct([x[task][L] for x in res]) for L in lengths) + " |"
+            )
     return lines + ["", "![passkey accuracy by length and depth, mean over seeds](passkey.png)", ""]
 
 
 def packing_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
-    """What document packing changes per encoding (a sweep with --packing stream documents), mean over seeds: the
-    validation loss each run trained to; the perplexity at the training length with every run evaluated inside the
-    documents (the stream runs too: how well each models a document); the perplexity at the longest length under the
-    rule each run trained with. [] without such pairs."""
+    """What document packing changes per encoding (a sweep with --packing stream documents), mean
+    over seeds: the validation loss each run trained to; the perplexity at the training length with
+    every run evaluated inside the documents (the stream runs too: how well each models a document);
+    the perplexity at the longest length under the rule each run trained with. [] without such
+    pairs."""
     runs_of = by_encoding(runs)
     pairs = [(enc, f"{enc} documents") for enc in runs_of if f"{enc} documents" in runs_of]
     if not pairs or "inside_documents" not in report:
@@ -260,12 +283,16 @@ def packing_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
     lines = [
         "## Document packing: what changes per encoding",
         "",
-        "Each encoding trained as one stream and with packing=documents (positions restart at each end-of-text",
-        "token, attention stays inside a document), on the same data. Inside documents: every run evaluated with",
-        "attention kept inside the validation text's documents; as trained: under its own rule. Perplexity from",
+        "Each encoding trained as one stream and with packing=documents (positions restart at "
+        "each end-of-text",
+        "token, attention stays inside a document), on the same data. Inside documents: every run "
+        "evaluated with",
+        "attention kept inside the validation text's documents; as trained: under its own rule. "
+        "Perplexity from",
         f"{mode} windows; a change below the seeds' spread is noise.",
         "",
-        "| encoding | val loss stream | val loss documents | inside documents, stream-trained | inside documents, "
+        "| encoding | val loss stream | val loss documents | inside documents, stream-trained | "
+        "inside documents, "
         f"documents-trained | {longest} as trained, stream | {longest} as trained, documents |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -278,7 +305,8 @@ def packing_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
 
 
 def text_report(out_dir: Path, report: dict, runs: list[TextRun], argv: list[str]) -> Path:
-    """report.md of a text sweep, and its plots (length.png, position.png; passkey.png with the retrieval tasks)."""
+    """report.md of a text sweep, and its plots (length.png, position.png; passkey.png with the
+    retrieval tasks)."""
     agg = aggregate(report)
     lengths, train_len = report["lengths"], report["runs"][0]["train_len"]
     lines = [
@@ -286,13 +314,15 @@ def text_report(out_dir: Path, report: dict, runs: list[TextRun], argv: list[str
         "",
         *provenance(argv),
         f"Training length {train_len}; seeds {sorted({r.seed for r in runs})}; training "
-        f"{sum(r.seconds for r in runs) / 60:.1f} min, evaluation {report['seconds'] / 60:.1f} min.",
+        f"{sum(r.seconds for r in runs) / 60:.1f} min, evaluation {report['seconds'] / 60:.1f} "
+        "min.",
         "",
         *summary_lines(report, runs, agg),
         "",
         "## Validation loss at the training length (train.py's estimate, best of its evaluations)",
         "",
-        "| encoding | val loss | parameters (tied embedding once, no position table) | minutes to train |",
+        "| encoding | val loss | parameters (tied embedding once, no position table) | minutes to "
+        "train |",
         "|---|---:|---:|---:|",
     ]
     for enc, rs in by_encoding(runs).items():
@@ -304,15 +334,28 @@ def text_report(out_dir: Path, report: dict, runs: list[TextRun], argv: list[str
         lines += ["", f"## Perplexity by evaluation length, {mode} windows", ""]
         if mode == "sliding":
             lines.append(
-                f"(stride {report['stride']}: each window scores its last quarter only, so every token is scored once, "
-                "with at least 3/4 of the window as context; the text's first 3/4 window is not scored)\n"
+                f"(stride {report['stride']}: each window scores its last quarter only, so every "
+                "token is scored once, "
+                "with at least 3/4 of the window as context; the text's first 3/4 window is not "
+                "scored)\n"
             )
-        lines.append("| encoding | " + " | ".join(f"{L}{' (train)' if L == train_len else ''}" for L in lengths) + " |")
+        lines.append(
+            "| "
+            "encoding "
+            "| "
+            "" + " | ".join(f"{L}{' (train)' if L == train_len else ''}" for L in lengths) + " |"
+        )
         lines.append("|---|" + "---:|" * len(lengths))
         for name, by_mode in agg.items():
             cells = [mean_spread(v) if v else "n/a" for v in (by_mode[mode][L] for L in lengths)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "![perplexity by length](length.png)", "", "![loss by position](position.png)", ""]
+    lines += [
+        "",
+        "![perplexity by length](length.png)",
+        "",
+        "![loss by position](position.png)",
+        "",
+    ]
     lines += packing_lines(report, runs, agg)
     plot_lengths(agg, report, out_dir)
     if report.get("tasks"):
@@ -324,11 +367,13 @@ def text_report(out_dir: Path, report: dict, runs: list[TextRun], argv: list[str
 
 
 def plot_lengths(agg: dict, report: dict, out_dir: Path) -> None:
-    """length.png: perplexity by length per encoding (mean ± std over seeds); position.png: the first seed's loss by
-    position (eval_length's plot)."""
+    """length.png: perplexity by length per encoding (mean ± std over seeds); position.png: the
+    first seed's loss by position (eval_length's plot)."""
     plt = matplotlib_pyplot()
     train_len = report["runs"][0]["train_len"]
-    fig, axes = plt.subplots(1, len(report["modes"]), figsize=(6.5 * len(report["modes"]), 4.8), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(report["modes"]), figsize=(6.5 * len(report["modes"]), 4.8), squeeze=False
+    )
     for ax, mode in zip(axes[0], report["modes"], strict=True):
         ax.set_prop_cycle(eval_length.line_styles())
         for name, by_mode in agg.items():
@@ -349,7 +394,8 @@ def plot_lengths(agg: dict, report: dict, out_dir: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, out_dir / "length.png", dpi=110)
-    first = report["runs"][0]["out_dir"].rsplit("-seed", 1)[1]  # loss by position: the first seed's runs
+    # loss by position: the first seed's runs
+    first = report["runs"][0]["out_dir"].rsplit("-seed", 1)[1]
     runs = [r for r in report["runs"] if r["out_dir"].endswith(f"-seed{first}")]
     eval_length.plot(dict(report, runs=runs), str(out_dir / "position.png"))
 
@@ -360,12 +406,15 @@ def plot_passkey(report: dict, runs: list[TextRun], path: Path) -> None:
     heat = {}
     for enc, rs in by_encoding(runs).items():
         grids = [tk["runs"][r.dir]["passkey_grid"] for r in rs]
-        mean = {L: None if grids[0][L] is None else np.mean([g[L] for g in grids], 0) for L in tk["lengths"]}
+        mean = {
+            L: None if grids[0][L] is None else np.mean([g[L] for g in grids], 0)
+            for L in tk["lengths"]
+        }
         heat[enc] = {"passkey_grid": mean}
     tasks.plot_heatmaps({"checkpoints": heat}, tk["lengths"], tk["depths"], str(path))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The synthetic suite: accuracy by length per task, read against each task's floor
 
 
@@ -381,12 +430,16 @@ def task_floors(cells: dict[str, list[Cell]], trials: int) -> dict[str, dict[int
 
 
 def lengths_of(cells: dict[str, list[Cell]]) -> tuple[list[int], int]:
-    """The evaluation lengths and the training length of a suite's runs, which one report needs to share."""
+    """The evaluation lengths and the training length of a suite's runs, which one report needs to
+    share."""
     scores = [s for cs in cells.values() for c in cs for s in c.scores]
-    if len(blocks := sorted({s.block_size for s in scores})) > 1:  # their lengths and multiples would not line up
+    # their lengths and multiples would not line up
+    if len(blocks := sorted({s.block_size for s in scores})) > 1:
         sys.exit(
-            f"[sweep] the runs were trained at different lengths (block_size {', '.join(map(str, blocks))}), which one "
-            "report cannot compare: move the runs trained with other options aside, then re-run the sweep"
+            "[sweep] the runs were trained at different lengths (block_size "
+            f"{', '.join(map(str, blocks))}), which one "
+            "report cannot compare: move the runs trained with other options aside, then re-run "
+            "the sweep"
         )
     return list(scores[0].accuracy), blocks[0]
 
@@ -395,26 +448,34 @@ def length_header(lengths: list[int], train_len: int) -> str:
     return " | ".join(f"{L} ({L / train_len:.3g}×)" for L in lengths)
 
 
-def synthetic_table(cs: list[Cell], lengths: list[int], train_len: int, floors: dict, key: str, learned: bool):
-    """One task's table of key (accuracy or whole_sequence) by length: over every seed, or over the seeds that
-    learned (learned=True), under a row of the floor."""
+def synthetic_table(
+    cs: list[Cell], lengths: list[int], train_len: int, floors: dict, key: str, learned: bool
+):
+    """One task's table of key (accuracy or whole_sequence) by length: over every seed, or over the
+    seeds that learned (learned=True), under a row of the floor."""
     lines = [
         "| encoding | learned | at step | " + length_header(lengths, train_len) + " |",
         "|---|---:|---:|" + "---:|" * len(lengths),
-        "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
+        "| *floor (no "
+        "retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
     ]
     for c in cs:
         steps = [s.learned_at for s in c.scores if s.learned_at is not None]
         at = f"{statistics.mean(steps):,.0f}" if steps else "-"
         seeds = [s for s in c.scores if s.learned_at is not None] if learned else c.scores
         cells = [pct(Cell(c.enc, seeds).at(L, key)) if seeds else "-" for L in lengths]
-        lines.append(f"| {c.enc} | {len(steps)} of {len(c.scores)} | {at} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {c.enc} | {len(steps)} of {len(c.scores)} | {at} | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
-def synthetic_report(out_dir: Path, cells: dict[str, list[Cell]], argv: list[str], wall: float, trials: int) -> Path:
-    """report.md: per task, the floor, seeds learned and accuracy by length per encoding over every seed and over
-    the seeds that learned; synthetic.png, a panel per task; results.json; the cost."""
+def synthetic_report(
+    out_dir: Path, cells: dict[str, list[Cell]], argv: list[str], wall: float, trials: int
+) -> Path:
+    """report.md: per task, the floor, seeds learned and accuracy by length per encoding over every
+    seed and over the seeds that learned; synthetic.png, a panel per task; results.json; the
+    cost."""
     lengths, train_len = lengths_of(cells)
     scores = [s for cs in cells.values() for c in cs for s in c.scores]
     floors = task_floors(cells, trials)
@@ -422,17 +483,26 @@ def synthetic_report(out_dir: Path, cells: dict[str, list[Cell]], argv: list[str
         "# Synthetic tasks: retrieval past the training length",
         "",
         *provenance(argv),
-        f"{len(scores)} runs ({scores[0].params:,} parameters each, trained at {train_len} tokens); training "
-        f"{sum(s.seconds for s in scores) / 60:.0f} CPU-minutes (each run's wall clock, one thread each when side by "
-        f"side), evaluation {sum(s.eval_seconds for s in scores) / 60:.0f} minutes; this invocation {wall / 60:.0f} "
+        f"{len(scores)} runs ({scores[0].params:,} parameters each, trained at {train_len} "
+        "tokens); training "
+        f"{sum(s.seconds for s in scores) / 60:.0f} CPU-minutes (each run's wall clock, one thread "
+        "each when side by "
+        f"side), evaluation {sum(s.eval_seconds for s in scores) / 60:.0f} minutes; this "
+        f"invocation {wall / 60:.0f} "
         "minutes of wall clock.",
         "",
-        f"A run *learned* its task when its validation accuracy at the training length (on the evaluation's "
-        f"distribution) reached {synthetic_tasks.LEARNED:.0%} at some evaluation; **learned** counts those seeds and "
-        "gives the step (the first evaluation at or above it, mean over them). Accuracy is exact match per answer "
-        f"token over {trials} sequences per length, the same sequences for every run, mean ± std over seeds: first "
-        "over every seed, then over the seeds that learned. The *floor* is the best of the task's shortcuts, "
-        "strategies that retrieve nothing (synthetic.SHORTCUTS), on the same sequences: a cell at the floor has "
+        "A run *learned* its task when its validation accuracy at the training length (on the "
+        "evaluation's "
+        f"distribution) reached {synthetic_tasks.LEARNED:.0%} at some evaluation; **learned** "
+        "counts those seeds and "
+        "gives the step (the first evaluation at or above it, mean over them). Accuracy is exact "
+        "match per answer "
+        f"token over {trials} sequences per length, the same sequences for every run, mean ± std "
+        "over seeds: first "
+        "over every seed, then over the seeds that learned. The *floor* is the best of the task's "
+        "shortcuts, "
+        "strategies that retrieve nothing (synthetic.SHORTCUTS), on the same sequences: a cell at "
+        "the floor has "
         "learned a shortcut, not the task.",
     ]
     for task, cs in cells.items():
@@ -441,28 +511,43 @@ def synthetic_report(out_dir: Path, cells: dict[str, list[Cell]], argv: list[str
         lines += synthetic_table(cs, lengths, train_len, token_floor, "accuracy", learned=False)
         lines += ["", "The seeds that learned it:", ""]
         lines += synthetic_table(cs, lengths, train_len, token_floor, "accuracy", learned=True)
-        if task == "copy":  # per token, the shortcut copies most of a string; the whole string is the task
+        # per token, the shortcut copies most of a string; the whole string is the task
+        if task == "copy":
             lines += ["", "Whole string exact (every copied token right), every seed:", ""]
             seq_floor = {L: f["sequence"] for L, f in floors[task].items()}
-            lines += synthetic_table(cs, lengths, train_len, seq_floor, "whole_sequence", learned=False)
-    lines += ["", "![accuracy by length, per task, every seed; dashed: the floor](synthetic.png)", ""]
+            lines += synthetic_table(
+                cs, lengths, train_len, seq_floor, "whole_sequence", learned=False
+            )
+    lines += [
+        "",
+        "![accuracy by length, per task, every seed; dashed: the floor](synthetic.png)",
+        "",
+    ]
     plot_tasks(cells, floors, lengths, train_len, out_dir / "synthetic.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
     seeds = max(len(c.scores) for cs in cells.values() for c in cs)
-    results = {task: {c.enc: [s.to_json() for s in c.scores] for c in cs} for task, cs in cells.items()}
+    results = {
+        task: {c.enc: [s.to_json() for s in c.scores] for c in cs} for task, cs in cells.items()
+    }
     write_atomic(
         out_dir / "results.json",
-        json.dumps({"seeds": seeds, "trials": trials, "floors": floors, "results": results}, indent=1),
+        json.dumps(
+            {"seeds": seeds, "trials": trials, "floors": floors, "results": results}, indent=1
+        ),
     )
     return path
 
 
-def plot_tasks(cells: dict[str, list[Cell]], floors: dict, lengths: list[int], train_len: int, path: Path) -> None:
-    """A panel per task: accuracy by length, mean ± std over every seed, and the task's floor (dashed, with its band
-    shaded where it has one)."""
+def plot_tasks(
+    cells: dict[str, list[Cell]], floors: dict, lengths: list[int], train_len: int, path: Path
+) -> None:
+    """A panel per task: accuracy by length, mean ± std over every seed, and the task's floor
+    (dashed, with its band shaded where it has one)."""
     plt = matplotlib_pyplot()
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(cells), figsize=(4.2 * len(cells), 4), squeeze=False, sharey=True
+    )
     for ax, (task, cs) in zip(axes[0], cells.items(), strict=True):
         ax.set_prop_cycle(eval_length.line_styles())
         for c in cs:
@@ -473,7 +558,8 @@ def plot_tasks(cells: dict[str, list[Cell]], floors: dict, lengths: list[int], t
                 yerr=[100 * statistics.stdev(xs) if len(xs) > 1 else 0 for _, xs in pts],
                 marker="o",
                 capsize=3,
-                label=f"{c.enc}{f' [{c.recipe}]' if c.recipe else ''} ({c.learned}/{len(c.scores)})",
+                label=f"{c.enc}{f' [{c.recipe}]' if c.recipe else ''} "
+                f"({c.learned}/{len(c.scores)})",
             )
         f = np.array([100 * floors[task][L]["token"] for L in lengths])
         band = np.array([100 * floors[task][L].get("band", 0) for L in lengths])
@@ -490,32 +576,39 @@ def plot_tasks(cells: dict[str, list[Cell]], floors: dict, lengths: list[int], t
     save_figure(fig, path, dpi=110)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The recipe study: each encoding's best recipe of a grid (chosen on the selection seeds), reported on fresh seeds,
-# with intervals, and the differences exact tests can tell
+# --------------------------------------------------------------------------------------------------
+# The recipe study: each encoding's best recipe of a grid (chosen on the selection seeds), reported
+# on fresh seeds, with intervals, and the differences exact tests can tell
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval (95%) of a proportion k / n: sound at the ends (0 of 5, 5 of 5), where the normal
-    approximation gives an interval of zero width."""
+    """The Wilson score interval (95%) of a proportion k / n: sound at the ends (0 of 5, 5 of 5),
+    where the normal approximation gives an interval of zero width."""
     p = k / n
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    centre, half = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)),
+    )
     return max(0.0, centre - half / (1 + z * z / n)), min(1.0, centre + half / (1 + z * z / n))
 
 
 def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
-    """Fisher's exact test, two-sided: the probability, with the margins fixed, of a table as unlikely as (k1 of
-    n1 against k2 of n2) or less (every table whose hypergeometric probability is at most the observed one's)."""
+    """Fisher's exact test, two-sided: the probability, with the margins fixed, of a table as
+    unlikely as (k1 of n1 against k2 of n2) or less (every table whose hypergeometric probability is
+    at most the observed one's)."""
     k, n = k1 + k2, n1 + n2
-    prob = [math.comb(n1, a) * math.comb(n2, k - a) / math.comb(n, k) for a in range(max(0, k - n2), min(k, n1) + 1)]
+    prob = [
+        math.comb(n1, a) * math.comb(n2, k - a) / math.comb(n, k)
+        for a in range(max(0, k - n2), min(k, n1) + 1)
+    ]
     observed = math.comb(n1, k1) * math.comb(n2, k2) / math.comb(n, k)
     return min(1.0, sum(p for p in prob if p <= observed * (1 + 1e-9)))
 
 
 def permutation_p(a: list[float], b: list[float]) -> float:
-    """The exact two-sided permutation test of a difference in means: the share of the ways to split the pooled
-    values into groups of len(a) and len(b) whose difference is at least as large as the observed one (252 splits
-    for 5 against 5; the smallest p it can give is 2 / 252 = 0.008)."""
+    """The exact two-sided permutation test of a difference in means: the share of the ways to split
+    the pooled values into groups of len(a) and len(b) whose difference is at least as large as the
+    observed one (252 splits for 5 against 5; the smallest p it can give is 2 / 252 = 0.008)."""
     pooled, na = a + b, len(a)
     observed = abs(statistics.mean(a) - statistics.mean(b))
     total = sum(pooled)
@@ -529,7 +622,8 @@ def permutation_p(a: list[float], b: list[float]) -> float:
 
 
 def versus_floor(xs: list[float], f: dict) -> str:
-    """A cell's mean against the floor: '' above it, ' (floor)' within the floor's band, ' (below)' under it."""
+    """A cell's mean against the floor: '' above it, ' (floor)' within the floor's band, ' (below)'
+    under it."""
     m = statistics.mean(xs)
     if m < f["token"] - f["band"]:
         return " (below)"
@@ -538,62 +632,85 @@ def versus_floor(xs: list[float], f: dict) -> str:
 
 @dataclass
 class Study:
-    """The recipe study's results: per task, the grid (each encoding's final validation accuracy per recipe, over
-    the selection seeds) and the chosen recipe's cells on the fresh seeds."""
+    """The recipe study's results: per task, the grid (each encoding's final validation accuracy per
+    recipe, over the selection seeds) and the chosen recipe's cells on the fresh seeds."""
 
-    grid: dict[str, dict[str, dict[str, list[float]]]]  # {task: {enc: {recipe: [final val acc per selection seed]}}}
+    # {task: {enc: {recipe: [final val acc per selection seed]}}}
+    grid: dict[str, dict[str, dict[str, list[float]]]]
     recipes: dict[str, list[str]]  # {task: the grid's recipes, in order (ties go to the earlier)}
     chosen: dict[str, dict[str, str]]  # {task: {enc: recipe}}
-    cells: dict[str, list[Cell]]  # {task: [the chosen recipe's runs on the fresh seeds, per encoding]}
+    # {task: [the chosen recipe's runs on the fresh seeds, per encoding]}
+    cells: dict[str, list[Cell]]
     selection_seeds: list[int]
     grid_seconds: float = 0.0
-    options: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # {task: {recipe: train.py options}}
+    # {task: {recipe: train.py options}}
+    options: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
 
 def separations(cs: list[Cell], lengths: list[int]) -> list[str]:
-    """The differences the seeds tell apart (p < 0.05, exact, two-sided, uncorrected): learned counts (Fisher) and
-    accuracy at the training length and the longest length (permutation), for every pair of encodings."""
+    """The differences the seeds tell apart (p < 0.05, exact, two-sided, uncorrected): learned
+    counts (Fisher) and accuracy at the training length and the longest length (permutation), for
+    every pair of encodings."""
     out = []
     for a, b in combinations(cs, 2):
         n1, n2 = len(a.scores), len(b.scores)
         if (p := fisher_exact(a.learned, n1, b.learned, n2)) < 0.05:
             hi, lo = (a, b) if a.learned > b.learned else (b, a)
-            out.append(f"learned: {hi.enc} {hi.learned} of {n1} against {lo.enc} {lo.learned} of {n2} (p = {p:.3f})")
+            out.append(
+                f"learned: {hi.enc} {hi.learned} of {n1} against {lo.enc} {lo.learned} of "
+                f"{n2} (p = {p:.3f})"
+            )
         for L in (lengths[0], lengths[-1]):
             xa, xb = a.at(L), b.at(L)
             if xa and xb and (p := permutation_p(xa, xb)) < 0.05:
-                (hi, xh), (lo, xl) = sorted([(a, xa), (b, xb)], key=lambda t: -statistics.mean(t[1]))
+                (hi, xh), (lo, xl) = sorted(
+                    [(a, xa), (b, xb)], key=lambda t: -statistics.mean(t[1])
+                )
                 out.append(f"at {L}: {hi.enc} {pct(xh)} against {lo.enc} {pct(xl)} (p = {p:.3f})")
     return out
 
 
 def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, trials: int) -> Path:
-    """report.md of the recipe study: the grid and the choices, then per task each encoding's learned count with its
-    Wilson interval and its accuracy by length against the floor, the differences exact tests tell apart, the
-    cost; recipes.png; results.json."""
+    """report.md of the recipe study: the grid and the choices, then per task each encoding's
+    learned count with its Wilson interval and its accuracy by length against the floor, the
+    differences exact tests tell apart, the cost; recipes.png; results.json."""
     lengths, train_len = lengths_of(study.cells)
     floors = task_floors(study.cells, trials)
     scores = [s for cs in study.cells.values() for c in cs for s in c.scores]
-    n_grid = sum(len(xs) for by_enc in study.grid.values() for rs in by_enc.values() for xs in rs.values())
+    n_grid = sum(
+        len(xs) for by_enc in study.grid.values() for rs in by_enc.values() for xs in rs.values()
+    )
     seeds = sorted({len(c.scores) for cs in study.cells.values() for c in cs})
     lines = [
         "# Retrieval: each encoding with its best recipe",
         "",
         *provenance(argv),
-        f"Cost: the grid {n_grid} runs, {study.grid_seconds / 60:.0f} CPU-minutes; the chosen recipes {len(scores)} "
-        f"runs on fresh seeds, {sum(s.seconds for s in scores) / 60:.0f} CPU-minutes (each run's wall clock, one "
-        f"thread each when side by side); evaluation {sum(s.eval_seconds for s in scores) / 60:.0f} minutes; this "
+        f"Cost: the grid {n_grid} runs, {study.grid_seconds / 60:.0f} CPU-minutes; the chosen "
+        f"recipes {len(scores)} "
+        f"runs on fresh seeds, {sum(s.seconds for s in scores) / 60:.0f} CPU-minutes (each run's "
+        "wall clock, one "
+        "thread each when side by side); evaluation "
+        f"{sum(s.eval_seconds for s in scores) / 60:.0f} minutes; this "
         f"invocation {wall / 60:.0f} minutes of wall clock.",
         "",
-        f"Each encoding is trained on each task with every recipe of the grid on the selection seeds "
-        f"({', '.join(map(str, study.selection_seeds))}), and its recipe is the one with the highest final validation "
-        "accuracy (at the training length, on the evaluation's distribution; mean over the selection seeds; within 1 "
-        "point the earlier recipe of the grid). Then it is trained with that recipe on fresh seeds, which alone are "
-        f"reported. A run *learned* its task when its validation accuracy reached {synthetic_tasks.LEARNED:.0%}; the "
-        "interval of the learned count is Wilson's (95%). Accuracy is exact match per answer token over "
-        f"{trials} sequences per length, the same for every run, mean ± std over seeds. The floor is the best "
-        "shortcut (a strategy that retrieves nothing, synthetic.SHORTCUTS) on the same sequences, ± the band within "
-        "which another such strategy scores (95%): *(floor)* marks a mean within it, *(below)* one under it.",
+        "Each encoding is trained on each task with every recipe of the grid on the selection "
+        "seeds "
+        f"({', '.join(map(str, study.selection_seeds))}), and its recipe is the one with the "
+        "highest final validation "
+        "accuracy (at the training length, on the evaluation's distribution; mean over the "
+        "selection seeds; within 1 "
+        "point the earlier recipe of the grid). Then it is trained with that recipe on fresh "
+        "seeds, which alone are "
+        "reported. A run *learned* its task when its validation accuracy reached "
+        f"{synthetic_tasks.LEARNED:.0%}; the "
+        "interval of the learned count is Wilson's (95%). Accuracy is exact match per answer token "
+        "over "
+        f"{trials} sequences per length, the same for every run, mean ± std over seeds. The floor "
+        "is the best "
+        "shortcut (a strategy that retrieves nothing, synthetic.SHORTCUTS) on the same sequences, "
+        "± the band within "
+        "which another such strategy scores (95%): *(floor)* marks a mean within it, *(below)* "
+        "one under it.",
         "",
         "## The grid: final validation accuracy at the training length, selection seeds",
     ]
@@ -601,7 +718,10 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
         recipes = study.recipes[task]
         described = "; ".join(r + ": " + " ".join(study.options[task][r]) for r in recipes)
         lines += ["", f"{task} ({described})", ""]
-        lines += ["| encoding | " + " | ".join(recipes) + " | chosen |", "|---|" + "---:|" * len(recipes) + "---|"]
+        lines += [
+            "| encoding | " + " | ".join(recipes) + " | chosen |",
+            "|---|" + "---:|" * len(recipes) + "---|",
+        ]
         for enc, rs in by_enc.items():
             cells = [pct(rs[r]) for r in recipes]
             lines.append(f"| {enc} | " + " | ".join(cells) + f" | {study.chosen[task][enc]} |")
@@ -611,12 +731,15 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
             "",
             f"## {task}",
             "",
-            f"| encoding | recipe | learned (95% interval) | at step | {length_header(lengths, train_len)} |",
+            "| encoding | recipe | learned (95% interval) | at step | "
+            f"{length_header(lengths, train_len)} |",
             "|---|---|---:|---:|" + "---:|" * len(lengths),
             "| *floor: "
             + fl[lengths[0]]["strategy"]
             + "* | | | | "
-            + " | ".join(f"*{100 * fl[L]['token']:.0f} ± {100 * fl[L]['band']:.0f}%*" for L in lengths)
+            + " | ".join(
+                f"*{100 * fl[L]['token']:.0f} ± {100 * fl[L]['band']:.0f}%*" for L in lengths
+            )
             + " |",
         ]
         for c in cs:
@@ -624,18 +747,31 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
             lo, hi = wilson(c.learned, n)
             steps = [s.learned_at for s in c.scores if s.learned_at is not None]
             at = f"{statistics.mean(steps):,.0f}" if steps else "-"
-            cells = [pct(xs) + versus_floor(xs, fl[L]) if (xs := c.at(L)) else "n/a" for L in lengths]
+            cells = [
+                pct(xs) + versus_floor(xs, fl[L]) if (xs := c.at(L)) else "n/a" for L in lengths
+            ]
             learned = f"{c.learned} of {n} ({100 * lo:.0f}–{100 * hi:.0f}%)"
             lines.append(f"| {c.enc} | {c.recipe} | {learned} | {at} | " + " | ".join(cells) + " |")
         steady = ", ".join(f"{L}: {100 * fl[L]['steady']:.1f}%" for L in lengths)
-        lines += ["", f"The floor over {synthetic.FLOOR_SEQUENCES:,} sequences (a steadier estimate): {steady}."]
+        lines += [
+            "",
+            f"The floor over {synthetic.FLOOR_SEQUENCES:,} sequences (a steadier "
+            f"estimate): {steady}.",
+        ]
         found = separations(cs, lengths)
         lines += [
             "",
-            f"Told apart at {'/'.join(map(str, seeds))} seeds (exact tests, p < 0.05, two-sided, uncorrected):",
+            f"Told apart at {'/'.join(map(str, seeds))} seeds (exact tests, p < 0.05, two-sided, "
+            "uncorrected):",
         ]
-        lines += [f"- {x}" for x in found] or ["- none: no two encodings are distinguishable at these seeds"]
-    lines += ["", "![accuracy by length, chosen recipes, fresh seeds; dashed: the floor](recipes.png)", ""]
+        lines += [f"- {x}" for x in found] or [
+            "- none: no two encodings are distinguishable at these seeds"
+        ]
+    lines += [
+        "",
+        "![accuracy by length, chosen recipes, fresh seeds; dashed: the floor](recipes.png)",
+        "",
+    ]
     plot_tasks(study.cells, floors, lengths, train_len, out_dir / "recipes.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
@@ -644,19 +780,23 @@ def recipe_report(out_dir: Path, study: Study, argv: list[str], wall: float, tri
         "chosen": study.chosen,
         "options": study.options,
         "floors": floors,
-        "results": {t: {c.enc: [s.to_json() for s in c.scores] for c in cs} for t, cs in study.cells.items()},
+        "results": {
+            t: {c.enc: [s.to_json() for s in c.scores] for c in cs} for t, cs in study.cells.items()
+        },
     }
     write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The extension study (--extend): each run fine-tuned at factor times its training length, against itself without
+# --------------------------------------------------------------------------------------------------
+# The extension study (--extend): each run fine-tuned at factor times its training length, against
+# itself without
 
 
 @dataclass
 class Extension:
-    """A source run and its fine-tune at a longer length, as the extension study's report reads them."""
+    """A source run and its fine-tune at a longer length, as the extension study's report reads
+    them."""
 
     kind: str  # "text", or the synthetic task both were trained on
     enc: str
@@ -665,7 +805,8 @@ class Extension:
     source: str  # the run extended
     dir: str  # the fine-tuned run
     source_val: float  # the source's best validation loss, at its training length
-    history: list[dict]  # the fine-tune's evaluations at the new length: {"iter", "train", "val"[, "acc"]}
+    # the fine-tune's evaluations at the new length: {"iter", "train", "val"[, "acc"]}
+    history: list[dict]
     seconds: float  # the fine-tune's wall clock
 
 
@@ -687,9 +828,12 @@ def extension_label(r: Extension, F: int) -> str:
 
 
 def steps_to(histories: list[list[dict]], targets: list[float]) -> str:
-    """The first evaluation at which each fine-tune's validation loss is at most its target (mean ± std over seeds,
-    and how many reached it where not all did)."""
-    steps = [next((h["iter"] for h in hist if h["val"] <= t), None) for hist, t in zip(histories, targets, strict=True)]
+    """The first evaluation at which each fine-tune's validation loss is at most its target (mean ±
+    std over seeds, and how many reached it where not all did)."""
+    steps = [
+        next((h["iter"] for h in hist if h["val"] <= t), None)
+        for hist, t in zip(histories, targets, strict=True)
+    ]
     reached = [s for s in steps if s is not None]
     if not reached:
         return f"not in {histories[0][-1]['iter']}"
@@ -698,8 +842,9 @@ def steps_to(histories: list[list[dict]], targets: list[float]) -> str:
 
 
 def extension_rows(runs: list[Extension], report: dict, F: int) -> list[tuple]:
-    """(variant label, fine-tuned?, its runs, {L: [ppl per seed]}) for the text table and plot: each encoding as trained
-    and fine-tuned, RoPE's per scaling (without fine-tuning at s = F), in the order of the runs."""
+    """(variant label, fine-tuned?, its runs, {L: [ppl per seed]}) for the text table and plot: each
+    encoding as trained and fine-tuned, RoPE's per scaling (without fine-tuning at s = F), in the
+    order of the runs."""
     source, tuned = aggregate(report["sources"]), aggregate(report["fine-tuned"])
     rows = []
     for name, rs in by_encoding(runs, extension_name).items():
@@ -721,26 +866,35 @@ def extend_report(
     seconds: dict,
     argv: list[str],
 ) -> Path:
-    """report.md of the extension study: perplexity by length and the fine-tunes' validation loss (before, after, the
-    steps to their source's loss) per encoding and scaling, as trained and fine-tuned; the synthetic task's accuracy
-    by length the same way, against its floor; extension.png; results.json."""
-    text = [r for r in runs if r.kind == "text"]  # F, steps and L0: as the runs were trained (their checkpoints')
+    """report.md of the extension study: perplexity by length and the fine-tunes' validation loss
+    (before, after, the steps to their source's loss) per encoding and scaling, as trained and
+    fine-tuned; the synthetic task's accuracy by length the same way, against its floor;
+    extension.png; results.json."""
+    # F, steps and L0: as the runs were trained (their checkpoints')
+    text = [r for r in runs if r.kind == "text"]
     lengths = [int(L) for L in report["fine-tuned"]["lengths"]]
     tuned = sum(r.seconds for r in runs)
     lines = [
         "# Extending the context: fine-tuned at a longer length, against the same models without",
         "",
         *provenance(argv),
-        f"Sources trained at {L0} tokens, seeds {sorted({r.seed for r in runs if r.kind == 'text'})}; each fine-tuned "
+        f"Sources trained at {L0} tokens, seeds "
+        f"{sorted({r.seed for r in runs if r.kind == 'text'})}; each fine-tuned "
         f"at {F * L0} tokens "
-        f"({F}×) for {steps} iterations. Cost: the sources' training {seconds['sources'] / 60:.1f} min (as their sweep "
-        f"recorded it), {len(runs)} fine-tunes {tuned / 60:.1f} min (each run's wall clock, one thread each when side "
-        f"by side), evaluation {seconds['evaluation'] / 60:.1f} min; this invocation {seconds['wall'] / 60:.1f} "
+        f"({F}×) for {steps} iterations. Cost: the sources' training {seconds['sources'] / 60:.1f} "
+        "min (as their sweep "
+        f"recorded it), {len(runs)} fine-tunes {tuned / 60:.1f} min (each run's wall clock, one "
+        "thread each when side "
+        f"by side), evaluation {seconds['evaluation'] / 60:.1f} min; this invocation "
+        f"{seconds['wall'] / 60:.1f} "
         "minutes of wall clock.",
         "",
-        f"Rows in pairs: the source as trained (RoPE with the scaling applied at evaluation, s = {F}, L0 = {L0}), then "
-        f"fine-tuned with it. *val loss* is train.py's estimate at {F * L0} tokens before the fine-tune's first step "
-        f"and after its last; *steps* the first evaluation at which it reached the source's own validation loss at "
+        "Rows in pairs: the source as trained (RoPE with the scaling applied at evaluation, s = "
+        f"{F}, L0 = {L0}), then "
+        f"fine-tuned with it. *val loss* is train.py's estimate at {F * L0} tokens before the "
+        "fine-tune's first step "
+        "and after its last; *steps* the first evaluation at which it reached the source's own "
+        "validation loss at "
         f"{L0} tokens. Perplexity with sliding windows (stride L/4), mean ± std over seeds.",
         "",
         "| encoding · scaling | fine-tuned | val loss at "
@@ -752,9 +906,16 @@ def extend_report(
     for label, fine_tuned, rs, by_len in extension_rows(text, report, F):
         ppl = [mean_spread(v) if (v := by_len.get(L)) else "n/a" for L in lengths]
         if fine_tuned:
-            start, end = [h[0]["val"] for h in (r.history for r in rs)], [r.history[-1]["val"] for r in rs]
+            start, end = (
+                [h[0]["val"] for h in (r.history for r in rs)],
+                [r.history[-1]["val"] for r in rs],
+            )
             val = f"{mean_spread(start, 3)} → {mean_spread(end, 3)}"
-            cells = [f"{steps} steps", val, steps_to([r.history for r in rs], [r.source_val for r in rs])]
+            cells = [
+                f"{steps} steps",
+                val,
+                steps_to([r.history for r in rs], [r.source_val for r in rs]),
+            ]
         else:
             cells = ["no", "", ""]
         lines.append(f"| {label} | " + " | ".join(cells + ppl) + " |")
@@ -764,17 +925,28 @@ def extend_report(
     plot_extension(text, report, tasks, runs, F, L0, out_dir / "extension.png")
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines))
-    results = {"runs": [asdict(r) for r in runs], "eval": report, "tasks": tasks, "seconds": seconds}
+    results = {
+        "runs": [asdict(r) for r in runs],
+        "eval": report,
+        "tasks": tasks,
+        "seconds": seconds,
+    }
     write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return path
 
 
-def task_accuracy(runs: list[Extension], tasks: dict, variant: str | None) -> dict[int, list[float] | None]:
-    """{length: the seeds' token accuracy} of a group of runs: their sources read with variant (a scaling, "none"),
-    or (variant None) the fine-tuned runs; None at a length the model has no positions for."""
+def task_accuracy(
+    runs: list[Extension], tasks: dict, variant: str | None
+) -> dict[int, list[float] | None]:
+    """{length: the seeds' token accuracy} of a group of runs: their sources read with variant (a
+    scaling, "none"), or (variant None) the fine-tuned runs; None at a length the model has no
+    positions for."""
     out = {}
     for L in tasks["lengths"]:
-        xs = [tasks["scores"][r.source if variant else r.dir][variant or "fine-tuned"][str(L)] for r in runs]
+        xs = [
+            tasks["scores"][r.source if variant else r.dir][variant or "fine-tuned"][str(L)]
+            for r in runs
+        ]
         out[L] = None if None in xs else xs
     return out
 
@@ -783,12 +955,15 @@ def task_floor(tasks: dict) -> dict[int, float]:
     """{length: the task's floor}, on the sequences its runs were scored on."""
     opts = dict(tasks["options"])
     vocab = opts.pop("vocab")
-    return {L: synthetic.floor(tasks["task"], vocab, L, tasks["trials"], **opts)["token"] for L in tasks["lengths"]}
+    return {
+        L: synthetic.floor(tasks["task"], vocab, L, tasks["trials"], **opts)["token"]
+        for L in tasks["lengths"]
+    }
 
 
 def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str]:
-    """The synthetic task's table: accuracy by length per encoding and scaling, as trained and fine-tuned, under
-    the task's floor; when each fine-tune learned the task at the new length."""
+    """The synthetic task's table: accuracy by length per encoding and scaling, as trained and
+    fine-tuned, under the task's floor; when each fine-tune learned the task at the new length."""
     task, lengths = tasks["task"], tasks["lengths"]
     rs_all = [r for r in runs if r.kind == task]
     L0 = lengths[0]
@@ -797,34 +972,53 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
         "",
         f"## Retrieval after extension: {task}",
         "",
-        f"The synthetic suite's {task} runs (trained at {L0} tokens), fine-tuned at {F * L0} the same way; exact match "
-        f"per answer token over {tasks['trials']} sequences per length, the same for every run; seeds "
+        f"The synthetic suite's {task} runs (trained at {L0} tokens), fine-tuned at {F * L0} the "
+        "same way; exact match "
+        f"per answer token over {tasks['trials']} sequences per length, the same for every run; "
+        "seeds "
         f"{sorted({r.seed for r in rs_all})} (mean ± std where there are several). "
-        f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} tokens of at least "
-        f"{synthetic_tasks.LEARNED:.0%} (0: before its first step). The floor is what a model that retrieves nothing "
+        f"*learned at* is the fine-tune's first evaluation with validation accuracy at {F * L0} "
+        "tokens of at least "
+        f"{synthetic_tasks.LEARNED:.0%} (0: before its first step). The floor is what a model that "
+        "retrieves nothing "
         "scores.",
         "",
-        "| encoding · scaling | fine-tuned | learned at | " + " | ".join(f"{L} ({L / L0:g}×)" for L in lengths) + " |",
+        "| encoding · scaling | "
+        "fine-tuned | learned at | " + " | ".join(f"{L} ({L / L0:g}×)" for L in lengths) + " |",
         "|---|---|---:|" + "---:|" * len(lengths),
-        "| *floor (no retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
+        "| *floor (no "
+        "retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
     ]
     for rs in by_encoding(rs_all, extension_name).values():
         label, scaling = extension_label(rs[0], F), rs[0].scaling
         before, after = task_accuracy(rs, tasks, scaling), task_accuracy(rs, tasks, None)
         at = [synthetic_tasks.learned_at(r.history) for r in rs]
         learned = [a for a in at if a is not None]
-        when = f"{mean_spread([float(a) for a in learned], 0)} ({len(learned)} of {len(at)})" if learned else "-"
+        when = (
+            f"{mean_spread([float(a) for a in learned], 0)} ({len(learned)} of {len(at)})"
+            if learned
+            else "-"
+        )
         lines.append(f"| {label} | no | | " + " | ".join(pct(before[L]) for L in lengths) + " |")
-        lines.append(f"| {label} | yes | {when} | " + " | ".join(pct(after[L]) for L in lengths) + " |")
+        lines.append(
+            f"| {label} | yes | {when} | " + " | ".join(pct(after[L]) for L in lengths) + " |"
+        )
     return lines
 
 
 def plot_extension(
-    text: list[Extension], report: dict, tasks: dict, runs: list[Extension], F: int, L0: int, path: Path
+    text: list[Extension],
+    report: dict,
+    tasks: dict,
+    runs: list[Extension],
+    F: int,
+    L0: int,
+    path: Path,
 ) -> None:
-    """extension.png: perplexity by length for RoPE's scalings and for the other encodings (dashed: as trained,
-    solid: fine-tuned; mean ± std over seeds), the fine-tunes' validation loss by step (RoPE's scalings, and the
-    sources' loss at their length, dotted), and the synthetic task's accuracy by length."""
+    """extension.png: perplexity by length for RoPE's scalings and for the other encodings (dashed:
+    as trained, solid: fine-tuned; mean ± std over seeds), the fine-tunes' validation loss by step
+    (RoPE's scalings, and the sources' loss at their length, dotted), and the synthetic task's
+    accuracy by length."""
     plt = matplotlib_pyplot()
     panels = 4 if tasks else 3
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
@@ -847,18 +1041,44 @@ def plot_extension(
     for ax, title in zip(axes[:2], ("RoPE", "the other encodings"), strict=True):
         for x in (L0, F * L0):
             ax.axvline(x, color="gray", ls=":", lw=1)
-        ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (sliding)")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="evaluation length (tokens)",
+            ylabel="perplexity (sliding)",
+        )
         ax.set_title(f"{title}: dashed as trained, solid fine-tuned at {F * L0}", fontsize=9)
     for name, rs in by_encoding(text, extension_name).items():
         if not scalable(rs[0].enc):
             continue
         iters = [h["iter"] for h in rs[0].history]
         vals = [statistics.mean(r.history[k]["val"] for r in rs) for k in range(len(iters))]
-        axes[2].plot(iters, vals, marker="o", color=colors[names.index(extension_label(rs[0], F)) % 10], label=name)
+        axes[2].plot(
+            iters,
+            vals,
+            marker="o",
+            color=colors[names.index(extension_label(rs[0], F)) % 10],
+            label=name,
+        )
     if rope := [r.source_val for r in text if scalable(r.enc)]:
-        axes[2].axhline(statistics.mean(rope), color="black", ls=":", lw=1, label=f"the sources' val loss at {L0}")
-    for ax in (axes[0], axes[2]) if not rope else ():  # a study of other encodings alone: the RoPE panels say so
-        ax.text(0.5, 0.5, "no RoPE run in this study", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        axes[2].axhline(
+            statistics.mean(rope),
+            color="black",
+            ls=":",
+            lw=1,
+            label=f"the sources' val loss at {L0}",
+        )
+    # a study of other encodings alone: the RoPE panels say so
+    for ax in (axes[0], axes[2]) if not rope else ():
+        ax.text(
+            0.5,
+            0.5,
+            "no RoPE run in this study",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+        )
     axes[2].set(xlabel="fine-tuning step", ylabel=f"val loss at {F * L0} tokens (mean over seeds)")
     axes[2].set_title("RoPE: fine-tuning curves", fontsize=9)
     if tasks:
@@ -877,8 +1097,17 @@ def plot_extension(
                     label=name if variant is None else None,
                 )
         floors = task_floor(tasks)  # {length: floor}, a length once
-        ax.plot(list(floors), [100 * f for f in floors.values()], color="black", ls=":", lw=1.2, label="floor")
-        ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="accuracy (%)", ylim=(-3, 103))
+        ax.plot(
+            list(floors),
+            [100 * f for f in floors.values()],
+            color="black",
+            ls=":",
+            lw=1.2,
+            label="floor",
+        )
+        ax.set(
+            xscale="log", xlabel="evaluation length (tokens)", ylabel="accuracy (%)", ylim=(-3, 103)
+        )
         ax.set_title(f"{task}: dashed as trained, solid fine-tuned", fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -1,15 +1,16 @@
 """
-Synthetic token-level tasks (SYNTHETIC_TASKS): retrieval a small model can learn on a CPU, and how far past its
-training length each encoding still does it. train.py trains on them alone (task=..., e.g. `python train.py
-config/rope.py config/passkey.py`; lib/synthetic_tasks.py makes them), this file scores checkpoints at longer
-lengths, and `python -m compare.sweep --synthetic` runs the whole suite. (The retrieval tasks of lib/text_tasks.py
-are written in a text dataset's tokens, mixed into text runs.)
+Synthetic token-level tasks (SYNTHETIC_TASKS): retrieval a small model can learn on a CPU, and how
+far past its training length each encoding still does it. train.py trains on them alone (task=...,
+e.g. `python train.py config/rope.py config/passkey.py`; lib/synthetic_tasks.py makes them), this
+file scores checkpoints at longer lengths, and `python -m compare.sweep --synthetic` runs the whole
+suite. (The retrieval tasks of lib/text_tasks.py are written in a text dataset's tokens, mixed into
+text runs.)
 
-    python -m compare.synthetic out-rope-passkey out-alibi-passkey            # 1x to 16x the training length
+    python -m compare.synthetic out-rope-passkey out-alibi-passkey  # 1x to 16x the training length
 
-Accuracy is greedy exact match at each answer token given the true tokens before it (teacher-forced, one forward):
-for one-token answers that is greedy decoding itself. A model "learned" a task when its accuracy at the training
-length reaches LEARNED (90%).
+Accuracy is greedy exact match at each answer token given the true tokens before it (teacher-forced,
+one forward): for one-token answers that is greedy decoding itself. A model "learned" a task when
+its accuracy at the training length reaches LEARNED (90%).
 """
 
 import argparse
@@ -35,35 +36,46 @@ from lib.synthetic_tasks import (
 )
 
 EVAL_MEMORY = 2 * 2**30  # bytes an evaluation batch may take
-# compare/sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this size, at 32 and 64
-# dims)
+# compare/sweep.py --synthetic's tasks: copy is left out (RoPE reached 20% in 2,000 steps at this
+# size, at 32 and 64 dims)
 SUITE = ("needle", "passkey", "mqar", "offset")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 def eval_rng(seed: int, task: str, length: int) -> np.random.Generator:
-    """The sequences of one (task, length) cell: the same for every checkpoint with the same seed."""
+    """The sequences of one (task, length) cell: the same for every checkpoint with the same
+    seed."""
     return np.random.default_rng([seed, list(SYNTHETIC_TASKS).index(task), length])
 
 
 @torch.no_grad()
 def scores(
-    model, task: str, vocab: int, length: int, n: int, seed: int = 0, batch_size: int = 50, device: str = "cpu", **kw
+    model,
+    task: str,
+    vocab: int,
+    length: int,
+    n: int,
+    seed: int = 0,
+    batch_size: int = 50,
+    device: str = "cpu",
+    **kw,
 ) -> dict[str, float]:
-    """Exact-match accuracy over n evaluation sequences of the task at this length: "token", over the answer tokens
-    (the argmax at each answer position given the true tokens before it; every answer token is one trial), and
-    "sequence", the share of sequences whose answers are all right (copy's whole string). model is a GPT, or any
-    callable from inputs (B, T) to logits (B, T, V)."""
+    """Exact-match accuracy over n evaluation sequences of the task at this length: "token", over
+    the answer tokens (the argmax at each answer position given the true tokens before it; every
+    answer token is one trial), and "sequence", the share of sequences whose answers are all right
+    (copy's whole string). model is a GPT, or any callable from inputs (B, T) to logits (B, T,
+    V)."""
     rng = eval_rng(seed, task, length)
     right = total = whole = 0
     for i in range(0, n, batch_size):
         x, y = batch(task, vocab, min(batch_size, n - i), length, rng, train=False, **kw)
         x, y = x.to(device), y.to(device)
         mask = y >= 0
-        if hasattr(model, "features"):  # only the answers' hidden states (N, C) go to the vocabulary
+        # only the answers' hidden states (N, C) go to the vocabulary
+        if hasattr(model, "features"):
             logits = model.lm_head(model.features(x)[mask])
         else:
             logits = model(x)[mask]
@@ -80,10 +92,11 @@ def accuracy(model, task: str, vocab: int, length: int, n: int, seed: int = 0, *
     return scores(model, task, vocab, length, n, seed, **kw)["token"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Floors: what a model scores without retrieving anything. Each task has a family of shortcuts, strategies that read
-# the sequence without finding the answer where the task hides it; the best of them, on the evaluation's own
-# sequences, is the floor a table must be read against (a model at the floor has learned a shortcut, not the task).
+# --------------------------------------------------------------------------------------------------
+# Floors: what a model scores without retrieving anything. Each task has a family of shortcuts,
+# strategies that read the sequence without finding the answer where the task hides it; the best of
+# them, on the evaluation's own sequences, is the floor a table must be read against (a model at the
+# floor has learned a shortcut, not the task).
 
 
 def _keys(x, t, v):  # chance among the keys
@@ -96,7 +109,8 @@ def _most_frequent_key(x, t, v):  # passkey: the key after MARK is one more occu
     return v.keys[0] + np.flatnonzero(counts == counts.max())
 
 
-def _values_present(x, t, v):  # mqar: the answers never enter the input, so no value present can be ruled out
+# mqar: the answers never enter the input, so no value present can be ruled out
+def _values_present(x, t, v):
     seen = x[: t + 1]
     return np.unique(seen[(seen >= v.values[0]) & (seen < v.values[1])])
 
@@ -110,20 +124,25 @@ def _after_mark(x, t, v):  # offset: the token right after MARK (right when k = 
     return x[np.flatnonzero(x[: t + 1] == MARK)[:1] + 1]
 
 
-def _commonest_after_mark(x, t, v):  # offset: the commonest of the OFFSETS tokens after MARK (every tied one): k unread
+# offset: the commonest of the OFFSETS tokens after MARK (every tied one): k unread
+def _commonest_after_mark(x, t, v):
     after = x[np.flatnonzero(x[: t + 1] == MARK)[0] + 1 :][:OFFSETS]
     tokens, counts = np.unique(after, return_counts=True)
     return tokens[counts == counts.max()]
 
 
-def _followed_before(x, t, v):  # copy: a token that followed an earlier occurrence of the current one
+# copy: a token that followed an earlier occurrence of the current one
+def _followed_before(x, t, v):
     earlier = np.flatnonzero(x[:t] == x[t])
     return np.unique(x[earlier + 1]) if len(earlier) else np.arange(*v.keys)
 
 
-# Each task's shortcuts: {name: fn(x, t, vocab) -> the tokens it picks among, uniformly, for the answer after x[:t+1]}
+# Each task's shortcuts: {name: fn(x, t, vocab) -> the tokens it picks among, uniformly, for the
+# answer after x[:t+1]}
 SHORTCUTS = {
-    "needle": {"chance among the keys": _keys},  # the key is the only key token: finding it by content is the task
+    "needle": {
+        "chance among the keys": _keys
+    },  # the key is the only key token: finding it by content is the task
     "passkey": {"the most frequent key": _most_frequent_key, "chance among the keys": _keys},
     "mqar": {"a value present": _values_present, "the last value": _last_value},
     "offset": {
@@ -134,24 +153,26 @@ SHORTCUTS = {
 }
 
 
-FLOOR_SEQUENCES = 2000  # the steadier estimate: at 400 sequences a floor of 27% moves by ~2 points between lengths
+# the steadier estimate: at 400 sequences a floor of 27% moves by ~2 points between lengths
+FLOOR_SEQUENCES = 2000
 
 
 def floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict:
-    """_floor's answer, computed once per process for the same arguments (a sweep's reports ask it again: 2,000
-    sequences a length), a copy the caller may change."""
+    """_floor's answer, computed once per process for the same arguments (a sweep's reports ask it
+    again: 2,000 sequences a length), a copy the caller may change."""
     return deepcopy(_floor(task, vocab, length, n, seed, **kw))
 
 
 @functools.cache
 def _floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> dict:
-    """The best shortcut's accuracy on the n sequences that scores() reads (drawn through batch(), as it does), its
-    expected "token" (each answer right with probability 1/|candidates| if it is among them) and "sequence" (every
-    answer of a sequence right) accuracy; "strategy", its name (the best on the token accuracy); "band", the 95%
-    half-width of an accuracy of the floor's size measured on these answers (binomial: what another no-retrieval
-    strategy as good on average scores on these sequences; a cell within floor ± band is at the floor, not below
-    it); "strategies", every shortcut's token accuracy; and "steady", the best shortcut's token accuracy over
-    FLOOR_SEQUENCES sequences (these n and more from the same stream), a steadier estimate."""
+    """The best shortcut's accuracy on the n sequences that scores() reads (drawn through batch(),
+    as it does), its expected "token" (each answer right with probability 1/|candidates| if it is
+    among them) and "sequence" (every answer of a sequence right) accuracy; "strategy", its name
+    (the best on the token accuracy); "band", the 95% half-width of an accuracy of the floor's size
+    measured on these answers (binomial: what another no-retrieval strategy as good on average
+    scores on these sequences; a cell within floor ± band is at the floor, not below it);
+    "strategies", every shortcut's token accuracy; and "steady", the best shortcut's token accuracy
+    over FLOOR_SEQUENCES sequences (these n and more from the same stream), a steadier estimate."""
     v, rng = Vocab(vocab), eval_rng(seed, task, length)
     names = list(SHORTCUTS[task])
     p = {name: [] for name in names}  # per answer token: the chance that the shortcut is right
@@ -181,12 +202,14 @@ def _floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> d
 def evaluate_checkpoint(
     model, cfg: dict, lengths: list[int], n: int, seed: int = 0, device: str = "cpu"
 ) -> dict[int, dict | None]:
-    """{length: scores (token and sequence accuracy) or None (no positions there)} for the checkpoint's own task."""
+    """{length: scores (token and sequence accuracy) or None (no positions there)} for the
+    checkpoint's own task."""
     task, vocab = cfg["task"], cfg["task_vocab"]
     out = {}
     for L in lengths:
         check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
-        B = max(1, min(50, EVAL_MEMORY // forward_bytes(model, L, logits=False)))  # long sequences, a few at a time
+        # long sequences, a few at a time
+        B = max(1, min(50, EVAL_MEMORY // forward_bytes(model, L, logits=False)))
         out[L] = (
             scores(model, task, vocab, L, n, seed, B, device, **task_options(cfg))
             if L <= model.encoding.max_length
@@ -196,12 +219,14 @@ def evaluate_checkpoint(
 
 
 def check_memory(model, lengths: list[int], device: str) -> None:
-    """Refuse, before any work, a length whose single sequence would not fit in the device's memory."""
+    """Refuse, before any work, a length whose single sequence would not fit in the device's
+    memory."""
     memory = device_memory(device)
     for L in lengths:
         if memory and (need := forward_bytes(model, L, logits=False)) > memory:
             raise SyntheticError(
-                f"length {L:,} needs at least {gb(need)} for one sequence, more than the {gb(memory)} of {device}; "
+                f"length {L:,} needs at least {gb(need)} for one sequence, more than the "
+                f"{gb(memory)} of {device}; "
                 "evaluate shorter lengths"
             )
 
@@ -213,20 +238,36 @@ def main(argv: list[str] | None = None) -> dict:
     from lib.outputs import OutputError, check_output, write_atomic
     from lib.runs import load_run
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 1, 2, 4, 8 and 16 times training's")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task"
+    )
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: 1, 2, 4, 8 and 16 times training's",
+    )
     p.add_argument("--n", type=int, default=400, help="sequences per length")
-    p.add_argument("--seed", type=int, default=0, help="which sequences (the same for every checkpoint); >= 0")
+    p.add_argument(
+        "--seed", type=int, default=0, help="which sequences (the same for every checkpoint); >= 0"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--out_json", default="", help="also write the accuracies to this JSON file")
     args = p.parse_args(argv)
     if args.n < 1 or (args.lengths and min(args.lengths) < 1):
         p.error("--n and every length must be at least 1")
-    if args.lengths and len(set(args.lengths)) != len(args.lengths):  # a row has a cell per length, not per mention
+    # a row has a cell per length, not per mention
+    if args.lengths and len(set(args.lengths)) != len(args.lengths):
         p.error(f"--lengths {' '.join(map(str, args.lengths))}: each length may appear once")
     if not 0 <= args.seed < 2**63:
-        p.error(f"--seed={args.seed}: must be in [0, 2**63) (numpy's generators take non-negative seeds)")
+        p.error(
+            f"--seed={args.seed}: must be in [0, 2**63) (numpy's generators take non-negative "
+            "seeds)"
+        )
     try:
         check_device(args.device)
         if args.out_json:
@@ -242,12 +283,19 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = run.ckpt.get("config", {})
         if not cfg.get("task"):
             sys.exit(
-                f"error: {d} was not trained on a synthetic task (train with task= one of {', '.join(SYNTHETIC_TASKS)})"
+                f"error: {d} was not trained on a synthetic task (train with task= one of "
+                f"{', '.join(SYNTHETIC_TASKS)})"
             )
         lengths = args.lengths or [cfg["block_size"] * k for k in (1, 2, 4, 8, 16)]
         try:
             for L in lengths:
-                check(cfg["task"], L, cfg["task_vocab"], **task_options(cfg), knob="evaluate at longer lengths")
+                check(
+                    cfg["task"],
+                    L,
+                    cfg["task_vocab"],
+                    **task_options(cfg),
+                    knob="evaluate at longer lengths",
+                )
             check_memory(run.model, lengths, args.device)
         except SyntheticError as e:
             sys.exit(f"error: {d}: {e}")
@@ -270,7 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [("accuracy", "accuracy"), ("floor", "floor (no retrieval)")]
         rows += [("whole_sequence", "whole string")] if task == "copy" else []
         for key, name in rows:
-            cells = " | ".join("n/a" if a is None else f"{100 * a:.1f}%" for a in report[d][key].values())
+            cells = " | ".join(
+                "n/a" if a is None else f"{100 * a:.1f}%" for a in report[d][key].values()
+            )
             print(f"| | {name} | {cells} |")
     if args.out_json:
         write_atomic(args.out_json, json.dumps(report, indent=1))

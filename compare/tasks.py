@@ -1,17 +1,18 @@
 """
-Retrieval tasks in text (TEXT_TASKS), trained on and evaluated: does an encoding *use* a long context, not only keep
-its perplexity? They are written in the dataset's own tokens (lib/text_tasks.py), and train.py's task_fraction mixes
-them into a text run's training rows; compare/synthetic.py's tasks (train.py's task=...) are token-level sequences
-without text.
+Retrieval tasks in text (TEXT_TASKS), trained on and evaluated: does an encoding *use* a long
+context, not only keep its perplexity? They are written in the dataset's own tokens
+(lib/text_tasks.py), and train.py's task_fraction mixes them into a text run's training rows;
+compare/synthetic.py's tasks (train.py's task=...) are token-level sequences without text.
 
     python -m compare.tasks --out_dir out-rope out-alibi --lengths 256 512 1024 4096 --trials 5
 
 The tasks are described in lib/text_tasks.py.
 
-Accuracy is greedy exact match of each answer span given everything before it, computed teacher-forced: one forward
-pass, argmax at each answer position. That equals greedy decoding: decoding reproduces the answer's first token iff
-the argmax there is right, and then its next input is the true token, so by induction it reproduces the whole span
-iff every teacher-forced argmax in it is right. Learned positions have no position past block_size: n/a there.
+Accuracy is greedy exact match of each answer span given everything before it, computed
+teacher-forced: one forward pass, argmax at each answer position. That equals greedy decoding:
+decoding reproduces the answer's first token iff the argmax there is right, and then its next input
+is the true token, so by induction it reproduces the whole span iff every teacher-forced argmax in
+it is right. Learned positions have no position past block_size: n/a there.
 """
 
 import argparse
@@ -29,20 +30,29 @@ from lib.text_tasks import TEXT_TASKS, TaskError, check_tasks
 K_MAX_ACCURACY = 0.2  # k_max: the longest length with at least this accuracy
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # evaluation
 
 
-def trials(tok, task: str, length: int, n_trials: int, seed: int = 0, **kw) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The n_trials sequences of one cell, the same for every checkpoint: seeded by (seed, task, length, kw)."""
-    cell = [seed, list(TEXT_TASKS).index(task), length, *(round(float(v) * 1000) for v in kw.values())]
+def trials(
+    tok, task: str, length: int, n_trials: int, seed: int = 0, **kw
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The n_trials sequences of one cell, the same for every checkpoint: seeded by (seed, task,
+    length, kw)."""
+    cell = [
+        seed,
+        list(TEXT_TASKS).index(task),
+        length,
+        *(round(float(v) * 1000) for v in kw.values()),
+    ]
     rng = np.random.default_rng(cell)
     return [TEXT_TASKS[task](tok, length, rng, **kw) for _ in range(n_trials)]
 
 
 def answer_logits(model, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Logits (N, V) at the N positions mask (B, L) selects: a GPT projects only those hidden states to the
-    vocabulary (B·L·V logits of GPT-2's vocabulary at 8192 tokens would not fit); any other model is called."""
+    """Logits (N, V) at the N positions mask (B, L) selects: a GPT projects only those hidden states
+    to the vocabulary (B·L·V logits of GPT-2's vocabulary at 8192 tokens would not fit); any other
+    model is called."""
     if hasattr(model, "features"):
         return model.lm_head(model.features(idx)[mask])
     return model(idx)[0][mask]
@@ -50,10 +60,19 @@ def answer_logits(model, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_task(
-    model, tok, task: str, length: int, n_trials: int, seed: int = 0, batch_size: int = 8, device: str = "cpu", **kw
+    model,
+    tok,
+    task: str,
+    length: int,
+    n_trials: int,
+    seed: int = 0,
+    batch_size: int = 8,
+    device: str = "cpu",
+    **kw,
 ) -> dict[str, float]:
-    """Greedy exact-match accuracy over the answer spans of n_trials sequences (teacher-forced, which equals greedy
-    decoding, see the module docstring), and the accuracy per answer token. kw go to the task (e.g. depth)."""
+    """Greedy exact-match accuracy over the answer spans of n_trials sequences (teacher-forced,
+    which equals greedy decoding, see the module docstring), and the accuracy per answer token. kw
+    go to the task (e.g. depth)."""
     seqs = trials(tok, task, length, n_trials, seed, **kw)
     spans_ok, spans, tokens_ok, n_tokens = 0, 0, 0, 0
     for i in range(0, n_trials, batch_size):
@@ -80,16 +99,20 @@ def k_max(accuracy: dict[int, float | None]) -> int | None:
     return max(ok) if ok else None
 
 
-def evaluate_checkpoint(model, tok, lengths, depths, n_trials, seed, tasks, batch_size, device) -> dict:
-    """Passkey accuracy per length and depth (grid), its mean per length and k_max; recall and copy per length, exact
-    match and per token (<task>_tokens: a long copy is rarely all right, but its share of right characters shows
-    how far back the model still reads)."""
+def evaluate_checkpoint(
+    model, tok, lengths, depths, n_trials, seed, tasks, batch_size, device
+) -> dict:
+    """Passkey accuracy per length and depth (grid), its mean per length and k_max; recall and copy
+    per length, exact match and per token (<task>_tokens: a long copy is rarely all right, but its
+    share of right characters shows how far back the model still reads)."""
     out = {"passkey_grid": {}, "passkey": {}}
     for L in lengths:
         if "passkey" in tasks:
             grid = (
                 [
-                    evaluate_task(model, tok, "passkey", L, n_trials, seed, batch_size, device, depth=d)["accuracy"]
+                    evaluate_task(
+                        model, tok, "passkey", L, n_trials, seed, batch_size, device, depth=d
+                    )["accuracy"]
                     for d in depths
                 ]
                 if L <= model.encoding.max_length
@@ -132,7 +155,8 @@ def plot_heatmaps(report: dict, lengths: list[int], depths: list[float], path: s
     fig, axes = plt.subplots(1, len(names), figsize=(width, 4), squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names, strict=True):
         grid = report["checkpoints"][name]["passkey_grid"]
-        acc = np.array([[np.nan] * len(depths) if grid[L] is None else grid[L] for L in lengths]).T  # (depths, L)
+        # (depths, L)
+        acc = np.array([[np.nan] * len(depths) if grid[L] is None else grid[L] for L in lengths]).T
         im = ax.imshow(acc, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
         for j, L in enumerate(lengths):
             if grid[L] is None:  # no positions there (learned)
@@ -152,63 +176,103 @@ def main(argv: list[str] | None = None) -> dict:
     from lib.runs import load_run
     from lib.tokenizer import tokenizer_from_meta
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", nargs="+", required=True, help="folders holding ckpt.pt (train.py's out_dir)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--out_dir", nargs="+", required=True, help="folders holding ckpt.pt (train.py's out_dir)"
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1")
+    p.add_argument(
+        "--depths", type=int, default=10, help="passkey depths, evenly spaced from 0 to 1"
+    )
     p.add_argument("--trials", type=int, default=5, help="sequences per cell")
     p.add_argument("--tasks", nargs="+", choices=list(TEXT_TASKS), default=list(TEXT_TASKS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out_json", default="tasks.json", help="the numbers ('': none)")
-    p.add_argument("--plot", default="passkey.png", help=f"the passkey heatmaps: {', '.join(PLOT_FORMATS)} ('': none)")
+    p.add_argument(
+        "--plot",
+        default="passkey.png",
+        help=f"the passkey heatmaps: {', '.join(PLOT_FORMATS)} ('': none)",
+    )
     args = p.parse_args(argv)
     if min(args.lengths) < 1 or args.depths < 2 or args.trials < 1 or args.batch_size < 1:
         p.error("lengths and --trials, --batch_size must be at least 1, --depths at least 2")
-    if args.depths > min(args.lengths) + 1:  # depths are token positions in the filler: more would repeat them
-        p.error(f"--depths={args.depths}: more depths than the shortest length has tokens ({min(args.lengths)})")
+    # depths are token positions in the filler: more would repeat them
+    if args.depths > min(args.lengths) + 1:
+        p.error(
+            f"--depths={args.depths}: more depths than the shortest length has tokens "
+            f"({min(args.lengths)})"
+        )
     if args.seed < 0:
         p.error(f"--seed={args.seed}: must be >= 0")
-    lengths, args.tasks = list(dict.fromkeys(args.lengths)), list(dict.fromkeys(args.tasks))  # each once: columns
+    # each once: columns
+    lengths, args.tasks = list(dict.fromkeys(args.lengths)), list(dict.fromkeys(args.tasks))
     try:
         check_device(args.device)
         for flag, suffixes in (("out_json", ()), ("plot", PLOT_FORMATS)):
-            if getattr(args, flag) and (flag != "plot" or "passkey" in args.tasks):  # empty: not written
+            # empty: not written
+            if getattr(args, flag) and (flag != "plot" or "passkey" in args.tasks):
                 check_output(getattr(args, flag), f"--{flag}", suffixes)
     except (ConfigError, OutputError) as e:
         p.error(str(e))
     names = [Path(d).name for d in args.out_dir]
-    if len(set(names)) != len(names):  # sweeps' folders share names: then the paths as given label the rows
+    # sweeps' folders share names: then the paths as given label the rows
+    if len(set(names)) != len(names):
         names = list(args.out_dir)
     if len(set(names)) != len(names):
         p.error("--out_dir: a folder is given twice")
     depths = np.linspace(0, 1, args.depths).round(3).tolist()
     runs, memory = {}, device_memory(args.device)
-    for name, out_dir in zip(names, args.out_dir, strict=True):  # every checkpoint checked before any is evaluated
+    # every checkpoint checked before any is evaluated
+    for name, out_dir in zip(names, args.out_dir, strict=True):
         try:
             run = load_run(out_dir, args.device, text=True)
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
         if "tokenizer" not in run.ckpt:
-            sys.exit(f"error: {run.path} stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
+            sys.exit(
+                f"error: {run.path} stores no tokenizer (a nanoGPT checkpoint?); retrain "
+                "with train.py"
+            )
         tok = tokenizer_from_meta(run.ckpt["tokenizer"])
-        L = max((L for L in lengths if L <= run.model.encoding.max_length), default=0)  # the longest evaluated
-        need = forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False) + 9 * args.trials * L
+        # the longest evaluated
+        L = max((L for L in lengths if L <= run.model.encoding.max_length), default=0)
+        need = (
+            forward_bytes(run.model, L, min(args.batch_size, args.trials), logits=False)
+            + 9 * args.trials * L
+        )
         if memory and need > memory:
             sys.exit(
                 f"error: {out_dir}: evaluating {L} tokens needs at least {gb(need)}, more than the "
-                f"{gb(memory)} of {args.device}; use shorter --lengths, fewer --trials or a smaller --batch_size"
+                f"{gb(memory)} of {args.device}; use shorter --lengths, fewer --trials or a "
+                "smaller --batch_size"
             )
         try:
             check_tasks(tok, min(lengths), args.tasks)
         except TaskError as e:
             sys.exit(f"error: {out_dir}: {e}")
         runs[name] = (out_dir, run.model, tok)
-    report = {"lengths": lengths, "depths": depths, "trials": args.trials, "seed": args.seed, "checkpoints": {}}
+    report = {
+        "lengths": lengths,
+        "depths": depths,
+        "trials": args.trials,
+        "seed": args.seed,
+        "checkpoints": {},
+    }
     for name, (out_dir, model, tok) in runs.items():
         report["checkpoints"][name] = evaluate_checkpoint(
-            model, tok, lengths, depths, args.trials, args.seed, args.tasks, args.batch_size, args.device
+            model,
+            tok,
+            lengths,
+            depths,
+            args.trials,
+            args.seed,
+            args.tasks,
+            args.batch_size,
+            args.device,
         )
         print(f"{out_dir}: done", file=sys.stderr)
     print(markdown_table(report, lengths, args.tasks))

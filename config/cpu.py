@@ -1,6 +1,6 @@
 # A CPU-sized run, composed after an encoding's config: python train.py config/rope.py config/cpu.py
-# nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12, 2000 iterations, no dropout):
-# a few minutes on 2 cores, character-level val loss ~1.9.
+# nanoGPT's CPU recipe (4 layers, 4 heads, 128 dims, block 64, batch 12, 2000 iterations, no
+# dropout): a few minutes on 2 cores, character-level val loss ~1.9.
 device = "cpu"
 compile = False
 eval_iters = 20

@@ -1,6 +1,6 @@
-# GPT-2 124M on OpenWebText (nanoGPT's train_gpt2.py config): ~300B tokens, 8x A100 40GB for ~4 days.
-# Prepare the data first: python data/openwebtext/prepare.py
-# Launch: torchrun --standalone --nproc_per_node=8 train.py config/gpt2.py [--pos_encoding=rope]
+# GPT-2 124M on OpenWebText (nanoGPT's train_gpt2.py config): ~300B tokens, 8x A100 40GB for ~4
+# days. Prepare the data first: python data/openwebtext/prepare.py Launch: torchrun --standalone
+# --nproc_per_node=8 train.py config/gpt2.py [--pos_encoding=rope]
 dataset = "openwebtext"
 pos_encoding = "learned"
 n_layer = 12

@@ -1,6 +1,7 @@
-# The model and schedule every task of the synthetic suite (compare/synthetic.py) starts from; each task's config
-# (config/needle.py, passkey, mqar, offset, copy) reads this file and adds its own task, steps and rate:
-# a 2-layer, 2-head, 32-dim GPT (about 30k parameters) at 64 tokens, batch 64, on a CPU.
+# The model and schedule every task of the synthetic suite (compare/synthetic.py) starts from; each
+# task's config (config/needle.py, passkey, mqar, offset, copy) reads this file and adds its own
+# task, steps and rate: a 2-layer, 2-head, 32-dim GPT (about 30k parameters) at 64 tokens, batch 64,
+# on a CPU.
 device = "cpu"
 compile = False
 block_size = 64

@@ -1,34 +1,37 @@
 """
 Export a checkpoint to a Hugging Face `transformers` directory (safetensors, config, tokenizer) that
-`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load, no network. An encoding
-that an existing architecture computes exactly goes to it (the encoding declares it, `hf_architecture`), and loads
-with no code of ours:
+`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load, no
+network. An encoding that an existing architecture computes exactly goes to it (the encoding
+declares it, `hf_architecture`), and loads with no code of ours:
 
-    learned, sinusoidal, none -> GPT-2 (GPT2LMHeadModel): its position table holds the learned rows, the sinusoids,
-                                 or zeros; n_positions rows (default: block_size for learned, 16x block_size for the
-                                 others, the longest length the project evaluates; raise it with --n_positions)
-    rope -> GPT-NeoX (GPTNeoXForCausalLM, sequential residual), any rope_fraction, and the linear, ntk, yarn and
-            llama3 scalings (dynamic_ntk with rope_fraction 1)
-    alibi -> MPT (MptForCausalLM): the same slopes for any head count, exact GELU, no biases (a model trained with
-             bias=False; one with biases is an error that gives the difference dropping them would make)
+    learned, sinusoidal, none -> GPT-2 (GPT2LMHeadModel): its position table holds the learned rows,
+        the sinusoids, or zeros; n_positions rows (default: block_size for learned, 16x block_size
+        for the others, the longest length the project evaluates; raise it with --n_positions)
+    rope -> GPT-NeoX (GPTNeoXForCausalLM, sequential residual), any rope_fraction, and the linear,
+        ntk, yarn and llama3 scalings (dynamic_ntk with rope_fraction 1)
+    alibi -> MPT (MptForCausalLM): the same slopes for any head count, exact GELU, no biases (a
+        model trained with bias=False; one with biases is an error that gives the difference
+        dropping them would make)
 
-Every other encoding (hf_architecture None; and any encoding with --remote_code) exports as a folder that carries its
-own code, loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and export/modeling_nanope.py, a
-transformers wrapper (a config, a Cache around generate.py's KVCache, and a PreTrainedModel whose generate steps as
-sample.py does) that imports it. config.json records the code's sha256, and the wrapper refuses to load other code.
+Every other encoding (hf_architecture None; and any encoding with --remote_code) exports as a folder
+that carries its own code, loaded with trust_remote_code=True: nanoPE's model.py byte for byte, and
+export/modeling_nanope.py, a transformers wrapper (a config, a Cache around generate.py's KVCache,
+and a PreTrainedModel whose generate steps as sample.py does) that imports it. config.json records
+the code's sha256, and the wrapper refuses to load other code.
 
-The tokenizer: GPT-2's for a GPT-2 BPE run; for a character-level run, its characters and <|endoftext|> after them (the
-end of text, start of text and padding), a character outside them encoding as a space. Only an export that carries
-nanoPE's code reads <|endoftext|>: the other architectures' vocabulary is the characters (docs/export.md).
+The tokenizer: GPT-2's for a GPT-2 BPE run; for a character-level run, its characters and
+<|endoftext|> after them (the end of text, start of text and padding), a character outside them
+encoding as a space. Only an export that carries nanoPE's code reads <|endoftext|>: the other
+architectures' vocabulary is the characters (docs/export.md).
 
     python -m export out-rope --out hf-rope
     python -m export out-sinusoidal --out hf-sin --n_positions=4096 --dtype=bfloat16
     python -m export out-bias_rpe --out hf-bias_rpe
 
-Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a folder this script
-wrote (its nanope.json lists its files, each a name an export writes, and it holds nothing else), and never the run's
-folder or one above it. The export is written in a new folder beside --out and renamed into place; every check comes
-before any work.
+Nothing but an earlier export is ever replaced: --out must be new, empty, or (with --overwrite) a
+folder this script wrote (its nanope.json lists its files, each a name an export writes, and it
+holds nothing else), and never the run's folder or one above it. The export is written in a new
+folder beside --out and renamed into place; every check comes before any work.
 """
 
 import argparse
@@ -51,8 +54,9 @@ from model import CONV1D_WEIGHTS, GPT, LLAMA3_HIGH, LLAMA3_LOW, YARN_ALPHA, YARN
 
 # tiktoken's r50k_base split pattern (GPT-2's)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# the code a remote-code export carries: nanoPE's model.py, shape.py, fast_paths.py and generate.py as they are, and the
-# transformers wrapper that imports them; config.json records each one's sha256, which the wrapper checks at load
+# the code a remote-code export carries: nanoPE's model.py, shape.py, fast_paths.py and generate.py
+# as they are, and the transformers wrapper that imports them; config.json records each one's
+# sha256, which the wrapper checks at load
 CODE_FILES = (
     Path(__file__).resolve().parents[1] / "model.py",
     Path(__file__).resolve().parents[1] / "shape.py",
@@ -70,12 +74,19 @@ LEGACY_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-# every file an export writes: the only ones --overwrite deletes, whatever an export's nanope.json lists
+# every file an export writes: the only ones --overwrite deletes, whatever an export's nanope.json
+# lists
 EXPORT_FILES = frozenset(LEGACY_FILES) | {src.name for src in CODE_FILES}
 # the end of text, as GPT-2 names it; a character-level tokenizer gets it after its characters
 EOT = "<|endoftext|>"
 SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token")  # each is EOT
-HF_ROPE_TYPES = {"none": "default", "ntk": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
+HF_ROPE_TYPES = {
+    "none": "default",
+    "ntk": "default",
+    "linear": "linear",
+    "yarn": "yarn",
+    "llama3": "llama3",
+}
 
 
 class ExportError(ValueError):
@@ -83,13 +94,14 @@ class ExportError(ValueError):
 
 
 def architecture(encoding: type) -> str | None:
-    """The transformers architecture that computes this encoding exactly (the class declares it), or None: the
-    export then carries nanoPE's own code."""
+    """The transformers architecture that computes this encoding exactly (the class declares it), or
+    None: the export then carries nanoPE's own code."""
     return encoding.hf_architecture
 
 
 def gelu_name(model: GPT, tanh: str) -> str:
-    return tanh if model.config.gelu == "tanh" else "gelu"  # transformers' "gelu" is the exact erf GELU
+    # transformers' "gelu" is the exact erf GELU
+    return tanh if model.config.gelu == "tanh" else "gelu"
 
 
 def to_gpt2(model: GPT, n_positions: int):
@@ -114,7 +126,8 @@ def to_gpt2(model: GPT, n_positions: int):
     )
     hf = GPT2LMHeadModel(cfg)
     with torch.no_grad():
-        table = model.encoding.embed(torch.arange(n_positions))  # (n_positions, C) or None (no positions)
+        # (n_positions, C) or None (no positions)
+        table = model.encoding.embed(torch.arange(n_positions))
     ours = model.state_dict()
     sd = {}
     for k, v in hf.state_dict().items():
@@ -122,7 +135,8 @@ def to_gpt2(model: GPT, n_positions: int):
             sd[k] = torch.zeros_like(v) if table is None else table.to(v.dtype)
         elif k in ours:
             sd[k] = ours[k].t() if k.endswith(CONV1D_WEIGHTS) else ours[k]
-        else:  # a bias or LayerNorm shift of a model trained without biases: zero is the same function
+        # a bias or LayerNorm shift of a model trained without biases: zero is the same function
+        else:
             if not k.endswith("bias"):
                 raise ExportError(f"no weight of ours maps to GPT-2's {k}")
             sd[k] = torch.zeros_like(v)
@@ -131,16 +145,17 @@ def to_gpt2(model: GPT, n_positions: int):
 
 
 def neox_rope(model: GPT) -> dict:
-    """GPT-NeoX's rope_parameters for our RoPE. Ours rotates the R fastest pairs of the full spectrum,
-    θ_k = base^(-2k/d) for k < R; NeoX spreads its frequencies over its rotated dims 2R: θ_k = b^(-2k/2R), equal for
-    b = base^(2R/d). Static NTK is a larger base, so it exports as one; dynamic NTK's exponent uses the rotated dims,
-    so it is exact only when every pair rotates."""
+    """GPT-NeoX's rope_parameters for our RoPE. Ours rotates the R fastest pairs of the full
+    spectrum, θ_k = base^(-2k/d) for k < R; NeoX spreads its frequencies over its rotated dims 2R:
+    θ_k = b^(-2k/2R), equal for b = base^(2R/d). Static NTK is a larger base, so it exports as one;
+    dynamic NTK's exponent uses the rotated dims, so it is exact only when every pair rotates."""
     pe, c = model.encoding, model.config
     d, R = pe.head_dim, pe.rotating
     scaling, s = pe.scaling, pe.factor
     if scaling not in HF_ROPE_TYPES and not (scaling == "dynamic_ntk" and 2 * R == d):
         raise ExportError(
-            f"rope_scaling={scaling!r} with rope_fraction={c.rope_fraction} has no exact GPT-NeoX form; export with "
+            f"rope_scaling={scaling!r} with rope_fraction={c.rope_fraction} has no exact GPT-NeoX "
+            "form; export with "
             f"rope_scaling none, linear, ntk, yarn or llama3 (or dynamic_ntk with rope_fraction=1)"
         )
     params = {
@@ -160,11 +175,15 @@ def neox_rope(model: GPT) -> dict:
 
 
 def neox_rows(model: GPT) -> torch.Tensor:
-    """The order of GPT-NeoX's fused q/k/v rows in ours: NeoX puts each head's q, k, v together ((nh, 3, hs) rows),
-    and splits each head's rotated dims in halves (dim k turns with dim R + k), where we pair dims 2k, 2k + 1."""
+    """The order of GPT-NeoX's fused q/k/v rows in ours: NeoX puts each head's q, k, v together
+    ((nh, 3, hs) rows), and splits each head's rotated dims in halves (dim k turns with dim R + k),
+    where we pair dims 2k, 2k + 1."""
     c, pe = model.config, model.encoding
     hs, R = pe.head_dim, pe.rotating
-    halves = torch.cat([torch.arange(0, 2 * R, 2), torch.arange(1, 2 * R, 2), torch.arange(2 * R, hs)])  # (hs,)
+    # (hs,)
+    halves = torch.cat(
+        [torch.arange(0, 2 * R, 2), torch.arange(1, 2 * R, 2), torch.arange(2 * R, hs)]
+    )
     rows = []
     for h in range(c.n_head):
         for j in range(3):  # q, k, v
@@ -174,8 +193,8 @@ def neox_rows(model: GPT) -> torch.Tensor:
 
 
 def max_positions(model: GPT) -> int:
-    """GPT-NeoX's max_position_embeddings: L0 for dynamic NTK (it scales past it, from it); else the context the
-    scaling stretches to, as transformers expects it (at least the training length)."""
+    """GPT-NeoX's max_position_embeddings: L0 for dynamic NTK (it scales past it, from it); else the
+    context the scaling stretches to, as transformers expects it (at least the training length)."""
     pe = model.encoding
     if pe.scaling == "dynamic_ntk":
         return pe.original
@@ -237,9 +256,9 @@ def to_neox(model: GPT):
 
 
 def to_mpt(model: GPT, max_seq_len: int):
-    """MptForCausalLM: ALiBi with the paper's slopes (MPT's equal them for any head count: checked), an exact GELU,
-    and no biases anywhere. Its bias is -m·(T - 1 - j), ours -m·(i - j): they differ by a constant per query, which
-    the softmax ignores."""
+    """MptForCausalLM: ALiBi with the paper's slopes (MPT's equal them for any head count: checked),
+    an exact GELU, and no biases anywhere. Its bias is -m·(T - 1 - j), ours -m·(i - j): they differ
+    by a constant per query, which the softmax ignores."""
     from transformers import MptConfig, MptForCausalLM
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
@@ -252,7 +271,10 @@ def to_mpt(model: GPT, max_seq_len: int):
             f"{(ours + theirs).abs().max():.3g}: no exact export"
         )
     if c.gelu != "exact":
-        raise ExportError("MPT's MLP uses the exact GELU and this model was trained with gelu='tanh': no exact export")
+        raise ExportError(
+            "MPT's MLP uses the exact GELU and this model was trained with "
+            "gelu='tanh': no exact export"
+        )
     cfg = MptConfig(
         d_model=c.n_embd,
         n_heads=c.n_head,
@@ -287,22 +309,29 @@ def to_mpt(model: GPT, max_seq_len: int):
     hf.load_state_dict({k: ours[names[k]] for k in hf.state_dict()})
     dropped = [k for k in ours if k.endswith(".bias") and ours[k].abs().max() > 0]
     if dropped:
-        idx = torch.randint(0, c.vocab_size, (1, min(c.block_size, 256)), generator=torch.Generator().manual_seed(0))
+        idx = torch.randint(
+            0, c.vocab_size, (1, min(c.block_size, 256)), generator=torch.Generator().manual_seed(0)
+        )
         with torch.no_grad():
             diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
         raise ExportError(
-            f"MPT has no biases and this model has {len(dropped)} non-zero bias tensors: dropping them changes the "
-            f"logits by up to {diff:.3g} on a test sequence; ALiBi exports exactly from a model trained with bias=False"
+            f"MPT has no biases and this model has {len(dropped)} non-zero bias tensors: dropping "
+            "them changes the "
+            f"logits by up to {diff:.3g} on a test sequence; ALiBi exports exactly from a model "
+            "trained with bias=False"
         )
     return hf
 
 
-def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot_as: int | None) -> None:
-    """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and export/modeling_nanope.py,
-    the transformers wrapper that imports it. config.json maps the Auto classes to them and records their sha256
-    (which the wrapper checks at load); the weights go under the wrapper's `gpt.` prefix, lm_head left out as
-    transformers leaves a tied weight out. eot: the end of text where the model has it (GPT-2's); read_eot_as: the
-    token that a character-level tokenizer's <|endoftext|>, past the model's vocabulary, reads as. Nothing of the
+def write_remote(
+    model: GPT, folder: Path, dtype: str, eot: int | None, read_eot_as: int | None
+) -> None:
+    """nanoPE's own GPT as a folder that carries its code: model.py byte for byte, and
+    export/modeling_nanope.py, the transformers wrapper that imports it. config.json maps the Auto
+    classes to them and records their sha256 (which the wrapper checks at load); the weights go
+    under the wrapper's `gpt.` prefix, lm_head left out as transformers leaves a tied weight out.
+    eot: the end of text where the model has it (GPT-2's); read_eot_as: the token that a
+    character-level tokenizer's <|endoftext|>, past the model's vocabulary, reads as. Nothing of the
     folder's code runs here."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, __version__
@@ -318,9 +347,13 @@ def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot
         },
         "model_type": "nanope",
         "model_args": dataclasses.asdict(model.config),
-        "code_sha256": {src.name: hashlib.sha256((folder / src.name).read_bytes()).hexdigest() for src in CODE_FILES},
-        # transformers' and lm-eval's notion of the context (lm-eval's default window): the last position of an
-        # encoding that stops at block_size, else 16x it (as far as this project evaluates; nothing stops longer)
+        "code_sha256": {
+            src.name: hashlib.sha256((folder / src.name).read_bytes()).hexdigest()
+            for src in CODE_FILES
+        },
+        # transformers' and lm-eval's notion of the context (lm-eval's default window): the last
+        # position of an encoding that stops at block_size, else 16x it (as far as this project
+        # evaluates; nothing stops longer)
         "max_position_embeddings": 16 * T if model.encoding.extrapolates else T,
         "read_eot_as": read_eot_as,
         "tie_word_embeddings": True,
@@ -332,20 +365,25 @@ def write_remote(model: GPT, folder: Path, dtype: str, eot: int | None, read_eot
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=eot, eos_token_id=eot).save_pretrained(folder)
     state = model.state_dict()
-    weights = {f"gpt.{k}": v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if k != "lm_head.weight"}
+    weights = {
+        f"gpt.{k}": v.to(DTYPES[dtype]).contiguous()
+        for k, v in state.items()
+        if k != "lm_head.weight"
+    }
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def stand_in(chars: str, preferred: str) -> int:
-    """The id of the character that stands in for one the model cannot read: preferred where the vocabulary has it,
-    else its first character."""
+    """The id of the character that stands in for one the model cannot read: preferred where the
+    vocabulary has it, else its first character."""
     return chars.index(preferred) if preferred in chars else 0
 
 
 def hf_tokenizer(meta: dict):
-    """A PreTrainedTokenizerFast that encodes and decodes as lib/tokenizer.py's tokenizer for this meta (text outside a
-    character vocabulary aside), with the special tokens transformers and lm-eval expect: an end of text, which is also
-    the start of text and the padding, at the left (decoder-only generation pads there)."""
+    """A PreTrainedTokenizerFast that encodes and decodes as lib/tokenizer.py's tokenizer for this
+    meta (text outside a character vocabulary aside), with the special tokens transformers and
+    lm-eval expect: an end of text, which is also the start of text and the padding, at the left
+    (decoder-only generation pads there)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -356,19 +394,27 @@ def hf_tokenizer(meta: dict):
         tokenizer_from_meta(meta)  # checks the ranks file's hash
         tok = TikTokenConverter(vocab_file=str(GPT2_RANKS), pattern=GPT2_PATTERN).converted()
         fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, padding_side="left", **dict.fromkeys(SPECIAL_TOKENS + ("unk_token",), EOT)
+            tokenizer_object=tok,
+            padding_side="left",
+            **dict.fromkeys(SPECIAL_TOKENS + ("unk_token",), EOT),
         )
         assert fast.convert_tokens_to_ids(EOT) == GPT2_EOT
         return fast
     if kind == "char":  # one token per character, joined back with nothing between
         chars = meta["chars"]
-        # a character the model never saw reads as a space: any text evaluates, where ours stops at it
-        tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(chars)}, unk_token=chars[stand_in(chars, " ")]))
+        # a character the model never saw reads as a space: any text evaluates, where ours stops at
+        # it
+        tok = Tokenizer(
+            models.WordLevel(
+                {ch: i for i, ch in enumerate(chars)}, unk_token=chars[stand_in(chars, " ")]
+            )
+        )
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
-        # <|endoftext|> takes the id after the characters. It cannot be a character's: transformers makes it special,
-        # and decoding skips special tokens (lm-eval's outputs would lose every newline if "\n" were the end of text).
-        # Text never encodes to it (split_special_tokens): a literal "<|endoftext|>" is characters, as in ours.
+        # <|endoftext|> takes the id after the characters. It cannot be a character's: transformers
+        # makes it special, and decoding skips special tokens (lm-eval's outputs would lose every
+        # newline if "\n" were the end of text). Text never encodes to it (split_special_tokens): a
+        # literal "<|endoftext|>" is characters, as in ours.
         return PreTrainedTokenizerFast(
             tokenizer_object=tok,
             clean_up_tokenization_spaces=False,
@@ -385,14 +431,16 @@ def hf_tokenizer(meta: dict):
 
 
 def check_positions(model: GPT, target: str, n_positions: int | None) -> int | None:
-    """The length GPT-2's position table or MPT's ALiBi buffer spans, checked before anything is allocated: at least
-    the training length (a shorter one fails on a training-length input), small enough to build, and only where the
-    export has such a table (elsewhere the flag would be ignored)."""
+    """The length GPT-2's position table or MPT's ALiBi buffer spans, checked before anything is
+    allocated: at least the training length (a shorter one fails on a training-length input), small
+    enough to build, and only where the export has such a table (elsewhere the flag would be
+    ignored)."""
     T, pe = model.config.block_size, model.encoding
     if target not in ("gpt2", "mpt"):
         if n_positions is not None:
             raise ExportError(
-                f"--n_positions sizes GPT-2's position table and MPT's ALiBi buffer; this {model.config.pos_encoding} "
+                "--n_positions sizes GPT-2's position table and MPT's ALiBi buffer; this "
+                f"{model.config.pos_encoding} "
                 f"export has neither and reads any length its encoding reaches: drop --n_positions"
             )
         return None
@@ -400,13 +448,16 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
         n_positions = 16 * T if pe.extrapolates else T
     if n_positions < T:
         raise ExportError(
-            f"--n_positions={n_positions} is below the training length block_size={T}, which the model would then "
+            f"--n_positions={n_positions} is below the training length block_size={T}, which the "
+            "model would then "
             f"fail to read: use --n_positions >= {T}"
         )
     if n_positions > pe.max_length:
-        raise ExportError(f"--n_positions={n_positions}: a learned table has {T} rows; leave it out")
-    # float32 values: GPT-2's (n_positions, n_embd) table, built a few times over (init, ours, the copy saved); MPT's
-    # (1, nh, 1, n_positions) bias, built again at every forward
+        raise ExportError(
+            f"--n_positions={n_positions}: a learned table has {T} rows; leave it out"
+        )
+    # float32 values: GPT-2's (n_positions, n_embd) table, built a few times over (init, ours, the
+    # copy saved); MPT's (1, nh, 1, n_positions) bias, built again at every forward
     width, what = (
         (model.config.n_embd, "GPT-2's position table")
         if target == "gpt2"
@@ -415,16 +466,18 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
     need, memory = 4 * 4 * n_positions * width, device_memory("cpu")
     if memory is not None and need > memory:
         raise ExportError(
-            f"--n_positions={n_positions} makes {what} {n_positions} x {width} float32 values, about "
-            f"{need / 1e9:.3g} GB to build, more than this machine's {memory / 1e9:.3g} GB: lower --n_positions "
+            f"--n_positions={n_positions} makes {what} {n_positions} x {width} float32 values, "
+            "about "
+            f"{need / 1e9:.3g} GB to build, more than this machine's {memory / 1e9:.3g} GB: lower "
+            "--n_positions "
             f"(the default is {16 * T}, as far as this project evaluates)"
         )
     return n_positions
 
 
 def written_by_export(folder: Path) -> str | None:
-    """None where folder is an export this script wrote (its nanope.json, and no file it did not write), else what
-    it holds that an export does not."""
+    """None where folder is an export this script wrote (its nanope.json, and no file it did not
+    write), else what it holds that an export does not."""
     path = folder / "nanope.json"
     if not path.is_file():
         return "it has no nanope.json, the mark of an export"
@@ -435,7 +488,8 @@ def written_by_export(folder: Path) -> str | None:
     files = info.get("files", LEGACY_FILES) if isinstance(info, dict) else None
     if not isinstance(files, (list, tuple)) or not all(isinstance(f, str) for f in files):
         return 'its nanope.json is not an export\'s (a JSON object whose "files" lists file names)'
-    # the list says what a replacement deletes: a name no export writes would delete a file of the user's
+    # the list says what a replacement deletes: a name no export writes would delete a file of the
+    # user's
     if strays := sorted(set(files) - EXPORT_FILES):
         return f"its nanope.json lists {', '.join(map(repr, strays))}, which no export writes"
     others = sorted(
@@ -444,54 +498,71 @@ def written_by_export(folder: Path) -> str | None:
         if p.name not in files or not p.is_file() or p.is_symlink()
     )
     if others:
-        return f"it holds what no export writes ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        return (
+            "it holds what no export writes "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        )
     return None
 
 
 def check_out(out: Path, overwrite: bool = False, ckpt_path: Path | None = None) -> Path:
-    """out is a folder this export may write: new, empty, or (with overwrite) an earlier export, never the folder
-    of the checkpoint being exported or one that holds it; and its parent folder takes files. Raises ExportError
-    naming the problem and the fix before anything is written; returns out, resolved."""
+    """out is a folder this export may write: new, empty, or (with overwrite) an earlier export,
+    never the folder of the checkpoint being exported or one that holds it; and its parent folder
+    takes files. Raises ExportError naming the problem and the fix before anything is written;
+    returns out, resolved."""
     flag = f"--out {str(out)!r}"
     if out.is_symlink():
         raise ExportError(f"{flag} is a symbolic link; give the folder itself")
     out = out.resolve()
     # the run's folder as given, and the checkpoint's own where ckpt.pt is a link
-    runs = [] if ckpt_path is None else [ckpt_path.absolute().parent.resolve(), ckpt_path.resolve().parent]
+    runs = (
+        []
+        if ckpt_path is None
+        else [ckpt_path.absolute().parent.resolve(), ckpt_path.resolve().parent]
+    )
     for run in runs:
         if run == out or out in run.parents:
             raise ExportError(
-                f"{flag} {'is' if run == out else 'holds'} the run being exported ({run}): replacing it would delete "
-                f"its checkpoints; write the export elsewhere, e.g. --out {run.parent / ('hf-' + run.name)}"
+                f"{flag} {'is' if run == out else 'holds'} the run being exported ({run}): "
+                "replacing it would delete "
+                "its checkpoints; write the export elsewhere, e.g. --out "
+                f"{run.parent / ('hf-' + run.name)}"
             )
     if out.exists() and not out.is_dir():
         raise ExportError(f"{flag} is a file, and an export is a folder: give a new folder's name")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise ExportError(f"{out} exists and is not empty: choose another --out, or pass --overwrite to replace it")
+            raise ExportError(
+                f"{out} exists and is not empty: choose another --out, or pass "
+                "--overwrite to replace it"
+            )
         problem = written_by_export(out)
         if problem:
             raise ExportError(
-                f"--overwrite replaces only an earlier export, and {out} is not one: {problem}; choose another --out"
+                f"--overwrite replaces only an earlier export, and {out} is not one: {problem}; "
+                "choose another --out"
             )
     if not out.parent.is_dir():
-        raise ExportError(f"{flag}: the folder {out.parent} does not exist; create it, or write elsewhere")
+        raise ExportError(
+            f"{flag}: the folder {out.parent} does not exist; create it, or write elsewhere"
+        )
     if problem := cannot_write(out.parent):
         raise ExportError(f"{flag}: cannot write in {out.parent} ({problem}); write elsewhere")
     return out
 
 
 def new_folder(out: Path, kind: str) -> Path:
-    """A folder beside out that this process creates (mkdir fails on an existing one, so nothing of a user's is
-    reused or later deleted), with the permissions of any new folder (mkdtemp's are the owner's alone)."""
+    """A folder beside out that this process creates (mkdir fails on an existing one, so nothing of
+    a user's is reused or later deleted), with the permissions of any new folder (mkdtemp's are the
+    owner's alone)."""
     folder = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.{kind}"
     folder.mkdir()
     return folder
 
 
 def replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished export tmp to out: onto nothing or an empty folder, or in place of an earlier export, which
-    is moved aside first and deleted only once the new one is in place."""
+    """Move the finished export tmp to out: onto nothing or an empty folder, or in place of an
+    earlier export, which is moved aside first and deleted only once the new one is in place."""
     if not (out.is_dir() and any(out.iterdir())):
         os.replace(tmp, out)  # POSIX renames a folder onto an empty one
         return
@@ -514,19 +585,24 @@ def export(
     ckpt_path: Path | None = None,
     remote_code: bool = False,
 ) -> Path:
-    """Write the Hugging Face directory for a loaded checkpoint; returns out. dtype: the weights' dtype in the files
-    (default: the checkpoint's training dtype where it is bf16/fp16, else float32). out must be new or empty, or with
-    overwrite an earlier export; ckpt_path, the checkpoint's file, must not be in it."""
+    """Write the Hugging Face directory for a loaded checkpoint; returns out. dtype: the weights'
+    dtype in the files (default: the checkpoint's training dtype where it is bf16/fp16, else
+    float32). out must be new or empty, or with overwrite an earlier export; ckpt_path, the
+    checkpoint's file, must not be in it."""
     out = check_out(Path(out), overwrite, ckpt_path)
     try:
         model = model_from_checkpoint(ckpt).float().eval()
-    except (TypeError, ValueError, RuntimeError) as e:  # an unknown encoding or option, weights of another shape
+    # an unknown encoding or option, weights of another shape
+    except (TypeError, ValueError, RuntimeError) as e:
         raise ExportError(f"the checkpoint does not build a model of this nanoPE: {e}") from e
-    # packing="documents": no transformers architecture keeps a row's documents apart at its end-of-text token
+    # packing="documents": no transformers architecture keeps a row's documents apart at its
+    # end-of-text token
     native = not remote_code and model.config.packing == "stream"
     target = (native and architecture(type(model.encoding))) or "nanope"
     if "tokenizer" not in ckpt:
-        raise ExportError("the checkpoint stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py")
+        raise ExportError(
+            "the checkpoint stores no tokenizer (a nanoGPT checkpoint?); retrain with train.py"
+        )
     dtype = dtype or ckpt.get("config", {}).get("dtype") or "float32"
     dtype = dtype if dtype in DTYPES else "float32"
     n_positions = check_positions(model, target, n_positions)
@@ -539,14 +615,15 @@ def export(
         hf = to_neox(model)
     else:  # nanoPE's own code: written below
         hf = None
-    # written whole in a new folder beside out, then renamed: never half an export, never a user's folder reused
+    # written whole in a new folder beside out, then renamed: never half an export, never a user's
+    # folder reused
     tmp = new_folder(out, "tmp")
     try:
         meta = ckpt["tokenizer"]
         eot = GPT2_EOT if meta["kind"] == "gpt2" else None  # generate stops at GPT-2's end of text
         if target == "nanope":
-            # a character-level <|endoftext|> (lm-eval's default prefix) reads as a newline, where texts start, or as
-            # the token that begins a document where the model packs documents
+            # a character-level <|endoftext|> (lm-eval's default prefix) reads as a newline, where
+            # texts start, or as the token that begins a document where the model packs documents
             read_eot_as = None
             if meta["kind"] == "char":
                 documents = model.config.packing == "documents"
@@ -560,7 +637,8 @@ def export(
             hf.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         info = {"pos_encoding": model.config.pos_encoding, "architecture": target, "dtype": dtype}
-        info["files"] = sorted([p.name for p in tmp.iterdir()] + ["nanope.json"])  # what --overwrite may replace
+        # what --overwrite may replace
+        info["files"] = sorted([p.name for p in tmp.iterdir()] + ["nanope.json"])
         (tmp / "nanope.json").write_text(json.dumps(info, indent=1))
         replace_folder(tmp, out)
     except BaseException:
@@ -570,22 +648,35 @@ def export(
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out_dir", help="a training run's folder (its ckpt.pt)")
     p.add_argument("--out", required=True, help="the directory to write")
-    p.add_argument("--ckpt", default="ckpt.pt", help="which checkpoint of the run (ckpt_best.pt: the best)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the run's dtype (float32 on CPU)")
+    p.add_argument(
+        "--ckpt", default="ckpt.pt", help="which checkpoint of the run (ckpt_best.pt: the best)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="default: the run's dtype (float32 on CPU)",
+    )
     p.add_argument(
         "--n_positions",
         type=int,
         default=None,
-        help="GPT-2's position table, MPT's ALiBi buffer: at least block_size (default: 16x block_size; learned: it)",
+        help="GPT-2's position table, MPT's ALiBi buffer: at least block_size (default: 16x "
+        "block_size; learned: it)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier export")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace --out if it is an earlier export"
+    )
     p.add_argument(
         "--remote_code",
         action="store_true",
-        help="nanoPE's own model code in the folder (trust_remote_code), also for encodings transformers has",
+        help="nanoPE's own model code in the folder (trust_remote_code), also for encodings "
+        "transformers has",
     )
     args = p.parse_args(argv)
     if problem := missing("transformers", "python -m export"):
@@ -593,10 +684,21 @@ def main(argv: list[str] | None = None) -> Path:
     ckpt_path = Path(args.out_dir) / args.ckpt
     try:
         if args.n_positions is not None and args.n_positions < 1:
-            raise ExportError(f"--n_positions={args.n_positions} must be at least 1 (and at least block_size)")
-        check_out(Path(args.out), args.overwrite, ckpt_path)  # before the checkpoint loads; export() checks again
+            raise ExportError(
+                f"--n_positions={args.n_positions} must be at least 1 (and at least block_size)"
+            )
+        # before the checkpoint loads; export() checks again
+        check_out(Path(args.out), args.overwrite, ckpt_path)
         ckpt = load_checkpoint(ckpt_path)
-        path = export(ckpt, Path(args.out), args.dtype, args.n_positions, args.overwrite, ckpt_path, args.remote_code)
+        path = export(
+            ckpt,
+            Path(args.out),
+            args.dtype,
+            args.n_positions,
+            args.overwrite,
+            ckpt_path,
+            args.remote_code,
+        )
     except (CheckpointError, ExportError) as e:
         sys.exit(f"error: {e}")
     remote = ", trust_remote_code=True" if (path / "modeling_nanope.py").exists() else ""
@@ -604,7 +706,8 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"wrote {path}: {load} and AutoTokenizer{' (the same flag)' if remote else ''} load it")
     if not remote and ckpt["tokenizer"]["kind"] == "char":
         print(
-            "its model cannot read the tokenizer's <|endoftext|>, which pads batches and starts lm-eval's texts: for "
+            "its model cannot read the tokenizer's <|endoftext|>, which pads batches and starts "
+            "lm-eval's texts: for "
             "those, export with --remote_code (docs/export.md)"
         )
     return path

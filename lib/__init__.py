@@ -1,1 +1,2 @@
-"""The library the commands stand on: checkpoints, data, options, devices, processes, runs, tokenizers."""
+"""The library the commands stand on: checkpoints, data, options, devices, processes, runs,
+tokenizers."""

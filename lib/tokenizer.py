@@ -1,9 +1,9 @@
 """
-Tokenizers rebuilt from a small JSON description, the `tokenizer` entry of a dataset's meta.json and of every
-checkpoint, so sample.py needs nothing but the checkpoint:
-    {"kind": "char", "chars": "\\n !…z"}   one token per character, ids in sorted character order
-    {"kind": "gpt2"}                      GPT-2's byte-level BPE via tiktoken, from the vendored ranks file
-    {"kind": "ids", "vocab_size": 128}    token ids written as numbers ("0 17 5"), for the synthetic tasks
+Tokenizers rebuilt from a small JSON description, the `tokenizer` entry of a dataset's meta.json and
+of every checkpoint, so sample.py needs nothing but the checkpoint:
+    {"kind": "char", "chars": "\\n !…z"}   one token per character, in sorted character order
+    {"kind": "gpt2"}                      GPT-2's byte-level BPE via tiktoken (the vendored ranks)
+    {"kind": "ids", "vocab_size": 128}    token ids written as numbers ("0 17 5"): synthetic tasks
 """
 
 import base64
@@ -12,7 +12,8 @@ from functools import cache
 from pathlib import Path
 
 GPT2_RANKS = Path(__file__).resolve().parents[1] / "data" / "gpt2.tiktoken"
-GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base
+# tiktoken's r50k_base
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_EOT = 50256
 
 
@@ -42,7 +43,8 @@ class CharTokenizer:
 
 
 class GPT2Tokenizer:
-    """GPT-2's BPE (tiktoken's `gpt2` encoding) built offline from data/gpt2.tiktoken, checked by hash."""
+    """GPT-2's BPE (tiktoken's `gpt2` encoding) built offline from data/gpt2.tiktoken, checked by
+    hash."""
 
     vocab_size = GPT2_EOT + 1
     meta = {"kind": "gpt2"}
@@ -58,7 +60,8 @@ class GPT2Tokenizer:
 
 
 class IdsTokenizer:
-    """The synthetic tasks' tokens (compare/synthetic.py) as text: ids separated by spaces, "0 17 5"."""
+    """The synthetic tasks' tokens (compare/synthetic.py) as text: ids separated by spaces, "0 17
+    5"."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -68,7 +71,9 @@ class IdsTokenizer:
         try:
             ids = [int(w) for w in text.split()]
         except ValueError as e:
-            raise ValueError(f"this model reads token ids, numbers separated by spaces like '0 17 5' ({e})") from e
+            raise ValueError(
+                f"this model reads token ids, numbers separated by spaces like '0 17 5' ({e})"
+            ) from e
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(
@@ -88,10 +93,19 @@ def _gpt2_encoding():
 
     data = GPT2_RANKS.read_bytes()
     if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
-        raise ValueError(f"{GPT2_RANKS} does not have the expected sha256 {GPT2_RANKS_SHA256}: restore it from git")
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in data.splitlines() if line)}
+        raise ValueError(
+            f"{GPT2_RANKS} does not have the expected sha256 {GPT2_RANKS_SHA256}: "
+            "restore it from git"
+        )
+    ranks = {
+        base64.b64decode(tok): int(rank)
+        for tok, rank in (line.split() for line in data.splitlines() if line)
+    }
     return tiktoken.Encoding(
-        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": GPT2_EOT}
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": GPT2_EOT},
     )
 
 
@@ -103,4 +117,6 @@ def tokenizer_from_meta(meta: dict) -> CharTokenizer | GPT2Tokenizer | IdsTokeni
         return GPT2Tokenizer()
     if kind == "ids":
         return IdsTokenizer(int(meta["vocab_size"]))
-    raise ValueError(f"unknown tokenizer description {meta!r}; expected kind 'char', 'gpt2' or 'ids'")
+    raise ValueError(
+        f"unknown tokenizer description {meta!r}; expected kind 'char', 'gpt2' or 'ids'"
+    )

@@ -1,6 +1,7 @@
-"""The encodings whose bias reads the content (CoPE, the forgetting gate): each equals its paper's equations written out
-here in float64 (forward and every gradient), on a CPU's blocks of queries and on the reference; FoX's running sum
-goes on through the KV cache; neither makes a (T, T) tensor on a CPU (CoPE: a block of 64 queries over the keys)."""
+"""The encodings whose bias reads the content (CoPE, the forgetting gate): each equals its paper's
+equations written out here in float64 (forward and every gradient), on a CPU's blocks of queries and
+on the reference; FoX's running sum goes on through the KV cache; neither makes a (T, T) tensor on a
+CPU (CoPE: a block of 64 queries over the keys)."""
 
 import contextlib
 import copy
@@ -16,9 +17,9 @@ from model import Chunk
 
 
 def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
-    """Golovneva et al. 2024, eqs. 3-5 as the authors' code computes them: g_ij = σ(q_i·k_j/√d), p_ij = Σ_{t=j..i} g_it
-    (clamped to p_max - 1), and the score q_i·k_j/√d + z_i[p_ij], z_i[p] = q_i·e[p] read linearly between ⌊p⌋ and
-    ⌈p⌉. q, k (B, nh, T, hs)."""
+    """Golovneva et al. 2024, eqs. 3-5 as the authors' code computes them: g_ij = σ(q_i·k_j/√d),
+    p_ij = Σ_{t=j..i} g_it (clamped to p_max - 1), and the score q_i·k_j/√d + z_i[p_ij], z_i[p] =
+    q_i·e[p] read linearly between ⌊p⌋ and ⌈p⌉. q, k (B, nh, T, hs)."""
     T, hs = q.size(2), q.size(-1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()  # [t <= i]
     g = torch.sigmoid(q @ k.transpose(-1, -2) / hs**0.5) * causal  # (B, nh, i, t)
@@ -27,15 +28,22 @@ def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
     z = q @ e.T  # (B, nh, T, p_max)
     lo, hi = p.floor(), p.ceil()
     z_lo, z_hi = z.gather(-1, lo.long()), z.gather(-1, hi.long())
-    interpolated = torch.where(hi > lo, z_lo + (p - lo) / (hi - lo).clamp(min=1) * (z_hi - z_lo), z_lo)
+    interpolated = torch.where(
+        hi > lo, z_lo + (p - lo) / (hi - lo).clamp(min=1) * (z_hi - z_lo), z_lo
+    )
     return (q @ k.transpose(-1, -2) / hs**0.5 + interpolated).masked_fill(~causal, float("-inf"))
 
 
 def fox_scores(q, k, x, w, b) -> torch.Tensor:
-    """Lin et al. 2025, eq. 5-6: f_t = σ(w·x_t + b) per head, and q_i·k_j/√d + Σ_{t=j+1..i} log f_t. x (B, T, C)."""
+    """Lin et al. 2025, eq. 5-6: f_t = σ(w·x_t + b) per head, and q_i·k_j/√d + Σ_{t=j+1..i} log f_t.
+    x (B, T, C)."""
     T, hs = q.size(2), q.size(-1)
     log_f = torch.log(torch.sigmoid(x @ w.T + b)).transpose(1, 2)  # (B, nh, T)
-    i, j, t = torch.arange(T)[:, None, None], torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+    i, j, t = (
+        torch.arange(T)[:, None, None],
+        torch.arange(T)[None, :, None],
+        torch.arange(T)[None, None, :],
+    )
     between = ((j < t) & (t <= i)).to(q.dtype)  # (i, j, t)
     decay = torch.einsum("ijt,bht->bhij", between, log_f)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -43,7 +51,8 @@ def fox_scores(q, k, x, w, b) -> torch.Tensor:
 
 
 def paper_attention(model, x: torch.Tensor) -> torch.Tensor:
-    """Layer 0's attention output from the paper's equations, in float64 (x: the layer's input (B, T, C))."""
+    """Layer 0's attention output from the paper's equations, in float64 (x: the layer's input (B,
+    T, C))."""
     attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
     B, T, C = x.shape
     q, k, v = (t.view(B, T, cfg.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
@@ -55,32 +64,48 @@ def paper_attention(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def ours(model, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Layer 0's attention output as the model computes it, over the queries' own keys; starts (B, T): where each
-    token's document starts (packed documents), None: one stream."""
+    """Layer 0's attention output as the model computes it, over the queries' own keys; starts (B,
+    T): where each token's document starts (packed documents), None: one stream."""
     pos = torch.arange(x.size(1))
-    chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True, starts=starts, key_starts=starts)
-    attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
+    chunk = Chunk(
+        pos,
+        key_pos=pos,
+        slots=None,
+        window=None,
+        consecutive=True,
+        starts=starts,
+        key_starts=starts,
+    )
+    attention = model_py.attention_for(
+        chunk, model.encoding, model.config, model.attention_options, 0.0
+    )
     return model.transformer.h[0].attn(x, None, attention, None)
 
 
-# the kernels each path takes: a CPU's (blocks of 64 queries, two here), a GPU's fused ones (its emulation on a CPU:
-# the cuda fixture), the reference's one block
-KERNELS_TAKEN = {"cpu": dict(cope="bias_blocks", fox="sum_blocks"), "gpu": dict(cope="bias_blocks", fox="bias_blocks")}
+# the kernels each path takes: a CPU's (blocks of 64 queries, two here), a GPU's fused ones (its
+# emulation on a CPU: the cuda fixture), the reference's one block
+KERNELS_TAKEN = {
+    "cpu": dict(cope="bias_blocks", fox="sum_blocks"),
+    "gpu": dict(cope="bias_blocks", fox="bias_blocks"),
+}
 
 
 @pytest.mark.parametrize("pe", CONTENT)
 @pytest.mark.parametrize("path", ["cpu", "gpu", "reference"])
 def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch, request):
-    """In float64, the attention and the gradient of every parameter it reads (q, k, v's projection, the encoding's
-    vectors or gates) and of its input equal the paper's equations to 1e-10, with CoPE's positions clamped (p_max 5),
-    on a CPU's kernels, a GPU's (CoPE's counted blocks, FoX's rows by blocks) and the reference."""
+    """In float64, the attention and the gradient of every parameter it reads (q, k, v's projection,
+    the encoding's vectors or gates) and of its input equal the paper's equations to 1e-10, with
+    CoPE's positions clamped (p_max 5), on a CPU's kernels, a GPU's (CoPE's counted blocks, FoX's
+    rows by blocks) and the reference."""
     if path == "gpu":
         request.getfixturevalue("cuda")
     model = tiny(pe, block_size=80, n_layer=1, cope_p_max=5).double()
     fused = {"cpu": None, "gpu": True, "reference": False}[path]
     model.attention_options = replace(model.attention_options, fused=fused)
     taken, kernel = [], model_py.fast_paths.kernel
-    monkeypatch.setattr(model_py.fast_paths, "kernel", lambda *a, **k: taken.append(kernel(*a, **k)) or taken[-1])
+    monkeypatch.setattr(
+        model_py.fast_paths, "kernel", lambda *a, **k: taken.append(kernel(*a, **k)) or taken[-1]
+    )
     x = torch.randn(2, 80, 32, dtype=torch.float64, requires_grad=True)
     results = []
     for fn in (ours, paper_attention):
@@ -89,7 +114,11 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch
         y = fn(model, x)
         (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
         results.append(
-            (y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            (
+                y.detach(),
+                x.grad.clone(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
         )
     (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
     assert taken == [KERNELS_TAKEN.get(path, {}).get(pe)]
@@ -100,10 +129,12 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch
         torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
 
 
-def x_transformers_attention(model, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Layer 0's attention output with x-transformers' CoPE inside its Attend (causal, the logits scaled by 1/√d before
-    the gates) reading the model's q, k, v and its vectors e (shared: their gradient is the model's); starts: packed
-    documents as Attend's mask of each row's own."""
+def x_transformers_attention(
+    model, x: torch.Tensor, starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Layer 0's attention output with x-transformers' CoPE inside its Attend (causal, the logits
+    scaled by 1/√d before the gates) reading the model's q, k, v and its vectors e (shared: their
+    gradient is the model's); starts: packed documents as Attend's mask of each row's own."""
     from x_transformers.attend import Attend
     from x_transformers.x_transformers import CoPE as XCoPE
 
@@ -113,7 +144,8 @@ def x_transformers_attention(model, x: torch.Tensor, starts: torch.Tensor | None
     del cope.pos_emb  # the model's vectors, not a parameter of its own
     cope.pos_emb = model.encoding.e[0]  # (p_max, hs)
     q, k, v = (t.view(B, T, cfg.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
-    mask = None if starts is None else (starts[:, :, None] == starts[:, None, :])[:, None]  # (B, 1, T, T)
+    # (B, 1, T, T)
+    mask = None if starts is None else (starts[:, :, None] == starts[:, None, :])[:, None]
     softmax = lambda scores: scores.softmax(-1)  # noqa: E731  in float64 (Attend's own softmax is float32)
     out = Attend(causal=True, cope=cope, custom_attn_fn=softmax)(q, k, v, mask=mask)
     out = out[0] if isinstance(out, tuple) else out  # (B, nh, T, hs), and its intermediates
@@ -122,9 +154,10 @@ def x_transformers_attention(model, x: torch.Tensor, starts: torch.Tensor | None
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_cope_equals_x_transformers_cope(documents):
-    """CoPE's attention equals x-transformers' CoPE module inside its Attend on the same weights, in float64: the
-    output and the gradient of the input and of every parameter it reads (c_attn's, c_proj's, CoPE's vectors), on one
-    stream and on packed documents (each row's documents under Attend's mask); positions clamp at p_max 12."""
+    """CoPE's attention equals x-transformers' CoPE module inside its Attend on the same weights, in
+    float64: the output and the gradient of the input and of every parameter it reads (c_attn's,
+    c_proj's, CoPE's vectors), on one stream and on packed documents (each row's documents under
+    Attend's mask); positions clamp at p_max 12."""
     model = tiny("cope", block_size=80, n_layer=1, cope_p_max=12).double()
     x = torch.randn(2, 80, 32, dtype=torch.float64, requires_grad=True)
     starts = torch.tensor([[0] * 30 + [30] * 50, [0] * 9 + [9] * 71]) if documents else None
@@ -145,15 +178,20 @@ def test_cope_equals_x_transformers_cope(documents):
 
 
 def test_a_cope_checkpoint_from_before_the_scaled_gates_computes_what_it_did(tmp_path):
-    """A checkpoint whose config predates cope_gates (its model gated σ(q·k)) loads with cope_gates='unscaled' and
-    computes σ(q·k)'s attention; a new model gates σ(q·k/√d), as the authors' code."""
+    """A checkpoint whose config predates cope_gates (its model gated σ(q·k)) loads with
+    cope_gates='unscaled' and computes σ(q·k)'s attention; a new model gates σ(q·k/√d), as the
+    authors' code."""
     from dataclasses import asdict
 
     from lib.checkpoint import load_checkpoint, model_from_checkpoint
 
     model = tiny("cope", block_size=32, n_layer=1, n_head=2)
     assert model.config.cope_gates == "scaled" and model.encoding.gate_scale == 16**-0.5
-    old = {k: v for k, v in asdict(replace(model.config, cope_gates="unscaled")).items() if k != "cope_gates"}
+    old = {
+        k: v
+        for k, v in asdict(replace(model.config, cope_gates="unscaled")).items()
+        if k != "cope_gates"
+    }
     torch.save({"model": model.state_dict(), "model_args": old}, tmp_path / "ckpt.pt")
     loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
     assert loaded.config.cope_gates == "unscaled" and loaded.encoding.gate_scale == 1.0
@@ -166,9 +204,9 @@ def test_a_cope_checkpoint_from_before_the_scaled_gates_computes_what_it_did(tmp
 
 
 def test_fox_in_float32_where_it_forgets_fast_is_the_papers_attention(monkeypatch):
-    """With forget rates near e^-4 the bias passes -87 (where float32's exp underflows, and the flash kernels count
-    it 0) some 21 keys back: the float32 blocks, through SDPA's flash kernels forward and backward, still equal the
-    paper's equations in float64, forward and gradients."""
+    """With forget rates near e^-4 the bias passes -87 (where float32's exp underflows, and the
+    flash kernels count it 0) some 21 keys back: the float32 blocks, through SDPA's flash kernels
+    forward and backward, still equal the paper's equations in float64, forward and gradients."""
     model = tiny("fox", block_size=160, n_layer=1)
     with torch.no_grad():
         model.encoding.b.fill_(-4.0)
@@ -191,8 +229,9 @@ def test_fox_in_float32_where_it_forgets_fast_is_the_papers_attention(monkeypatc
 
 
 def test_cope_counts_the_gates_not_the_tokens():
-    """CoPE's position of a key is the sum of the gates from it to the query, not its distance: with every gate near 1
-    a key's position is its distance + 1, with the gates of the keys between near 0 it stays small."""
+    """CoPE's position of a key is the sum of the gates from it to the query, not its distance: with
+    every gate near 1 a key's position is its distance + 1, with the gates of the keys between near
+    0 it stays small."""
     pe = tiny("cope", n_layer=1, cope_p_max=64).encoding
     q = torch.zeros(1, 1, 1, 8)  # (B, nh, 1, hs): the query at i = 5
     q[..., 0] = 20.0
@@ -200,12 +239,14 @@ def test_cope_counts_the_gates_not_the_tokens():
     k[:, :, 1:5] *= -1  # the keys between: σ(-28) = 0
     pe.e.data[0] = torch.arange(64.0)[:, None] * torch.eye(8)[0] * 0.05  # z_i[p] = q_i·e[p] = p
     bias = pe.content_bias(0, q, k, torch.ones(1, 6, dtype=torch.bool), None, None)
-    torch.testing.assert_close(bias[0, 0, 0], torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        bias[0, 0, 0], torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0]), atol=1e-6, rtol=0
+    )
 
 
 def test_fox_running_sum_goes_on_through_the_cache():
-    """FoX's cache keeps each key's running sum (float64) of log forget gates: fed in pieces and a token at a time,
-    the sums equal the whole sequence's, and so do the logits."""
+    """FoX's cache keeps each key's running sum (float64) of log forget gates: fed in pieces and a
+    token at a time, the sums equal the whole sequence's, and so do the logits."""
     model = tiny("fox", block_size=32)
     idx = tokens(2, 20)
     with torch.no_grad():
@@ -220,7 +261,8 @@ def test_fox_running_sum_goes_on_through_the_cache():
 
 
 def attention_shaped(fn) -> list[tuple[int, ...]]:
-    """The shapes of every 4-D tensor (B, nh, rows, columns) the ops run by fn() create, forward and backward."""
+    """The shapes of every 4-D tensor (B, nh, rows, columns) the ops run by fn() create, forward and
+    backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -229,7 +271,11 @@ def attention_shaped(fn) -> list[tuple[int, ...]]:
     class Shapes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            shapes.extend(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() == 4)
+            shapes.extend(
+                tuple(t.shape)
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and t.dim() == 4
+            )
             return out
 
     with Shapes():
@@ -240,9 +286,9 @@ def attention_shaped(fn) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("pe", CONTENT)
 @pytest.mark.parametrize("train", [True, False])
 def test_a_block_of_64_queries_at_most_on_a_cpu(pe, train):
-    """On a CPU, training and evaluation at T = 256 make no (.., T, T) tensor: every attention-shaped tensor has at
-    most 64 rows (a block of queries) or at most 65 columns (a head's dims; CoPE's p_max of 64, and its last entry
-    again), forward and backward."""
+    """On a CPU, training and evaluation at T = 256 make no (.., T, T) tensor: every
+    attention-shaped tensor has at most 64 rows (a block of queries) or at most 65 columns (a head's
+    dims; CoPE's p_max of 64, and its last entry again), forward and backward."""
     model = tiny(pe, block_size=256, n_layer=1).train(train)
     idx = tokens(2, 256)
 
@@ -258,18 +304,26 @@ def test_a_block_of_64_queries_at_most_on_a_cpu(pe, train):
 
 
 def test_fox_gate_bias_sets_the_forget_rate():
-    """fox_gate_bias is b's initial value: f = σ(b) at a zero input (0: 1/2, as the authors' code starts)."""
+    """fox_gate_bias is b's initial value: f = σ(b) at a zero input (0: 1/2, as the authors' code
+    starts)."""
     for b in (0.0, 3.0):
-        config = model_py.GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16, pos_encoding="fox")
+        config = model_py.GPTConfig(
+            n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16, pos_encoding="fox"
+        )
         pe = model_py.GPT(replace(config, fox_gate_bias=b)).encoding
         f = pe.forget(1, torch.zeros(1, 3, 8)).exp()  # (B, nh, T)
-        torch.testing.assert_close(f, torch.full((1, 2, 3), 1 / (1 + torch.e**-b), dtype=torch.float64))
+        torch.testing.assert_close(
+            f, torch.full((1, 2, 3), 1 / (1 + torch.e**-b), dtype=torch.float64)
+        )
 
 
 def test_fox_trains_finite_at_its_gate_bias_bound():
-    """At nine tenths of the bound fox_gate_bias takes (float32's largest over the block), a training step's loss and
-    gradients are finite: the running sum of log σ(b) over the block stays in float32's range."""
-    config = model_py.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=16, pos_encoding="fox")
+    """At nine tenths of the bound fox_gate_bias takes (float32's largest over the block), a
+    training step's loss and gradients are finite: the running sum of log σ(b) over the block stays
+    in float32's range."""
+    config = model_py.GPTConfig(
+        n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=16, pos_encoding="fox"
+    )
     bound = torch.finfo(torch.float32).max / 32
     model = model_py.GPT(replace(config, fox_gate_bias=-0.9 * bound))
     with pytest.raises(ValueError, match="must be at least"):
@@ -277,13 +331,18 @@ def test_fox_trains_finite_at_its_gate_bias_bound():
     idx = tokens(2, 32) % 16
     loss = model(idx, targets=torch.roll(idx, -1, 1))[1]
     loss.backward()
-    assert loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    assert loss.isfinite() and all(
+        p.grad.isfinite().all() for p in model.parameters() if p.grad is not None
+    )
 
 
 @pytest.mark.parametrize("pe", CONTENT)
 def test_compiled_decode_equals_eager(pe):
-    """The compiled decode step (one graph over the cache: FoX's sums read and written by index, no host value) gives
-    the eager generation's greedy tokens, past the block (the rolling cache)."""
+    """The compiled decode step (one graph over the cache: FoX's sums read and written by index, no
+    host value) gives the eager generation's greedy tokens, past the block (the rolling cache)."""
     model = tiny(pe, block_size=16, n_layer=1)
     idx = tokens(2, 5)
-    assert torch.equal(generate(model, idx, 24, temperature=0, compile=True), generate(model, idx, 24, temperature=0))
+    assert torch.equal(
+        generate(model, idx, 24, temperature=0, compile=True),
+        generate(model, idx, 24, temperature=0),
+    )

@@ -1,6 +1,6 @@
-"""--parallel=fsdp on CPUs (gloo): FSDP2's processes train as one process does, each holding 1/N of the parameters and
-of AdamW's state; its sharded checkpoints (ckpt.dcp) resume at another number of processes, survive a kill mid-save,
-load in every reader, and consolidate into a ckpt.pt."""
+"""--parallel=fsdp on CPUs (gloo): FSDP2's processes train as one process does, each holding 1/N of
+the parameters and of AdamW's state; its sharded checkpoints (ckpt.dcp) resume at another number of
+processes, survive a kill mid-save, load in every reader, and consolidate into a ckpt.pt."""
 
 import re
 import shutil
@@ -21,7 +21,8 @@ from lib import checkpoint
 from lib.checkpoint import ShardedCheckpoint, load_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
 
-# float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its micro-batches
+# float32 sums in another order: FSDP reduce-scatters each gradient where one process adds its
+# micro-batches
 TOL = dict(atol=1e-5, rtol=1e-4)
 COMMON = ["--dropout=0.0", "--eval_interval=4"]
 
@@ -39,20 +40,32 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path):  # noqa: F811
-    """Two FSDP processes give one process's weights (the same global batch of 8 rows); their checkpoint, saved at
-    iteration 4, resumed at 1 process and at 4 reaches iteration 8's weights of the uninterrupted run. Each process
-    holds half of the parameters and of AdamW's state, as train.py measures and logs them. Activation checkpointing
-    (selective at 2 processes, full resumed at 4) changes nothing of it."""
+    """Two FSDP processes give one process's weights (the same global batch of 8 rows); their
+    checkpoint, saved at iteration 4, resumed at 1 process and at 4 reaches iteration 8's weights of
+    the uninterrupted run. Each process holds half of the parameters and of AdamW's state, as
+    train.py measures and logs them. Activation checkpointing (selective at 2 processes, full
+    resumed at 4) changes nothing of it."""
     data = f"--dataset={tiny_data}"
     for iters in (4, 8):  # the reference: one process, no sharding
-        train_here(data, *COMMON, "--batch_size=8", f"--max_iters={iters}", f"--out_dir={tmp_path / f'one{iters}'}")
+        train_here(
+            data,
+            *COMMON,
+            "--batch_size=8",
+            f"--max_iters={iters}",
+            f"--out_dir={tmp_path / f'one{iters}'}",
+        )
     two = tmp_path / "two"
-    fsdp2 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]  # 2 micro-steps a process
+    # 2 micro-steps a process
+    fsdp2 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]
     ac = "--activation_checkpointing=selective"
     r = train_torchrun(2, data, *COMMON, *fsdp2, ac, "--max_iters=4", f"--out_dir={two}")
     assert_ok(r)
     assert "on 2 process(es) (fsdp)" in r.stdout
-    (held,) = re.findall(r"parameters ([\d.]+) MiB of ([\d.]+), AdamW's state ([\d.]+) MiB of ([\d.]+)", r.stdout)
+    (held,) = re.findall(
+        r"parameters ([\d.]+) MiB of ([\d.]+), AdamW's state ([\d.]+) "
+        r"MiB of ([\d.]+)",
+        r.stdout,
+    )
     p, p_all, o, o_all = map(float, held)
     assert p == pytest.approx(p_all / 2, rel=0.05) and o == pytest.approx(o_all / 2, rel=0.05), held
     assert (two / "ckpt.dcp").is_symlink() and not (two / "ckpt.pt").exists()
@@ -65,7 +78,9 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     train_here(data, *COMMON, *fsdp2, "--max_iters=8", "--init_from=resume", f"--out_dir={at1}")
     fsdp4 = ["--parallel=fsdp", "--batch_size=2", "--gradient_accumulation_steps=4"]
     ac = "--activation_checkpointing=full"
-    r = train_torchrun(4, data, *COMMON, *fsdp4, ac, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}")
+    r = train_torchrun(
+        4, data, *COMMON, *fsdp4, ac, "--max_iters=8", "--init_from=resume", f"--out_dir={at4}"
+    )
     assert_ok(r)
     assert f"resuming from {at4 / 'ckpt.dcp'} at iteration 4" in r.stdout
     for resumed in (at1, at4):
@@ -83,22 +98,25 @@ from lib.parallel import Processes, Sharded
 from train import non_finite
 dist.init_process_group("gloo")
 rank, lines = dist.get_rank(), []
+TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+adamw = lambda m: m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", m.encoding.lr_scale)
 strategy = Sharded(Processes(True, rank, rank, 2, "cpu"))
-# a non-finite loss on one process stops all of them (none waits alone in all_reduce); fp16's inf gradient norms,
-# which the GradScaler skips, stop none
-nan, inf = float("nan"), float("inf")
-a = non_finite(strategy, torch.tensor(nan if rank == 1 else 1.0), torch.tensor(1.0), check_norm=True)
-b = non_finite(strategy, torch.tensor(1.0), torch.tensor(inf if rank == 0 else 1.0), check_norm=False)
+# a non-finite loss on one process stops all of them (none waits alone in all_reduce); fp16's inf
+# gradient norms, which the GradScaler skips, stop none
+one = torch.tensor(1.0)
+a = non_finite(strategy, torch.tensor(float("nan") if rank == 1 else 1.0), one, check_norm=True)
+b = non_finite(strategy, one, torch.tensor(float("inf") if rank == 0 else 1.0), check_norm=False)
 open({out!r} + f"/non_finite{{rank}}", "w").write(f"{{a}} {{b}}")
 idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
 for pe in POS_ENCODINGS:
-    torch.manual_seed(rank)  # each process its own initialisation: prepare() starts every one from the first's
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
+    # each process its own initialisation: prepare() starts every one from the first's
+    torch.manual_seed(rank)
+    model = GPT(GPTConfig(**TINY, pos_encoding=pe))
     ref = copy.deepcopy(model)
     strategy.prepare(model, "float32")
     for t in ref.state_dict().values():
         dist.broadcast(t, src=0)
-    opts = [m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", m.encoding.lr_scale) for m in (model, ref)]
+    opts = [adamw(model), adamw(ref)]
     for step in range(2):
         model(idx[2 * rank : 2 * rank + 2, :-1], idx[2 * rank : 2 * rank + 2, 1:])[1].backward()
         ref(idx[:, :-1], idx[:, 1:])[1].backward()
@@ -110,22 +128,26 @@ for pe in POS_ENCODINGS:
         held = torch.tensor(p.to_local().numel())
         dist.all_reduce(held)  # the processes' shards add up to the parameter, each element once
         assert held.item() == q.numel(), name
-        # Adam's step is about the rate whatever the gradient's size: a near-zero gradient summed in another order
-        # can step the other way. Measured: 1e-5 at most at this rate
-        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=5e-5, rtol=1e-4, msg=pe + " " + name)
-    encoding = dict(model.encoding.named_parameters())
-    lines.append(pe + " " + ",".join(f"{{n}}:{{p.to_local().numel()}}/{{p.numel()}}" for n, p in encoding.items()))
-# bf16: the blocks' weights gathered in bf16 for autocast's matmuls, the embeddings (and FIRE's MLP) float32 as the
-# master weights; the losses of autocast's run over the whole batch, to bf16's precision
+        # Adam's step is about the rate whatever the gradient's size: a near-zero gradient summed in
+        # another order can step the other way. Measured: 1e-5 at most at this rate
+        msg = pe + " " + name
+        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=5e-5, rtol=1e-4, msg=msg)
+    params = model.encoding.named_parameters()
+    shards = [f"{{n}}:{{p.to_local().numel()}}/{{p.numel()}}" for n, p in params]
+    lines.append(pe + " " + ",".join(shards))
+# bf16: the blocks' weights gathered in bf16 for autocast's matmuls, the embeddings (and FIRE's MLP)
+# float32 as the master weights; the losses of autocast's run over the whole batch, to bf16's
+# precision
 for pe in ("rope", "fire"):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe, dropout=0.0))
+    model = GPT(GPTConfig(**TINY, pos_encoding=pe))
     ref = copy.deepcopy(model)
     strategy.prepare(model, "bfloat16")
-    seen = {{}}  # the weights' dtype as each module runs (None: the hook leaves the inputs as they are)
+    seen = {{}}  # the weights' dtype as each module runs (None: the hook leaves the inputs as is)
     for key, m in (("block", model.transformer.h[0].mlp.c_fc), ("wte", model.transformer.wte)):
-        m.register_forward_pre_hook(lambda m, a, key=key: seen.setdefault(key, m.weight.dtype) and None)
-    opts = [m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", m.encoding.lr_scale) for m in (model, ref)]
+        hook = lambda m, a, key=key: seen.setdefault(key, m.weight.dtype) and None
+        m.register_forward_pre_hook(hook)
+    opts = [adamw(model), adamw(ref)]
     for step in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(idx[2 * rank : 2 * rank + 2, :-1], idx[2 * rank : 2 * rank + 2, 1:])[1]
@@ -142,53 +164,77 @@ for pe in ("rope", "fire"):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     lines.append(pe + " bf16")
 open({out!r} + f"/rank{{rank}}", "w").write("\\n".join(lines))
-strategy.finish()  # as train.py ends: a bare destroy_process_group() right after a collective can abort a peer
+# as train.py ends: a bare destroy_process_group() right after a collective can abort a peer
+strategy.finish()
 """
 
 
 @pytest.mark.slow
 def test_every_encoding_shards_and_trains_as_unsharded(tmp_path):
-    """Under FSDP2 (Sharded.prepare) every encoding's parameters (tables, slopes, KERPLE's and FIRE's) are
-    sharded like the model's, start from the first process's initialisation, and two AdamW steps over two processes
-    give the weights of the same steps unsharded over the whole batch. In the same two processes (DDP's and FSDP's
-    alike): non_finite() gives every process the same answer. In bfloat16 (RoPE, FIRE): the blocks' weights are
-    gathered in bf16 and the embeddings stay float32, the master weights are float32, and the losses are those of
-    autocast over the whole batch to bf16's precision."""
+    """Under FSDP2 (Sharded.prepare) every encoding's parameters (tables, slopes, KERPLE's and
+    FIRE's) are sharded like the model's, start from the first process's initialisation, and two
+    AdamW steps over two processes give the weights of the same steps unsharded over the whole
+    batch. In the same two processes (DDP's and FSDP's alike): non_finite() gives every process the
+    same answer. In bfloat16 (RoPE, FIRE): the blocks' weights are gathered in bf16 and the
+    embeddings stay float32, the master weights are float32, and the losses are those of autocast
+    over the whole batch to bf16's precision."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_EVERY_ENCODING.format(root=str(ROOT), out=str(tmp_path)))
     r = torchrun(2, str(script))
     assert_ok(r)
-    assert "view tensor" not in r.stderr  # FSDP's warning that an in-place op could skip its backward hook
-    assert [(tmp_path / f"non_finite{rank}").read_text() for rank in (0, 1)] == ["loss None", "loss None"]
+    # FSDP's warning that an in-place op could skip its backward hook
+    assert "view tensor" not in r.stderr
+    assert [(tmp_path / f"non_finite{rank}").read_text() for rank in (0, 1)] == [
+        "loss None",
+        "loss None",
+    ]
     lines = (tmp_path / "rank0").read_text().splitlines()
     assert lines[-2:] == ["rope bf16", "fire bf16"]
     lines = lines[:-2]
     assert [line.split()[0] for line in lines] == list(POS_ENCODINGS)
-    # each of the encoding's parameters is split by rows: the first process holds part of it, not all
-    held = [cell.split(":")[1].split("/") for line in lines for cell in ",".join(line.split()[1:]).split(",") if cell]
+    # each of the encoding's parameters is split by rows: the first process holds part of it, not
+    # all
+    held = [
+        cell.split(":")[1].split("/")
+        for line in lines
+        for cell in ",".join(line.split()[1:]).split(",")
+        if cell
+    ]
     config = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
     assert len(held) == sum(
-        len(list(GPT(GPTConfig(**config, pos_encoding=e)).encoding.parameters())) for e in POS_ENCODINGS
+        len(list(GPT(GPTConfig(**config, pos_encoding=e)).encoding.parameters()))
+        for e in POS_ENCODINGS
     )
     assert all(0 < int(mine) < int(whole) for mine, whole in held), lines
 
 
-def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_data, tmp_path, capsys):  # noqa: F811
-    """--parallel=fsdp alone trains unsharded and writes ckpt.dcp (saying so); sample.py reads it; python
-    lib/checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as the sharded run does, and
-    each run's next save removes the other format's now older checkpoint. A resume (or an evaluation) with the other
-    strategy, a shard missing, and float16 are each a one-line error, and the checkpoint stays. A copy that made
-    ckpt.dcp a folder resumes and saves."""
+def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(
+    tiny_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """--parallel=fsdp alone trains unsharded and writes ckpt.dcp (saying so); sample.py reads it;
+    python lib/checkpoint.py OUT_DIR writes a ckpt.pt from which a plain run continues exactly as
+    the sharded run does, and each run's next save removes the other format's now older checkpoint.
+    A resume (or an evaluation) with the other strategy, a shard missing, and float16 are each a
+    one-line error, and the checkpoint stays. A copy that made ckpt.dcp a folder resumes and
+    saves."""
     data, out = f"--dataset={tiny_data}", tmp_path / "out"
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=4", f"--out_dir={out}")
     assert "parallel=fsdp in one process: it trains unsharded" in capsys.readouterr().out
     assert ShardedCheckpoint(out / "ckpt.dcp").meta["optimizer_saved"]
-    r = run_cli(sample.cli, [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"])
+    r = run_cli(
+        sample.cli, [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"]
+    )
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
     def error(*args: str) -> str:
-        r = run_cli(train_py.cli, [*TINY, data, *COMMON, "--max_iters=8", f"--out_dir={out}", *args])
-        assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+        r = run_cli(
+            train_py.cli, [*TINY, data, *COMMON, "--max_iters=8", f"--out_dir={out}", *args]
+        )
+        assert (
+            r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+        ), r.stderr
         return r.stderr
 
     assert "resume it with --parallel=fsdp" in error("--init_from=resume")
@@ -202,31 +248,53 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(tiny_d
 
     r = run_cli(checkpoint.main, [str(out)])
     assert r.returncode == 0 and (out / "ckpt.pt").is_file(), r.stderr
-    assert load_checkpoint(out / "ckpt.pt")["optimizer"]["state"]  # AdamW's state, by parameter index
+    # AdamW's state, by parameter index
+    assert load_checkpoint(out / "ckpt.pt")["optimizer"]["state"]
     plain, sharded, copied = tmp_path / "plain", tmp_path / "sharded", tmp_path / "copied"
     shutil.copytree(out, plain, symlinks=True)
     shutil.copytree(out, sharded, symlinks=True)
     shutil.copytree(out, copied)  # links followed: ckpt.dcp a folder
     train_here(data, *COMMON, "--max_iters=8", "--init_from=resume", f"--out_dir={plain}")
-    train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={sharded}")
-    a, b = load_checkpoint(plain / "ckpt.pt"), load_checkpoint(sharded / "ckpt.pt")  # the latter from ckpt.dcp
+    train_here(
+        data,
+        *COMMON,
+        "--parallel=fsdp",
+        "--max_iters=8",
+        "--init_from=resume",
+        f"--out_dir={sharded}",
+    )
+    # the latter from ckpt.dcp
+    a, b = load_checkpoint(plain / "ckpt.pt"), load_checkpoint(sharded / "ckpt.pt")
     assert a["iter_num"] == b["iter_num"] == 8
     for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k  # one process, the same arithmetic: exact
+        # one process, the same arithmetic: exact
+        assert torch.equal(a["model"][k], b["model"][k]), k
     assert not (sharded / "ckpt.pt").exists() and not (plain / "ckpt.dcp").exists()
     assert not (plain / "shards").exists() or not any((plain / "shards").iterdir())
-    assert "unsharded checkpoint (ckpt.pt)" in error("--parallel=fsdp", "--init_from=resume", f"--out_dir={plain}")
+    assert "unsharded checkpoint (ckpt.pt)" in error(
+        "--parallel=fsdp", "--init_from=resume", f"--out_dir={plain}"
+    )
 
     capsys.readouterr()
     assert (copied / "ckpt.dcp").is_dir() and not (copied / "ckpt.dcp").is_symlink()
-    train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=8", "--init_from=resume", f"--out_dir={copied}")
+    train_here(
+        data,
+        *COMMON,
+        "--parallel=fsdp",
+        "--max_iters=8",
+        "--init_from=resume",
+        f"--out_dir={copied}",
+    )
     assert "ckpt.dcp was a folder (copied without its link?)" in capsys.readouterr().out
-    assert (copied / "ckpt.dcp").is_symlink() and ShardedCheckpoint(copied / "ckpt.dcp").meta["iter_num"] == 8
+    assert (copied / "ckpt.dcp").is_symlink() and ShardedCheckpoint(copied / "ckpt.dcp").meta[
+        "iter_num"
+    ] == 8
 
 
 def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
-    """A save whose folder lacks a process's shards (on several machines, an out_dir each machine has its own copy of)
-    fails with the reason, and ckpt.dcp keeps naming the last good checkpoint."""
+    """A save whose folder lacks a process's shards (on several machines, an out_dir each machine
+    has its own copy of) fails with the reason, and ckpt.dcp keeps naming the last good
+    checkpoint."""
     save_sharded({"model": {"w": torch.zeros(8)}}, {"iter_num": 1}, tmp_path, ("ckpt.dcp",))
     good = (tmp_path / "ckpt.dcp").resolve()
     save = torch.distributed.checkpoint.save
@@ -236,23 +304,33 @@ def test_a_save_missing_a_shard_is_not_linked(tmp_path, monkeypatch):
         next(Path(checkpoint_id).glob("*.distcp")).unlink()
 
     monkeypatch.setattr(torch.distributed.checkpoint, "save", save_then_lose_a_shard)
-    with pytest.raises(checkpoint.CheckpointError, match="(?s)lacks __0_0.distcp.*a folder that all of them see"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="(?s)lacks __0_0.distcp.*a folder that all of them see"
+    ):
         save_sharded({"model": {"w": torch.ones(8)}}, {"iter_num": 2}, tmp_path, ("ckpt.dcp",))
-    assert (tmp_path / "ckpt.dcp").resolve() == good and ShardedCheckpoint(tmp_path / "ckpt.dcp").meta["iter_num"] == 1
+    assert (tmp_path / "ckpt.dcp").resolve() == good and ShardedCheckpoint(
+        tmp_path / "ckpt.dcp"
+    ).meta["iter_num"] == 1
 
 
 def save_forever(out_dir: Path, ready) -> None:
-    """Sharded checkpoints into out_dir, one after another, each a tensor of its iteration; ready after the first."""
+    """Sharded checkpoints into out_dir, one after another, each a tensor of its iteration; ready
+    after the first."""
     i = 0
     while True:
-        save_sharded({"model": {"w": torch.full((2_000_000,), float(i))}}, {"iter_num": i}, out_dir, ("ckpt.dcp",))
+        save_sharded(
+            {"model": {"w": torch.full((2_000_000,), float(i))}},
+            {"iter_num": i},
+            out_dir,
+            ("ckpt.dcp",),
+        )
         ready.set()
         i += 1
 
 
 def test_a_killed_sharded_save_leaves_the_last_good_checkpoint(tmp_path):
-    """SIGKILL at random moments while sharded checkpoints are written: ckpt.dcp always names a whole one, and the
-    next run's start removes the unfinished folders."""
+    """SIGKILL at random moments while sharded checkpoints are written: ckpt.dcp always names a
+    whole one, and the next run's start removes the unfinished folders."""
     ctx = forkserver()
     rng = np.random.default_rng(0)
     for _ in range(4):
@@ -268,4 +346,6 @@ def test_a_killed_sharded_save_leaves_the_last_good_checkpoint(tmp_path):
         sharded.read(state)
         assert torch.all(state["model"]["w"] == sharded.meta["iter_num"])
         checkpoint.remove_unlinked_shards(tmp_path)
-        assert [f.resolve() for f in (tmp_path / "shards").iterdir()] == [(tmp_path / "ckpt.dcp").resolve()]
+        assert [f.resolve() for f in (tmp_path / "shards").iterdir()] == [
+            (tmp_path / "ckpt.dcp").resolve()
+        ]

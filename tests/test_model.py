@@ -43,7 +43,7 @@ from model import (
     apply_rotary,
 )
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # KV cache, case 1: inside the context window
 
 
@@ -69,7 +69,7 @@ def test_cached_greedy_generation_equals_uncached(pe, B, T):
     assert torch.equal(model.generate(idx, steps, temperature=0, use_cache=False), expected)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # KV cache, case 2: max_context > block_size, positions keep counting
 
 
@@ -77,7 +77,8 @@ def test_cached_greedy_generation_equals_uncached(pe, B, T):
 @pytest.mark.parametrize("chunks", [[30], [5] + [1] * 25, [3, 11, 1, 15]])
 @pytest.mark.parametrize("extra", [0, 7])
 def test_cache_past_block_size_equals_full_forward(pe, chunks, extra):
-    """Past block_size (no window reached), cached logits equal the full forward over the whole sequence."""
+    """Past block_size (no window reached), cached logits equal the full forward over the whole
+    sequence."""
     model = tiny(pe, block_size=8)
     idx = tokens(2, sum(chunks))
     close(cached_logits(model, idx, chunks, window=40, extra=extra), model(idx)[0])
@@ -85,7 +86,8 @@ def test_cache_past_block_size_equals_full_forward(pe, chunks, extra):
 
 @pytest.mark.parametrize("pe", EXTRAPOLATING)
 def test_generation_past_block_size_uses_true_positions(pe):
-    """generate(max_context > block_size) equals greedy full forwards over the whole, uncropped sequence."""
+    """generate(max_context > block_size) equals greedy full forwards over the whole, uncropped
+    sequence."""
     model = tiny(pe, block_size=8)
     idx = tokens(2, 3)
     expected = greedy_reference(model, idx, 25, lambda m, x: m(x)[0][:, -1])
@@ -93,7 +95,8 @@ def test_generation_past_block_size_uses_true_positions(pe):
 
 
 def test_learned_positions_refuse_to_extrapolate():
-    """A learned-position model raises a clear error past block_size instead of indexing out of range."""
+    """A learned-position model raises a clear error past block_size instead of indexing out of
+    range."""
     model = tiny("learned", block_size=8)
     with pytest.raises(ValueError, match="block_size=8"):
         model(tokens(1, 9))
@@ -105,14 +108,14 @@ def test_learned_positions_refuse_to_extrapolate():
         model(tokens(1, 1), cache=cache)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # KV cache, case 3: past max_context
 
 
 @pytest.mark.parametrize("pe", RELATIVE)
 def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
-    """With one layer, a relative encoding's sliding-window forward at position t equals a plain forward over the
-    last W tokens (an independent check of the window mask)."""
+    """With one layer, a relative encoding's sliding-window forward at position t equals a plain
+    forward over the last W tokens (an independent check of the window mask)."""
     model, W = tiny(pe, n_layer=1), 6
     idx = tokens(2, 20)
     windowed = model(idx, window=W)[0]
@@ -124,8 +127,9 @@ def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [4, 1, 1, 9, 1, 14], [12, 18]])
 @pytest.mark.parametrize("extra", [0, 3, 40])
 def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
-    """A rolling cache of width W gives the logits of a full forward with a sliding-window causal mask of W,
-    whether its ring wraps every token (extra=0), every few tokens, or never (extra=40)."""
+    """A rolling cache of width W gives the logits of a full forward with a sliding-window causal
+    mask of W, whether its ring wraps every token (extra=0), every few tokens, or never
+    (extra=40)."""
     model, W = tiny(pe), 6
     idx = tokens(2, sum(chunks))
     close(cached_logits(model, idx, chunks, window=W, extra=extra), model(idx, window=W)[0])
@@ -134,22 +138,24 @@ def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
 @pytest.mark.parametrize("pe", RELATIVE)
 @pytest.mark.parametrize("T", [2, 10])
 def test_generation_past_max_context_relative(pe, T):
-    """Relative encodings: cached generation past max_context equals greedy sliding-window full forwards;
-    uncached generation equals nanoGPT's crop-and-recompute."""
+    """Relative encodings: cached generation past max_context equals greedy sliding-window full
+    forwards; uncached generation equals nanoGPT's crop-and-recompute."""
     model, W, steps = tiny(pe), 6, 20
     idx = tokens(2, T)
     windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
     cropped = greedy_reference(model, idx, steps, lambda m, x: m(x[:, -W:])[0][:, -1])
-    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
+    assert torch.equal(
+        model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped
+    )
 
 
 @pytest.mark.parametrize("pe", [e for e in ROLLING if e not in RELATIVE])
 @pytest.mark.parametrize("T", [2, 10])
 def test_generation_past_max_context_keeps_absolute_positions(pe, T):
-    """FIRE reads absolute positions past its training length: cached generation past max_context equals greedy
-    sliding-window full forwards at the tokens' own positions, and uncached generation re-runs the window at its
-    positions (not from 0)."""
+    """FIRE reads absolute positions past its training length: cached generation past max_context
+    equals greedy sliding-window full forwards at the tokens' own positions, and uncached generation
+    re-runs the window at its positions (not from 0)."""
     model, W, steps = tiny(pe), 6, 20
     idx = tokens(2, T)
     windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
@@ -159,26 +165,36 @@ def test_generation_past_max_context_keeps_absolute_positions(pe, T):
         return m(x[:, -W:], pos=torch.arange(max(0, x.size(1) - W), x.size(1)))[0][:, -1]
 
     cropped = greedy_reference(model, idx, steps, at_document_positions)
-    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped)
+    assert torch.equal(
+        model.generate(idx, steps, temperature=0, max_context=W, use_cache=False), cropped
+    )
 
 
 @pytest.mark.parametrize("pe", CROPPING)
 @pytest.mark.parametrize("T", [2, 10])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generation_past_max_context_absolute(pe, T, use_cache):
-    """Absolute encodings past max_context crop to the last W tokens and restart positions at 0, as nanoGPT."""
+    """Absolute encodings past max_context crop to the last W tokens and restart positions at 0, as
+    nanoGPT."""
     model, W, steps = tiny(pe), 6, 20
     idx = tokens(2, T)
     expected = greedy_reference(model, idx, steps, lambda m, x: m(x[:, -W:])[0][:, -1])
-    assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W, use_cache=use_cache), expected)
+    assert torch.equal(
+        model.generate(idx, steps, temperature=0, max_context=W, use_cache=use_cache), expected
+    )
 
 
 def test_rolling_cache_keeps_only_the_window():
-    """The rolling cache is preallocated: S slots, position p in slot p % S, holding the last S positions."""
+    """The rolling cache is preallocated: S slots, position p in slot p % S, holding the last S
+    positions."""
     model, W, S = tiny("rope"), 6, 8
     cache = KVCache(model.config.n_layer, S)
     model(tokens(1, 20), cache=cache, window=W)
-    assert cache.pos.tolist() == [16, 17, 18, 19, 12, 13, 14, 15] and cache.next_pos == 20 and cache.length == 20
+    assert (
+        cache.pos.tolist() == [16, 17, 18, 19, 12, 13, 14, 15]
+        and cache.next_pos == 20
+        and cache.length == 20
+    )
     assert all(k.size(2) == S for k in cache.k)
     k_before = cache.k[0].clone()
     model(tokens(1, 1), cache=cache, window=W)
@@ -189,7 +205,8 @@ def test_rolling_cache_keeps_only_the_window():
 
 
 def test_cache_errors_name_the_problem():
-    """A cache too small for its window, or full without one, raises a clear error instead of dropping keys."""
+    """A cache too small for its window, or full without one, raises a clear error instead of
+    dropping keys."""
     model = tiny("alibi")
     with pytest.raises(ValueError, match="window of 6"):
         model(tokens(1, 3), cache=KVCache(model.config.n_layer, 4), window=6)
@@ -200,14 +217,16 @@ def test_cache_errors_name_the_problem():
 
 
 def test_the_cache_advances_only_in_claim(monkeypatch):
-    """A KV cache's bookkeeping (next_pos, length, the slots' positions) changes in KVCache.claim alone, once per
-    chunk the model writes (a chunk split to fit the window is several) and once per decoded token, and greedy
-    generation through it still equals full forwards."""
+    """A KV cache's bookkeeping (next_pos, length, the slots' positions) changes in KVCache.claim
+    alone, once per chunk the model writes (a chunk split to fit the window is several) and once per
+    decoded token, and greedy generation through it still equals full forwards."""
     claims, inside, version = [], [False], [None]
     claim, set_attr = KVCache.claim, KVCache.__setattr__
 
     def claiming(self, idx, *args):
-        assert self.pos is None or self.pos._version == version[0], "the slots' positions changed outside claim"
+        assert self.pos is None or self.pos._version == version[0], (
+            "the slots' positions changed outside claim"
+        )
         inside[0] = True
         try:
             return claim(self, idx, *args)
@@ -216,7 +235,8 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
             claims.append(idx.size(1))
 
     def watched(self, name, value):
-        if name in ("next_pos", "length", "pos", "starts") and hasattr(self, name):  # after __init__
+        # after __init__
+        if name in ("next_pos", "length", "pos", "starts") and hasattr(self, name):
             assert inside[0], f"KVCache.{name} set outside claim"
         set_attr(self, name, value)
 
@@ -227,7 +247,8 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
     close(cached_logits(model, idx, [5, 1, 7, 3]), model(idx)[0])
     assert claims == [5, 1, 7, 3]
     claims.clear()
-    close(cached_logits(model, idx, [16], window=6), model(idx, window=6)[0])  # 6 slots: chunks of one
+    # 6 slots: chunks of one
+    close(cached_logits(model, idx, [16], window=6), model(idx, window=6)[0])
     assert claims == [1] * 16
     claims.clear()
     prompt = tokens(2, 5)
@@ -236,11 +257,11 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
     assert claims == [5] + [1] * 7  # the prompt, then each token fed back (the last one is not)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Attention paths and the encodings against their formulas
 
-# the facts of a bias of i - j alone (bias-RPE) training on a CPU, eagerly, handed as its table: each row of the table
-# below changes what it needs
+# the facts of a bias of i - j alone (bias-RPE) training on a CPU, eagerly, handed as its table:
+# each row of the table below changes what it needs
 FACTS = dict(
     bias=True,
     table=True,
@@ -255,17 +276,20 @@ FACTS = dict(
     queries=100,  # more than one block of queries (a decode step has 1)
 )
 CUDA_COMPILED = dict(device="cuda", compiling=True)
-# the CUDA tests' head sizes: below FlexAttention's floor (the materialized bias) and above it; a GPU adds the sizes
-# whose Triton kernels differ, which its emulation on a CPU (the `cuda` fixture) runs alike
+# the CUDA tests' head sizes: below FlexAttention's floor (the materialized bias) and above it; a
+# GPU adds the sizes whose Triton kernels differ, which its emulation on a CPU (the `cuda` fixture)
+# runs alike
 CUDA_HEAD_DIMS = [8, 16, 64, 128] if torch.cuda.is_available() else [8, 16]
 
 
 def attention_path(options: AttentionOptions, bias, window, cached, consecutive, **facts) -> str:
-    """The path a forward takes: model.py's reference (SDPA, causal where it can) where the encoding has no score
-    bias or fast_paths.kernel has no row for it, else that kernel."""
+    """The path a forward takes: model.py's reference (SDPA, causal where it can) where the encoding
+    has no score bias or fast_paths.kernel has no row for it, else that kernel."""
     if not bias:
         return "sdpa_causal" if not window and not cached else "sdpa_mask"
-    return kernel(options, own_keys=consecutive and not cached, cached=cached, **facts) or "sdpa_mask"
+    return (
+        kernel(options, own_keys=consecutive and not cached, cached=cached, **facts) or "sdpa_mask"
+    )
 
 
 @pytest.mark.parametrize(
@@ -276,36 +300,42 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (True, dict(bias=False, table=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
         (None, dict(bias=False, table=False, window=True), "sdpa_mask"),
         (None, dict(bias=False, table=False, cached=True, trainable=False), "sdpa_mask"),
-        # flex_table: a trainable bias handed as its table, fused (by default: compiled on CUDA), consecutive, no cache
+        # flex_table: a trainable bias handed as its table, fused (by default: compiled on CUDA),
+        # consecutive, no cache
         (None, CUDA_COMPILED, "flex_table"),
         (True, dict(), "flex_table"),
         (None, dict(**CUDA_COMPILED, window=True), "flex_table"),
         (None, dict(**CUDA_COMPILED, cached=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, consecutive=False), "sdpa_mask"),
-        (None, dict(**CUDA_COMPILED, table=False), "bias_blocks"),  # FIRE compiled: no table, its rows by blocks
+        # FIRE compiled: no table, its rows by blocks
+        (None, dict(**CUDA_COMPILED, table=False), "bias_blocks"),
         (None, dict(**CUDA_COMPILED, table=False, dropout=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, table=False, cached=True), "sdpa_mask"),
         (None, dict(device="cuda", table=False), "sdpa_mask"),  # uncompiled on CUDA: not fused
         (None, dict(**CUDA_COMPILED, dropout=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, fits=False), "sdpa_mask"),
         (False, CUDA_COMPILED, "sdpa_mask"),
-        (None, dict(device="cuda"), "sdpa_mask"),  # uncompiled on CUDA: FlexAttention would not be fused
+        # uncompiled on CUDA: FlexAttention would not be fused
+        (None, dict(device="cuda"), "sdpa_mask"),
         # flex: a bias without a gradient (ALiBi, or evaluation), fused, any cache or window
         (None, dict(**CUDA_COMPILED, trainable=False, table=False), "flex"),
         (True, dict(trainable=False, cached=True, window=True, consecutive=False), "flex"),
-        (None, dict(trainable=False, table=False), "bias_blocks"),  # eager on a CPU: not fused by default
+        # eager on a CPU: not fused by default
+        (None, dict(trainable=False, table=False), "bias_blocks"),
         (True, dict(trainable=False, dropout=True), "sdpa_mask"),
         (True, dict(trainable=False, fits=False), "bias_table"),
         (True, dict(trainable=False, fits=False, table=False), "bias_blocks"),
-        (None, dict(trainable=False, device="cuda"), "sdpa_mask"),  # uncompiled on CUDA: not fused, the reference
-        (None, dict(trainable=False, compiling=True, cached=True), "sdpa_mask"),  # compiled, keys from a cache
-        # bias_blocks: any other bias on a CPU (FIRE past its threshold), trained or not, eager, or compiled with the
-        # keys the queries' own; no dropout, unless fused is False
+        # uncompiled on CUDA: not fused, the reference
+        (None, dict(trainable=False, device="cuda"), "sdpa_mask"),
+        # compiled, keys from a cache
+        (None, dict(trainable=False, compiling=True, cached=True), "sdpa_mask"),
+        # bias_blocks: any other bias on a CPU (FIRE past its threshold), trained or not, eager, or
+        # compiled with the keys the queries' own; no dropout, unless fused is False
         (None, dict(table=False), "bias_blocks"),
         (True, dict(table=False), "bias_blocks"),
         (None, dict(table=False, cached=True, window=True, consecutive=False), "bias_blocks"),
-        # the reference: a cached chunk of one block of queries at most on a CPU (a decode step), whose one block
-        # would be the reference's matrix
+        # the reference: a cached chunk of one block of queries at most on a CPU (a decode step),
+        # whose one block would be the reference's matrix
         (None, dict(table=False, trainable=False, cached=True, queries=1), "sdpa_mask"),
         (None, dict(table=False, trainable=False, cached=True, queries=64), "sdpa_mask"),
         (None, dict(table=False, trainable=False, cached=True, queries=65), "bias_blocks"),
@@ -316,12 +346,15 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (None, dict(table=False, compiling=True, cached=True), "sdpa_mask"),
         (None, dict(table=False, compiling=True, consecutive=False), "sdpa_mask"),
         (None, dict(table=False, dropout=True), "sdpa_mask"),
-        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),  # learned positions' table trains: no bias
-        # bias_table: a bias of i - j alone handed as its table (on a CPU), trained or not, eager or with own keys
+        # learned positions' table trains: no bias
+        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),
+        # bias_table: a bias of i - j alone handed as its table (on a CPU), trained or not, eager or
+        # with own keys
         (None, dict(), "bias_table"),
         (None, dict(trainable=False, cached=True, window=True), "bias_table"),
         (None, dict(compiling=True), "bias_table"),
-        (True, dict(cached=True), "bias_table"),  # fused, but its keys from a cache: no band of distances
+        # fused, but its keys from a cache: no band of distances
+        (True, dict(cached=True), "bias_table"),
         (True, dict(trainable=False), "flex"),
         (False, dict(), "sdpa_mask"),
         (None, dict(dropout=True), "sdpa_mask"),
@@ -330,17 +363,18 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     ],
 )
 def test_attention_path_follows_its_table(fused, facts, path):
-    """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row down (at last
-    model.py's reference) where a row's condition fails."""
+    """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row
+    down (at last model.py's reference) where a row's condition fails."""
     assert path in ("sdpa_causal", "sdpa_mask") or path in fast_paths.kernel.__doc__
-    options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})  # kernel options pick no path
+    # kernel options pick no path
+    options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})
     assert attention_path(options, **{**FACTS, **facts}) == path
 
 
 def test_every_kernel_of_the_table_has_its_builder():
-    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention or (for a bias of
-    the content) content_attention builds (KERNELS, the one list), or None for the reference; each is the answer for
-    some facts: none is unreachable."""
+    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention
+    or (for a bias of the content) content_attention builds (KERNELS, the one list), or None for the
+    reference; each is the answer for some facts: none is unreachable."""
     names = ["trainable", "own_keys", "compiling", "dropout", "fits", "table", "sums"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
@@ -349,15 +383,22 @@ def test_every_kernel_of_the_table_has_its_builder():
         for bits in itertools.product((False, True), repeat=len(names))
     }
     assert answers == set(KERNELS) | {None}
-    builders = inspect.getsource(fast_paths.fast_attention) + inspect.getsource(fast_paths.content_attention)
-    assert all(f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in KERNELS)
+    builders = inspect.getsource(fast_paths.fast_attention) + inspect.getsource(
+        fast_paths.content_attention
+    )
+    assert all(
+        f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in KERNELS
+    )
 
 
 def taken_paths(monkeypatch) -> list[str]:
-    """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for the reference."""
+    """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for
+    the reference."""
     got, answers = [], []
     table, attention = fast_paths.kernel, model_py.attention_for
-    monkeypatch.setattr(fast_paths, "kernel", lambda *a, **k: answers.append(table(*a, **k)) or answers[-1])
+    monkeypatch.setattr(
+        fast_paths, "kernel", lambda *a, **k: answers.append(table(*a, **k)) or answers[-1]
+    )
 
     def recording(chunk, pe, *args):
         answers.clear()
@@ -380,28 +421,35 @@ def taken_paths(monkeypatch) -> list[str]:
         ("alibi", True, False, dict(window=5), {"flex"}),
         ("bias_rpe", None, True, dict(), {"bias_table"}),
         ("alibi", None, False, dict(), {"bias_table"}),
-        ("kerple", None, True, dict(pos=2 * torch.arange(16)), {"bias_blocks"}),  # no table: distances unknown
+        # no table: distances unknown
+        ("kerple", None, True, dict(pos=2 * torch.arange(16)), {"bias_blocks"}),
         ("bias_rpe", False, True, dict(), {"sdpa_mask"}),
         ("bias_rpe", True, True, dict(), {"flex_table"}),
         ("bias_rpe", True, True, dict(pos=2 * torch.arange(16)), {"bias_table"}),
         ("kerple", True, True, dict(), {"flex_table"}),  # its table over the distances 0 … T - 1
-        ("fire", True, True, dict(), {"flex_table"}),  # every query within its threshold: x of i - j alone
+        # every query within its threshold: x of i - j alone
+        ("fire", True, True, dict(), {"flex_table"}),
         ("fire", True, True, dict(pos=torch.arange(16) + 64), {"bias_blocks"}),  # past it
         ("fire", None, False, dict(), {"bias_table"}),
         ("fire", None, False, dict(pos=torch.arange(16) + 64), {"bias_blocks"}),
         ("fire", False, False, dict(), {"sdpa_mask"}),
     ],
 )
-def test_model_asks_the_table_with_its_own_facts(pe, fused, train, kw, paths, monkeypatch, flex_backward):
-    """A forward builds its attention once per layer (once in all for a bias shared by the layers), from the table's
-    answer for the encoding's score bias, its gradient, the cache, the device and the positions as they are."""
+def test_model_asks_the_table_with_its_own_facts(
+    pe, fused, train, kw, paths, monkeypatch, flex_backward
+):
+    """A forward builds its attention once per layer (once in all for a bias shared by the layers),
+    from the table's answer for the encoding's score bias, its gradient, the cache, the device and
+    the positions as they are."""
     got = taken_paths(monkeypatch)
     model = tiny(pe, block_size=64).train(train)
     model.attention_options = replace(model.attention_options, fused=fused)
     idx = tokens(2, 16)
     with contextlib.nullcontext() if train else torch.no_grad():
         model(idx, **kw)
-    assert set(got) == paths and len(got) == (model.config.n_layer if model.encoding.per_layer else 1)
+    assert set(got) == paths and len(got) == (
+        model.config.n_layer if model.encoding.per_layer else 1
+    )
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
@@ -412,27 +460,47 @@ def test_causal_fast_path_equals_materialized_mask(pe):
     close(model(idx)[0], model(idx, window=16)[0])
 
 
-# the encodings reference_attention writes out (sinusoidal, learned and none add nothing to attention itself)
-HANDWRITTEN = ("sinusoidal", "learned", "none", "rope", "alibi", "bias_rpe", "t5", "kerple", "fire", "cope", "fox")
+# the encodings reference_attention writes out (sinusoidal, learned and none add nothing to
+# attention itself)
+HANDWRITTEN = (
+    "sinusoidal",
+    "learned",
+    "none",
+    "rope",
+    "alibi",
+    "bias_rpe",
+    "t5",
+    "kerple",
+    "fire",
+    "cope",
+    "fox",
+)
 
 
 def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
-    """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as complex numbers."""
+    """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as
+    complex numbers."""
     attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
     if cfg.pos_encoding not in HANDWRITTEN:
         pytest.fail(
-            f"reference_attention has no formula for pos_encoding={cfg.pos_encoding!r}: write its term of the scores "
+            f"reference_attention has no formula for pos_encoding={cfg.pos_encoding!r}: write its "
+            "term of the scores "
             "(or its rotation) here from its paper, and add it to HANDWRITTEN"
         )
     B, T, C = x.shape
     hs = C // cfg.n_head
-    q, k, v = (t.view(B, T, cfg.n_head, hs).transpose(1, 2).double() for t in attn.c_attn(x).split(C, dim=2))
+    q, k, v = (
+        t.view(B, T, cfg.n_head, hs).transpose(1, 2).double()
+        for t in attn.c_attn(x).split(C, dim=2)
+    )
     i = torch.arange(T)
     if cfg.pos_encoding == "rope":
         theta = cfg.rope_base ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
         rot = torch.polar(torch.ones(T, hs // 2, dtype=torch.float64), i[:, None] * theta)
         q, k = (
-            torch.view_as_real(torch.view_as_complex(t.reshape(B, cfg.n_head, T, hs // 2, 2)) * rot).flatten(-2)
+            torch.view_as_real(
+                torch.view_as_complex(t.reshape(B, cfg.n_head, T, hs // 2, 2)) * rot
+            ).flatten(-2)
             for t in (q, k)
         )
     scores = q @ k.transpose(-1, -2) / math.sqrt(hs)
@@ -442,31 +510,46 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     if cfg.pos_encoding == "bias_rpe":
         r = cfg.rpe_max_distance
         scores = scores + pe.weight.double()[:, rel.clamp(-(r - 1), r - 1) + r - 1]
-    if cfg.pos_encoding == "t5":  # Raffel et al.: n < B/2 exact, then log-spaced up to max_distance, then the last
+    # Raffel et al.: n < B/2 exact, then log-spaced up to max_distance, then the last
+    if cfg.pos_encoding == "t5":
         nb, md, exact = cfg.t5_num_buckets, cfg.t5_max_distance, cfg.t5_num_buckets // 2
         bucket = lambda n: (
-            n if n < exact else min(nb - 1, exact + int(math.log(n / exact) / math.log(md / exact) * (nb - exact)))
+            n
+            if n < exact
+            else min(nb - 1, exact + int(math.log(n / exact) / math.log(md / exact) * (nb - exact)))
         )  # noqa: E731,E501
-        scores = scores + pe.weight.double()[:, [[bucket(max(int(n), 0)) for n in row] for row in rel]]
+        scores = (
+            scores + pe.weight.double()[:, [[bucket(max(int(n), 0)) for n in row] for row in rel]]
+        )
     if cfg.pos_encoding == "kerple":  # Chi et al.: -r1·log(1 + r2·(i - j))
         r1, r2 = (p.exp().double()[:, None, None] for p in (pe.log_r1, pe.log_r2))
         scores = scores - r1 * torch.log(1 + r2 * rel.clamp(min=0))
-    if cfg.pos_encoding == "fire":  # Li et al.: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), layer 0
+    # Li et al.: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), layer 0
+    if cfg.pos_encoding == "fire":
         c, L = pe.c[0].abs().double(), (pe.L_multiplier[0] * cfg.block_size).abs().double()
         psi = lambda x: torch.log(c * x + 1)  # noqa: E731
         x = psi(rel.clamp(min=0).double()) / (psi(torch.maximum(L, i[:, None].double())) + 1e-6)
         hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
         scores = scores + (hidden @ pe.w2[0].double().T).permute(2, 0, 1)
-    if cfg.pos_encoding == "cope":  # Golovneva et al.: p_ij = Σ_{t=j..i} σ(q_i·k_t/√d), z_i[p] = q_i·e[p], ⌊p⌋ to ⌈p⌉
-        g = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(rel < 0, 0.0)  # g_it, t <= i
-        p = torch.stack([g[..., j:].sum(-1) for j in range(T)], -1).clamp(max=cfg.cope_p_max - 1)  # (B, nh, T, T)
+    # Golovneva et al.: p_ij = Σ_{t=j..i} σ(q_i·k_t/√d), z_i[p] = q_i·e[p], ⌊p⌋ to ⌈p⌉
+    if cfg.pos_encoding == "cope":
+        # g_it, t <= i
+        g = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(rel < 0, 0.0)
+        # (B, nh, T, T)
+        p = torch.stack([g[..., j:].sum(-1) for j in range(T)], -1).clamp(max=cfg.cope_p_max - 1)
         z, lo = q @ pe.e[0].double().T, p.floor()
-        scores = scores + z.gather(-1, p.ceil().long()) * (p - lo) + z.gather(-1, lo.long()) * (1 - p + lo)
-    if cfg.pos_encoding == "fox":  # Lin et al.: Σ_{t=j+1..i} log f_t, f_t = σ(w·x_t + b) of each head
-        log_f = F.logsigmoid(x.double() @ pe.w[0].double().T + pe.b[0].double()).transpose(1, 2)  # (B, nh, T)
-        scores = scores + torch.stack([log_f[..., j + 1 : i + 1].sum(-1) for i in range(T) for j in range(T)], -1).view(
-            B, cfg.n_head, T, T
+        scores = (
+            scores
+            + z.gather(-1, p.ceil().long()) * (p - lo)
+            + z.gather(-1, lo.long()) * (1 - p + lo)
         )
+    # Lin et al.: Σ_{t=j+1..i} log f_t, f_t = σ(w·x_t + b) of each head
+    if cfg.pos_encoding == "fox":
+        # (B, nh, T)
+        log_f = F.logsigmoid(x.double() @ pe.w[0].double().T + pe.b[0].double()).transpose(1, 2)
+        scores = scores + torch.stack(
+            [log_f[..., j + 1 : i + 1].sum(-1) for i in range(T) for j in range(T)], -1
+        ).view(B, cfg.n_head, T, T)
     scores = scores.masked_fill(rel < 0, float("-inf"))
     y = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y.float())
@@ -474,10 +557,10 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
-    """A model cast to bf16 computes its positions as the float32 model with the same (rounded) parameters, at 16
-    times its block (or its longest): the embedding, the rotation, and the score bias of the last query over every key.
-    A constant of the formula rounded to bf16 (ALiBi's slope 2^-0.5) or a bias in bf16 arithmetic (KERPLE's log) is
-    off by 0.01 or more there."""
+    """A model cast to bf16 computes its positions as the float32 model with the same (rounded)
+    parameters, at 16 times its block (or its longest): the embedding, the rotation, and the score
+    bias of the last query over every key. A constant of the formula rounded to bf16 (ALiBi's slope
+    2^-0.5) or a bias in bf16 arithmetic (KERPLE's log) is off by 0.01 or more there."""
     m32 = tiny(pe, block_size=16, n_head=12, n_embd=48)
     mb = copy.deepcopy(m32).to(torch.bfloat16)
     with torch.no_grad():
@@ -488,7 +571,10 @@ def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
     pairs += list(zip(m32.encoding.rotary(pos) or (), mb.encoding.rotary(pos) or (), strict=True))
     if m32.encoding.has_score_bias:
         last = Chunk(pos[-1:], key_pos=pos, slots=None, window=None, consecutive=False)
-        pairs.append(tuple(model_py.pair_bias(m.encoding, 0, torch.arange(12), last) for m in (m32, mb)))  # (nh, 1, T)
+        # (nh, 1, T)
+        pairs.append(
+            tuple(model_py.pair_bias(m.encoding, 0, torch.arange(12), last) for m in (m32, mb))
+        )
     for exact, cast in pairs:
         if exact is not None:
             torch.testing.assert_close(cast.float(), exact, rtol=1e-6, atol=0.0)
@@ -496,19 +582,24 @@ def test_a_bf16_model_keeps_its_positions_exact_at_16x_the_block(pe):
 
 @pytest.mark.parametrize("pe", POSITION_BIASED)
 def test_a_decode_step_computes_a_shared_bias_once(pe, monkeypatch):
-    """Generating through the cache, each forward (the prefill, then a token) computes its score bias once when the
-    layers share it, and once per layer for a bias of each layer's own: never once per layer for a shared one."""
+    """Generating through the cache, each forward (the prefill, then a token) computes its score
+    bias once when the layers share it, and once per layer for a bias of each layer's own: never
+    once per layer for a shared one."""
     model = tiny(pe, n_layer=3)
     calls, pair_bias = [], model_py.pair_bias
-    monkeypatch.setattr(model_py, "pair_bias", lambda *a, **k: calls.append(1) or pair_bias(*a, **k))
+    monkeypatch.setattr(
+        model_py, "pair_bias", lambda *a, **k: calls.append(1) or pair_bias(*a, **k)
+    )
     generate(model, tokens(1, 5), 4, temperature=0)  # a prefill and 3 decode steps
     assert len(calls) == 4 * (3 if model.encoding.per_layer else 1)
 
 
 def test_the_handwritten_reference_names_its_encodings():
-    """The hand-written reference's list is the registry's: a new encoding meets a line naming what to add, not a
-    mismatch of numbers; and an encoding it does not know fails with that line."""
-    assert set(HANDWRITTEN) == set(ENCODINGS), f"reference_attention lacks {sorted(set(ENCODINGS) - set(HANDWRITTEN))}"
+    """The hand-written reference's list is the registry's: a new encoding meets a line naming what
+    to add, not a mismatch of numbers; and an encoding it does not know fails with that line."""
+    assert set(HANDWRITTEN) == set(ENCODINGS), (
+        f"reference_attention lacks {sorted(set(ENCODINGS) - set(HANDWRITTEN))}"
+    )
     model = tiny("alibi")
     model.config.pos_encoding = "sandwich"  # as a new encoding would meet it
     with pytest.raises(pytest.fail.Exception, match="no formula for pos_encoding='sandwich'"):
@@ -523,16 +614,23 @@ def test_attention_matches_handwritten_reference(pe):
     pos = torch.arange(12)
     cfg_attn = model.transformer.h[0].attn
     chunk = Chunk(pos, key_pos=pos, slots=None, window=None, consecutive=True)
-    attention = model_py.attention_for(chunk, model.encoding, model.config, model.attention_options, 0.0)
+    attention = model_py.attention_for(
+        chunk, model.encoding, model.config, model.attention_options, 0.0
+    )
     got = cfg_attn(x, model.encoding.rotary(pos), attention, None)
     close(got, reference_attention(model, x), tol=1e-4)
 
 
 def test_fire_follows_the_papers_parameterisation():
-    """FIRE as the paper's reference code: c starts at 0.1, the threshold is a multiplier from 1 of a fixed L0 =
-    block_size, and a threshold of 0 keeps position 0 finite (ε in the normaliser); no output bias."""
+    """FIRE as the paper's reference code: c starts at 0.1, the threshold is a multiplier from 1 of
+    a fixed L0 = block_size, and a threshold of 0 keeps position 0 finite (ε in the normaliser); no
+    output bias."""
     model = tiny("fire", block_size=16)
-    pe = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding="fire")).encoding
+    pe = GPT(
+        GPTConfig(
+            block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding="fire"
+        )
+    ).encoding
     assert torch.equal(pe.c, torch.full((2,), 0.1)) and torch.equal(pe.L_multiplier, torch.ones(2))
     assert float(pe.init_L) == 16.0 and "init_L" in dict(pe.named_buffers())
     assert not [n for n, _ in pe.named_parameters() if n.startswith("b2")]
@@ -544,7 +642,20 @@ def test_fire_follows_the_papers_parameterisation():
 
 PUBLISHED_SLOPES = {  # Press et al. 2021, the values of the paper's reference code
     8: [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256],
-    12: [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625, 0.70711, 0.35355, 0.17678, 0.08839],
+    12: [
+        0.5,
+        0.25,
+        0.125,
+        0.0625,
+        0.03125,
+        0.015625,
+        0.0078125,
+        0.00390625,
+        0.70711,
+        0.35355,
+        0.17678,
+        0.08839,
+    ],
     6: [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125],
 }
 
@@ -572,13 +683,15 @@ def test_alibi_slopes_match_the_paper(n_head):
 
 
 def test_alibi_naive_formula_differs_for_non_power_of_two():
-    """The naive 2^(-8h/n) is not what the paper uses for 12 heads (guards against that shortcut)."""
+    """The naive 2^(-8h/n) is not what the paper uses for 12 heads (guards against that
+    shortcut)."""
     naive = torch.tensor([2 ** (-8 * (h + 1) / 12) for h in range(12)])
     assert not torch.allclose(alibi_slopes(12), naive, atol=1e-3)
 
 
 def test_bias_rpe_clamps_relative_distance():
-    """bias_rpe gathers table[clamp(i - j, ±(r_max - 1)) + r_max - 1]: distances beyond r_max - 1 share a bias."""
+    """bias_rpe gathers table[clamp(i - j, ±(r_max - 1)) + r_max - 1]: distances beyond r_max - 1
+    share a bias."""
     model = tiny("bias_rpe")  # rpe_max_distance=5: 9 biases per head
     pe = model.encoding
     assert pe.weight.shape == (4, 9)
@@ -596,7 +709,14 @@ def test_bias_rpe_starts_at_zero():
     assert (
         torch.count_nonzero(
             GPT(
-                GPTConfig(n_layer=1, n_head=2, n_embd=8, pos_encoding="bias_rpe", vocab_size=10, block_size=8)
+                GPTConfig(
+                    n_layer=1,
+                    n_head=2,
+                    n_embd=8,
+                    pos_encoding="bias_rpe",
+                    vocab_size=10,
+                    block_size=8,
+                )
             ).encoding.weight
         )
         == 0
@@ -604,7 +724,8 @@ def test_bias_rpe_starts_at_zero():
 
 
 def test_sinusoidal_matches_formula():
-    """PE[p, 2i] = sin(p/10000^(2i/C))/√C, PE[p, 2i+1] = cos(p/10000^(2i/C))/√C, past block_size too."""
+    """PE[p, 2i] = sin(p/10000^(2i/C))/√C, PE[p, 2i+1] = cos(p/10000^(2i/C))/√C, past block_size
+    too."""
     model = tiny("sinusoidal", block_size=8)
     pos = torch.tensor([0, 1, 7, 100, 1000])
     got = model.encoding.embed(pos)
@@ -618,28 +739,36 @@ def test_sinusoidal_matches_formula():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_apply_rotary_rotates_each_pair_by_its_angle(compiled):
-    """Each pair (2k, 2k+1) of q or k turns by the angle p·θ_k: [x'_2k, x'_2k+1] = R(p·θ_k) [x_2k, x_2k+1], with
-    R(a) = [[cos a, -sin a], [sin a, cos a]], on eager's complex path and on the real arithmetic that compiled
-    code takes, for an input laid out as attention's q (a strided view)."""
+    """Each pair (2k, 2k+1) of q or k turns by the angle p·θ_k: [x'_2k, x'_2k+1] = R(p·θ_k) [x_2k,
+    x_2k+1], with R(a) = [[cos a, -sin a], [sin a, cos a]], on eager's complex path and on the real
+    arithmetic that compiled code takes, for an input laid out as attention's q (a strided view)."""
     model = tiny("rope")
-    x = torch.randn(2, 10, 3 * 16)[..., :16].view(2, 10, 2, 8).transpose(1, 2)  # (B, nh, T, hs), like q in attention
+    # (B, nh, T, hs), like q in attention
+    x = torch.randn(2, 10, 3 * 16)[..., :16].view(2, 10, 2, 8).transpose(1, 2)
     pos = torch.arange(50, 60)
-    rotate = torch.compile(apply_rotary, backend="aot_eager", fullgraph=True) if compiled else apply_rotary
+    rotate = (
+        torch.compile(apply_rotary, backend="aot_eager", fullgraph=True)
+        if compiled
+        else apply_rotary
+    )
     got = rotate(x, *model.encoding.rotary(pos))
     theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     a = pos[:, None].double() * theta  # (T, hs/2)
-    R = torch.stack([torch.stack([a.cos(), -a.sin()], -1), torch.stack([a.sin(), a.cos()], -1)], -2)  # (T, hs/2, 2, 2)
+    # (T, hs/2, 2, 2)
+    R = torch.stack([torch.stack([a.cos(), -a.sin()], -1), torch.stack([a.sin(), a.cos()], -1)], -2)
     expected = (R @ x.double().unflatten(-1, (-1, 2))[..., None]).squeeze(-1).flatten(-2)
     close(got, expected.float())
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_shifting_positions(pe):
-    """Shifting every position by a constant leaves relative encodings' outputs unchanged and changes absolute
-    ones' (RoPE's relative property, and its absence for sinusoidal and learned)."""
+    """Shifting every position by a constant leaves relative encodings' outputs unchanged and
+    changes absolute ones' (RoPE's relative property, and its absence for sinusoidal and
+    learned)."""
     model = tiny(pe, block_size=64)
     idx = tokens(2, 16)
-    shift = 237 if POS_ENCODINGS[pe].extrapolates else 37  # past block_size where it can: FIRE is relative below it
+    # past block_size where it can: FIRE is relative below it
+    shift = 237 if POS_ENCODINGS[pe].extrapolates else 37
     base, shifted = model(idx)[0], model(idx, pos=torch.arange(16) + shift)[0]
     if POS_ENCODINGS[pe].relative:
         close(shifted, base, tol=1e-4)
@@ -647,7 +776,7 @@ def test_shifting_positions(pe):
         assert (shifted - base).abs().max() > 1e-2
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config, sampling, training, compile
 
 
@@ -668,27 +797,36 @@ def test_config_errors_name_the_field():
 
 
 def test_gpt_config_fields_are_the_shape_and_every_encoding_option():
-    """GPTConfig's fields, in order, are ModelShape's then every ENCODING_OPTIONS entry (each option's default is
-    its field's): an option an encoding declares without its GPTConfig field fails here, with the line to add."""
+    """GPTConfig's fields, in order, are ModelShape's then every ENCODING_OPTIONS entry (each
+    option's default is its field's): an option an encoding declares without its GPTConfig field
+    fails here, with the line to add."""
     got = [f.name for f in fields(GPTConfig)]
     missing = [
-        f"    {name}: <type> = <default>  # {enc}" for name, (enc, _) in ENCODING_OPTIONS.items() if name not in got
+        f"    {name}: <type> = <default>  # {enc}"
+        for name, (enc, _) in ENCODING_OPTIONS.items()
+        if name not in got
     ]
     assert not missing, "add to GPTConfig in model.py:\n" + "\n".join(missing)
     expected = [f.name for f in fields(ModelShape)] + list(ENCODING_OPTIONS)
     extra = [name for name in got if name not in expected]
-    assert not extra, f"GPTConfig's {extra} are neither ModelShape's nor an encoding's option: remove them"
-    assert got == expected, "GPTConfig lists ModelShape's fields, then the options in ENCODING_OPTIONS' order"
+    assert not extra, (
+        f"GPTConfig's {extra} are neither ModelShape's nor an encoding's option: remove them"
+    )
+    assert got == expected, (
+        "GPTConfig lists ModelShape's fields, then the options in ENCODING_OPTIONS' order"
+    )
 
 
 def test_sample_next_filters():
-    """temperature 0 is argmax; top_k=1 and a tiny top_p are argmax too; top_p keeps the smallest set reaching p."""
+    """temperature 0 is argmax; top_k=1 and a tiny top_p are argmax too; top_p keeps the smallest
+    set reaching p."""
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
     assert sample_next(logits, temperature=0).item() == 1
     g = torch.Generator().manual_seed(0)
     assert {sample_next(logits, top_k=1, generator=g).item() for _ in range(50)} == {1}
     assert {sample_next(logits, top_p=0.01, generator=g).item() for _ in range(50)} == {1}
-    assert {sample_next(logits, top_p=0.7, generator=g).item() for _ in range(300)} == {1, 3}  # 0.5 + 0.25
+    # 0.5 + 0.25
+    assert {sample_next(logits, top_p=0.7, generator=g).item() for _ in range(300)} == {1, 3}
     assert {sample_next(logits, top_k=3, generator=g).item() for _ in range(300)} == {1, 2, 3}
 
 
@@ -696,7 +834,9 @@ def test_sample_next_filters():
 def test_overfits_one_batch(pe):
     """Every encoding can memorise one small batch (the loss falls from ~ln V to near zero)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding=pe))
+    model = GPT(
+        GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, pos_encoding=pe)
+    )
     idx = tokens(4, 17)
     opt = torch.optim.AdamW(model.parameters(), lr=1.5e-2)
     for _ in range(80):  # every encoding ends below 0.004 (measured)
@@ -708,8 +848,8 @@ def test_overfits_one_batch(pe):
 
 
 def test_gpt2_parity_with_transformers(tmp_path):
-    """A random transformers GPT2LMHeadModel converted with GPT.from_hf (and saved/loaded through from_pretrained)
-    gives the same logits."""
+    """A random transformers GPT2LMHeadModel converted with GPT.from_hf (and saved/loaded through
+    from_pretrained) gives the same logits."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
@@ -718,7 +858,10 @@ def test_gpt2_parity_with_transformers(tmp_path):
     idx = tokens(2, 32)
     with torch.no_grad():
         expected = hf(idx).logits
-    for ours in (GPT.from_hf(hf), GPT.from_pretrained(str(hf.save_pretrained(tmp_path) or tmp_path))):
+    for ours in (
+        GPT.from_hf(hf),
+        GPT.from_pretrained(str(hf.save_pretrained(tmp_path) or tmp_path)),
+    ):
         ours.eval()
         got = ours(idx)[0]
         assert ((got - expected).norm() / expected.norm()).item() < 1e-5
@@ -726,11 +869,14 @@ def test_gpt2_parity_with_transformers(tmp_path):
 
 
 def test_checkpoint_model_args_rebuild_the_model(tmp_path):
-    """A checkpoint with nanoGPT's keys rebuilds the same model with GPTConfig(**ckpt['model_args'])."""
+    """A checkpoint with nanoGPT's keys rebuilds the same model with
+    GPTConfig(**ckpt['model_args'])."""
     from dataclasses import asdict
 
     model = tiny("alibi")
-    torch.save({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")
+    torch.save(
+        {"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt"
+    )
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     rebuilt = GPT(GPTConfig(**ckpt["model_args"]))
     rebuilt.load_state_dict(ckpt["model"])
@@ -738,21 +884,25 @@ def test_checkpoint_model_args_rebuild_the_model(tmp_path):
     assert torch.equal(rebuilt.eval()(idx)[0], model(idx)[0])
 
 
-# Compiled through inductor itself: RoPE, the default (and compiled generation below, through inductor for three
-# encodings). On a CPU inductor writes C++, not the Triton a GPU runs, and its 10-25 s per model buy little more for
-# the other encodings than aot_eager's check (Dynamo's one graph, AOTAutograd's forward and backward, the branches the
-# model takes when compiled) at a tenth the time.
+# Compiled through inductor itself: RoPE, the default (and compiled generation below, through
+# inductor for three encodings). On a CPU inductor writes C++, not the Triton a GPU runs, and its
+# 10-25 s per model buy little more for the other encodings than aot_eager's check (Dynamo's one
+# graph, AOTAutograd's forward and backward, the branches the model takes when compiled) at a tenth
+# the time.
 INDUCTOR_CHECKED = ("rope",)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_torch_compile_forward_backward(pe):
-    """torch.compile(model) (one graph; inductor for INDUCTOR_CHECKED, else aot_eager) runs forward and backward for
-    every encoding from its own initialisation, matches eager, and gives every parameter of the encoding a non-zero
-    gradient (a table, MLP or slope it never trains is a bug). One layer: a second would compile the same fast_paths."""
+    """torch.compile(model) (one graph; inductor for INDUCTOR_CHECKED, else aot_eager) runs forward
+    and backward for every encoding from its own initialisation, matches eager, and gives every
+    parameter of the encoding a non-zero gradient (a table, MLP or slope it never trains is a bug).
+    One layer: a second would compile the same fast_paths."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe))
+    model = GPT(
+        GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, pos_encoding=pe)
+    )
     idx = tokens(2, 17)
     # the counter proves it compiled: past dynamo's recompile limit, eager runs
     counter = CompileCounterWithBackend("inductor" if pe in INDUCTOR_CHECKED else "aot_eager")
@@ -768,10 +918,11 @@ def test_torch_compile_forward_backward(pe):
 
 @pytest.mark.slow
 def test_compiled_fire_equals_eager_wherever_L_is():
-    """Compiled, FIRE's bias takes its branch at run time (no size from the data in one graph): a gather where no query
-    is past L, the last T / 8 rows pair by pair where a few are, every pair where more are. One compiled model takes
-    all three without compiling again, and each gives eager's logits and gradients (eager is checked against the
-    paper's formula above), float64 to 1e-10."""
+    """Compiled, FIRE's bias takes its branch at run time (no size from the data in one graph): a
+    gather where no query is past L, the last T / 8 rows pair by pair where a few are, every pair
+    where more are. One compiled model takes all three without compiling again, and each gives
+    eager's logits and gradients (eager is checked against the paper's formula above), float64 to
+    1e-10."""
     torch.manual_seed(0)
     model = tiny("fire", block_size=16, n_layer=1).double()
     with torch.no_grad():
@@ -792,7 +943,8 @@ def test_compiled_fire_equals_eager_wherever_L_is():
         with torch.no_grad():
             model.encoding.L_multiplier.fill_(multiplier)
         (a, grads_a), (b, grads_b) = run(compiled), run(model)
-        assert counter.frame_count >= 1 and graphs in (None, counter.frame_count), multiplier  # compiled once
+        # compiled once
+        assert counter.frame_count >= 1 and graphs in (None, counter.frame_count), multiplier
         graphs = counter.frame_count  # (float64 makes Dynamo trace it twice)
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         for ga, gb in zip(grads_a, grads_b, strict=True):
@@ -801,10 +953,13 @@ def test_compiled_fire_equals_eager_wherever_L_is():
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_every_encoding_parameter_gets_a_gradient(pe):
-    """From its own initialisation, one training step (eager, the default attention path: the CPU's kernels
-    for trainable biases) gives every parameter of the encoding a non-zero gradient, and changes it."""
+    """From its own initialisation, one training step (eager, the default attention path: the CPU's
+    kernels for trainable biases) gives every parameter of the encoding a non-zero gradient, and
+    changes it."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe)).train()
+    model = GPT(
+        GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, pos_encoding=pe)
+    ).train()
     before = {n: p.detach().clone() for n, p in model.encoding.named_parameters()}
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
     idx = tokens(4, 17)
@@ -817,9 +972,10 @@ def test_every_encoding_parameter_gets_a_gradient(pe):
 
 
 def test_pe_lr_scale_moves_the_encoding_faster():
-    """pe_lr_scale puts the encoding's parameters in groups whose lr_scale multiplies the rate: Adam's first step moves
-    each table entry with a gradient by lr·scale, and every other parameter by at most lr. At 1 the groups are the two
-    of before (decay or not), so older checkpoints' optimizer states still load."""
+    """pe_lr_scale puts the encoding's parameters in groups whose lr_scale multiplies the rate:
+    Adam's first step moves each table entry with a gradient by lr·scale, and every other parameter
+    by at most lr. At 1 the groups are the two of before (decay or not), so older checkpoints'
+    optimizer states still load."""
     model = tiny("bias_rpe").train()
     assert len(model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu").param_groups) == 2
     opt = model.configure_optimizers(0.0, 1e-3, (0.9, 0.99), "cpu", pe_lr_scale=10.0)
@@ -842,35 +998,40 @@ def test_pe_lr_scale_moves_the_encoding_faster():
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_checkpoint_round_trip(pe, tmp_path):
-    """save_checkpoint then load_checkpoint and model_from_checkpoint rebuild every encoding with the same logits,
-    its trained parameters included."""
+    """save_checkpoint then load_checkpoint and model_from_checkpoint rebuild every encoding with
+    the same logits, its trained parameters included."""
     from dataclasses import asdict
 
     from lib.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
     model = tiny(pe)
-    save_checkpoint({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")
+    save_checkpoint(
+        {"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt"
+    )
     rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
     idx = tokens(2, 12)
     assert torch.equal(rebuilt(idx)[0], model(idx)[0])
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fused attention (FlexAttention score_mod) against the materialized reference
 
 
-@pytest.mark.slow  # and next to the compile test above: one worker pays inductor's start-up once for both
+# and next to the compile test above: one worker pays inductor's start-up once for both
+@pytest.mark.slow
 def test_compiled_generation_equals_eager():
-    """generate(compile=True) (the compiled one-token step; on CPU with batch-1 matmuls decomposed into reductions)
-    gives the eager tokens, rolling past max_context (relative) or re-prefilling past it (absolute). Two layers (each
-    its own cache) for RoPE; one for the others, which inductor compiles in half the time. Each model compiles its
-    own step: with dynamo's recompile limit at 1, three models in one process still compile (one shared step
-    would hit the limit at the second model, an error under fullgraph)."""
+    """generate(compile=True) (the compiled one-token step; on CPU with batch-1 matmuls decomposed
+    into reductions) gives the eager tokens, rolling past max_context (relative) or re-prefilling
+    past it (absolute). Two layers (each its own cache) for RoPE; one for the others, which inductor
+    compiles in half the time. Each model compiles its own step: with dynamo's recompile limit at 1,
+    three models in one process still compile (one shared step would hit the limit at the second
+    model, an error under fullgraph)."""
     for pe, B, n_layer in [("rope", 1, 2), ("alibi", 1, 1), ("learned", 2, 1)]:
         model = tiny(pe, block_size=16, n_layer=n_layer)
         idx = tokens(B, 5)
         eager = model.generate(idx, 30, temperature=0, max_context=12)
-        with torch._dynamo.config.patch(recompile_limit=1):  # dynamo's own patch: it restores the option itself
+        # dynamo's own patch: it restores the option itself
+        with torch._dynamo.config.patch(recompile_limit=1):
             compiled = model.generate(idx, 30, temperature=0, max_context=12, compile=True)
         assert torch.equal(compiled, eager), pe
 
@@ -880,14 +1041,16 @@ def grads(model: GPT, idx: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, 
     logits, loss = model(idx, targets=torch.roll(idx, -1, 1), **kw)
     loss.backward()
     named = model.named_parameters()  # a compiled model's names start with _orig_mod.
-    return logits.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in named if p.grad is not None}
+    return logits.detach(), {
+        n.removeprefix("_orig_mod."): p.grad.clone() for n, p in named if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("pe", POSITION_BIASED)
 @pytest.mark.parametrize("window", [None, 5])
 def test_fused_attention_equals_reference(pe, window):
-    """FlexAttention with the encoding's score_mod gives the materialized path's logits (its backward needs CUDA:
-    see the next test)."""
+    """FlexAttention with the encoding's score_mod gives the materialized path's logits (its
+    backward needs CUDA: see the next test)."""
     model = tiny(pe)
     idx = tokens(2, 16)
     expected = model(idx, window=window)[0]
@@ -902,27 +1065,34 @@ def test_fused_attention_equals_reference(pe, window):
         ("bias_rpe", 150, None, 64, torch.float32, 1, "bias_table"),
         ("bias_rpe", 40, None, 16, torch.float32, 1, "bias_table"),
         ("bias_rpe", 40, 9, 16, torch.float32, 1, "bias_table"),
-        ("bias_rpe", 40, 9, 16, torch.float32, 2, "bias_table"),  # positions 0, 2, 4, …: every key read
+        # positions 0, 2, 4, …: every key read
+        ("bias_rpe", 40, 9, 16, torch.float32, 2, "bias_table"),
         ("bias_rpe", 150, None, 64, torch.bfloat16, 1, "bias_table"),
         ("kerple", 40, 9, 16, torch.float32, 1, "bias_table"),
-        ("kerple", 40, 9, 16, torch.float32, 2, "bias_blocks"),  # no table: its distances are not known
-        ("fire", 40, None, 16, torch.float32, 1, "bias_table"),  # within its threshold: x of i - j alone
+        # no table: its distances are not known
+        ("kerple", 40, 9, 16, torch.float32, 2, "bias_blocks"),
+        # within its threshold: x of i - j alone
+        ("fire", 40, None, 16, torch.float32, 1, "bias_table"),
         ("fire", 40, None, 16, torch.float32, -1, "bias_blocks"),  # positions 40 … 79, past it
         ("fire", 150, None, 64, torch.float32, -1, "bias_blocks"),
         ("fire", 150, 9, 64, torch.bfloat16, -1, "bias_blocks"),
     ],
 )
-def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype, step, path, monkeypatch):
-    """On a CPU, a trainable bias trains through a kernel of its own: TableBiasAttention for a bias of i - j alone
-    (its table read a block of queries at a time, no (nh, T, T) tensor), else bias_blocks (its bias computed a block of
-    queries at a time, each block recomputed in the backward, the keys past the last query skipped where they are the
-    queries' own). Logits and every gradient equal the reference path's (SDPA's math path on the
-    materialized bias), with ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
+def test_cpu_bias_kernels_gradients_equal_reference(
+    pe, T, window, block, dtype, step, path, monkeypatch
+):
+    """On a CPU, a trainable bias trains through a kernel of its own: TableBiasAttention for a bias
+    of i - j alone (its table read a block of queries at a time, no (nh, T, T) tensor), else
+    bias_blocks (its bias computed a block of queries at a time, each block recomputed in the
+    backward, the keys past the last query skipped where they are the queries' own). Logits and
+    every gradient equal the reference path's (SDPA's math path on the materialized bias), with
+    ragged last blocks, a sliding window, positions that skip, and bf16 autocast."""
 
     paths = taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "TABLE_BLOCK", block)
     model = tiny(pe, block_size=T).train()
-    if pe == "fire":  # every layer's threshold L at 1.5 T: positions 0 … T - 1 within it, T … 2T - 1 past it
+    # every layer's threshold L at 1.5 T: positions 0 … T - 1 within it, T … 2T - 1 past it
+    if pe == "fire":
         model.encoding.L_multiplier.data.fill_(1.5 if step == 1 else 0.9)
     pos = {1: None, 2: 2 * torch.arange(T), -1: T + torch.arange(T)}[step]
     idx, kw = tokens(3, T), dict(window=window, pos=pos)
@@ -937,24 +1107,31 @@ def test_cpu_bias_kernels_gradients_equal_reference(pe, T, window, block, dtype,
     assert set(paths) == {path}, paths
     assert ref_grads.keys() == fused_grads.keys()
     if dtype == torch.float32:
-        for got, want in [(logits, ref_logits)] + [(fused_grads[n], ref_grads[n]) for n in ref_grads]:
+        for got, want in [(logits, ref_logits)] + [
+            (fused_grads[n], ref_grads[n]) for n in ref_grads
+        ]:
             close(got, want, tol=1e-5)
-    else:  # the two kernels round differently in bf16: each must be as close to float32 as the reference
+    # the two kernels round differently in bf16: each must be as close to float32 as the reference
+    else:
         exact_logits, exact = grads(model, idx, **kw)
         error = lambda a, b: float((a.float() - b).norm() / b.norm().clamp(min=1e-30))  # noqa: E731  (L's is 0 past L)
         assert error(logits, exact_logits) <= 2 * error(ref_logits, exact_logits) + 1e-3
         for n in exact:
             assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
-    zero = {"transformer.wpe.L_multiplier"} if step == -1 else set()  # every query past L: x does not read L
+    # every query past L: x does not read L
+    zero = {"transformer.wpe.L_multiplier"} if step == -1 else set()
     assert all(
-        ref_grads[n].abs().sum() > 0 for n, _ in model.encoding.named_parameters("transformer.wpe") if n not in zero
+        ref_grads[n].abs().sum() > 0
+        for n, _ in model.encoding.named_parameters("transformer.wpe")
+        if n not in zero
     )
 
 
 @pytest.mark.parametrize("pe", BIASED)
 def test_a_float64_model_attends_in_float64(pe):
-    """A float64 model's reference attention adds its float32 score bias as float64: without a gradient (SDPA's CPU
-    flash kernel, which reads a mask as q's dtype) its logits equal those with one (the math kernel)."""
+    """A float64 model's reference attention adds its float32 score bias as float64: without a
+    gradient (SDPA's CPU flash kernel, which reads a mask as q's dtype) its logits equal those with
+    one (the math kernel)."""
     model = tiny(pe).double()
     model.attention_options = replace(model.attention_options, fused=False)
     idx = tokens(2, 16)
@@ -966,15 +1143,16 @@ def test_a_float64_model_attends_in_float64(pe):
 @pytest.mark.parametrize("pe", BIASED)
 @pytest.mark.parametrize("kw", [{}, dict(window=5), dict(pos=torch.arange(7, 31))])
 def test_cpu_bias_kernels_equal_the_reference_in_float64(pe, kw):
-    """In float64 the CPU kernels of a score bias (its table a block of queries at a time, FIRE's within its
-    threshold too; bias_blocks) give the materialized reference's logits and every gradient to 1e-10 relative: the
-    same sums in another order, so float64 leaves only rounding; with a window and explicit positions. bias-RPE's and
-    T5's tables stay float32 in a float64 model (their bias is a float32 gather), so their gradient is summed in
-    float32 on both paths: 1e-6 there. (In float32 the tests above hold them to 1e-5, in bf16 to the reference's own
-    error.)"""
+    """In float64 the CPU kernels of a score bias (its table a block of queries at a time, FIRE's
+    within its threshold too; bias_blocks) give the materialized reference's logits and every
+    gradient to 1e-10 relative: the same sums in another order, so float64 leaves only rounding;
+    with a window and explicit positions. bias-RPE's and T5's tables stay float32 in a float64 model
+    (their bias is a float32 gather), so their gradient is summed in float32 on both paths: 1e-6
+    there. (In float32 the tests above hold them to 1e-5, in bf16 to the reference's own error.)"""
     model = tiny(pe, block_size=32).double().train()
     if pe == "fire":
-        model.encoding.L_multiplier.data.fill_(1.5)  # every position within its threshold: its table
+        # every position within its threshold: its table
+        model.encoding.L_multiplier.data.fill_(1.5)
     idx = tokens(2, 24)
     logits, got = grads(model, idx, **kw)
     model.attention_options = replace(model.attention_options, fused=False)
@@ -983,12 +1161,14 @@ def test_cpu_bias_kernels_equal_the_reference_in_float64(pe, kw):
     float32_table = pe in ("bias_rpe", "t5")
     for n in ref:
         tol = 1e-6 if float32_table and n.startswith("transformer.wpe") else 1e-10
-        torch.testing.assert_close(got[n], ref[n], rtol=tol, atol=tol * ref[n].abs().max().item(), msg=n)
+        torch.testing.assert_close(
+            got[n], ref[n], rtol=tol, atol=tol * ref[n].abs().max().item(), msg=n
+        )
 
 
 def largest_square(fn) -> tuple[int, int]:
-    """The largest trailing (rows, columns) of any tensor the ops run by fn() create, forward and backward, with
-    rows == columns: a (.., T, T) tensor shows as (T, T)."""
+    """The largest trailing (rows, columns) of any tensor the ops run by fn() create, forward and
+    backward, with rows == columns: a (.., T, T) tensor shows as (T, T)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -998,7 +1178,11 @@ def largest_square(fn) -> tuple[int, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.size(-1) == t.size(-2) > largest[0][0]:
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.dim() >= 2
+                    and t.size(-1) == t.size(-2) > largest[0][0]
+                ):
                     largest[0] = (t.size(-2), t.size(-1))
             return out
 
@@ -1012,13 +1196,15 @@ def largest_square(fn) -> tuple[int, int]:
     [(pe, train) for pe in [*BIASED, "fire_past"] for train in (True, False)],
 )
 def test_a_bias_makes_no_square_tensor_on_a_cpu(pe, train):
-    """On a CPU, an encoding whose bias is a function of i - j alone trains and evaluates with no (.., T, T) tensor,
-    forward or backward: its table over distances, read a block of queries at a time (the reference path, by
-    contrast, makes one); and the bias's gradient is the same in two runs, bit for bit. FIRE trains so while its
-    queries are within its threshold; past it (fire_past: L at half the block), and any bias without a table, a block
-    of queries at a time, each block computed again in the backward."""
+    """On a CPU, an encoding whose bias is a function of i - j alone trains and evaluates with no
+    (.., T, T) tensor, forward or backward: its table over distances, read a block of queries at a
+    time (the reference path, by contrast, makes one); and the bias's gradient is the same in two
+    runs, bit for bit. FIRE trains so while its queries are within its threshold; past it
+    (fire_past: L at half the block), and any bias without a table, a block of queries at a time,
+    each block computed again in the backward."""
     model = tiny(pe.removesuffix("_past"), block_size=256, n_layer=1).train(train)
-    if pe.startswith("fire"):  # its threshold L at 1.5 times the block (every query within it), or at half of it
+    # its threshold L at 1.5 times the block (every query within it), or at half of it
+    if pe.startswith("fire"):
         model.encoding.L_multiplier.data.fill_(0.5 if pe == "fire_past" else 1.5)
     idx = tokens(2, 256)
 
@@ -1035,7 +1221,8 @@ def test_a_bias_makes_no_square_tensor_on_a_cpu(pe, train):
         step()
         again = [p.grad for p in model.encoding.parameters() if p.grad is not None]
         assert first and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    model.attention_options = replace(model.attention_options, fused=False)  # the reference materializes it
+    # the reference materializes it
+    model.attention_options = replace(model.attention_options, fused=False)
     assert largest_square(step) == (256, 256)
 
 
@@ -1044,14 +1231,16 @@ def test_a_bias_makes_no_square_tensor_on_a_cpu(pe, train):
     [("bias_rpe", None, "bias_table"), ("fire", None, "bias_blocks"), ("kerple", 9, "bias_table")],
 )
 def test_compiled_cpu_bias_kernels_are_one_graph_and_equal_reference(pe, window, path, monkeypatch):
-    """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through the kernel eager
-    takes (TableBiasAttention for a bias of i - j alone, else bias_blocks): its blocks have sizes known before the
-    data, so the whole forward and backward is one graph (fullgraph), and its logits and gradients equal SDPA's math
-    path (the reference) to 1e-5 in float32."""
+    """Compiled on a CPU, a trainable bias whose keys are the queries' own (training) trains through
+    the kernel eager takes (TableBiasAttention for a bias of i - j alone, else bias_blocks): its
+    blocks have sizes known before the data, so the whole forward and backward is one graph
+    (fullgraph), and its logits and gradients equal SDPA's math path (the reference) to 1e-5 in
+    float32."""
     paths = taken_paths(monkeypatch)
     monkeypatch.setattr(fast_paths, "TABLE_BLOCK", 16)  # ragged: 40 queries in blocks of 16
     torch.manual_seed(0)
-    model = tiny(pe, block_size=40, n_layer=1).train()  # a second layer would compile the same code again
+    # a second layer would compile the same code again
+    model = tiny(pe, block_size=40, n_layer=1).train()
     idx = tokens(3, 40)
     counter = CompileCounterWithBackend("aot_eager")
     logits, got = grads(torch.compile(model, backend=counter, fullgraph=True), idx, window=window)
@@ -1072,62 +1261,92 @@ def test_compiled_cpu_bias_kernels_are_one_graph_and_equal_reference(pe, window,
         ("bias_rpe", dict(rpe_max_distance=5), 23, 6, False, 128),
         ("bias_rpe", dict(rpe_max_distance=5), 23, 3, False, 128),
         ("bias_rpe", dict(rpe_max_distance=64), 40, None, False, 128),
-        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False, 6),  # 7 block diagonals, a ragged last tile
-        # compiled (slow: they start with the compile tests, on a worker whose dynamo has started): one layer
-        pytest.param("bias_rpe", dict(rpe_max_distance=8, n_layer=1), 33, None, True, 128, marks=pytest.mark.slow),
+        # 7 block diagonals, a ragged last tile
+        ("bias_rpe", dict(rpe_max_distance=64), 40, None, False, 6),
+        # compiled (slow: they start with the compile tests, on a worker whose dynamo has started):
+        # one layer
+        pytest.param(
+            "bias_rpe",
+            dict(rpe_max_distance=8, n_layer=1),
+            33,
+            None,
+            True,
+            128,
+            marks=pytest.mark.slow,
+        ),
         ("bias_rpe", dict(rpe_max_distance=1), 12, None, False, 128),
         ("t5", dict(t5_num_buckets=8, t5_max_distance=20), 40, None, False, 128),
         pytest.param(
-            "t5", dict(t5_num_buckets=8, t5_max_distance=12, n_layer=1), 30, 9, True, 128, marks=pytest.mark.slow
+            "t5",
+            dict(t5_num_buckets=8, t5_max_distance=12, n_layer=1),
+            30,
+            9,
+            True,
+            128,
+            marks=pytest.mark.slow,
         ),
-        # a table over every distance 0 … T - 1: KERPLE, and FIRE while every query is within its threshold
+        # a table over every distance 0 … T - 1: KERPLE, and FIRE while every query is within its
+        # threshold
         ("kerple", dict(), 23, None, False, 128),
         ("kerple", dict(), 23, None, False, 4),
         ("kerple", dict(), 23, 6, False, 4),
         ("fire", dict(), 23, None, False, 5),
     ],
 )
-def test_table_gradient_equals_reference(pe, kw, T, window, compiled, tile, monkeypatch, flex_backward):
-    """The fused path's table gradient (the kernel reads the bias as a constant; TableGrad computes the gradient
-    from the block diagonals of tiles holding a distance below the far one, and the rows' zero sum) equals the
-    materialized path's, the shared far entry included, for bias-RPE and T5 (a clamped table), KERPLE and FIRE (a
-    table over every distance), with ragged tiles, T < span, windows shorter than it, one shared bias, compiled."""
+def test_table_gradient_equals_reference(
+    pe, kw, T, window, compiled, tile, monkeypatch, flex_backward
+):
+    """The fused path's table gradient (the kernel reads the bias as a constant; TableGrad computes
+    the gradient from the block diagonals of tiles holding a distance below the far one, and the
+    rows' zero sum) equals the materialized path's, the shared far entry included, for bias-RPE and
+    T5 (a clamped table), KERPLE and FIRE (a table over every distance), with ragged tiles, T <
+    span, windows shorter than it, one shared bias, compiled."""
 
     monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     calls = []
-    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    # FlexAttention itself: its dense math on a CPU (flex_backward)
+    real = fast_paths.flex_attention_lse
     monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     model = tiny(pe, block_size=T, **kw).train()
     idx = tokens(3, T)
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, window=window)
     model.attention_options = replace(model.attention_options, fused=True)
-    # compiled: dynamo and AOTAutograd trace TableGrad's forward and backward, and FlexAttention's; inductor would
-    # lower FlexAttention's CPU kernel (40 s per case on a CPU for code no GPU runs)
+    # compiled: dynamo and AOTAutograd trace TableGrad's forward and backward, and FlexAttention's;
+    # inductor would lower FlexAttention's CPU kernel (40 s per case on a CPU for code no GPU runs)
     counter = CompileCounterWithBackend("aot_eager")
-    logits, fused_grads = grads(torch.compile(model, backend=counter) if compiled else model, idx, window=window)
+    logits, fused_grads = grads(
+        torch.compile(model, backend=counter) if compiled else model, idx, window=window
+    )
     assert calls, "the fused path did not run"
-    assert counter.frame_count == compiled  # compiled, not run eagerly past dynamo's recompile limit
+    # compiled, not run eagerly past dynamo's recompile limit
+    assert counter.frame_count == compiled
     close(logits, ref_logits)
     assert ref_grads.keys() == fused_grads.keys()
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
     span = model.encoding.far_distance
-    if span is not None and 0 < span < (window or T):  # a key past the span: the shared far entry has a gradient
+    # a key past the span: the shared far entry has a gradient
+    if span is not None and 0 < span < (window or T):
         assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
 
 
 @pytest.mark.parametrize(
-    "pe, kw", [("bias_rpe", dict(rpe_max_distance=5)), ("t5", dict(t5_num_buckets=8, t5_max_distance=12))]
+    "pe, kw",
+    [("bias_rpe", dict(rpe_max_distance=5)), ("t5", dict(t5_num_buckets=8, t5_max_distance=12))],
 )
 @pytest.mark.parametrize("stride, offset", [(2, 0), (3, 0), (1, 7)])
-def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, monkeypatch, flex_backward):
-    """With explicit positions the fused path's table gradient equals the materialized path's: positions that skip
-    (2·arange, 3·arange: distances are not index differences) leave the band gradient for the materialized bias, and
-    a shifted range (7 + arange: the same distances) keeps it."""
+def test_fused_table_gradient_with_explicit_positions(
+    pe, kw, stride, offset, monkeypatch, flex_backward
+):
+    """With explicit positions the fused path's table gradient equals the materialized path's:
+    positions that skip (2·arange, 3·arange: distances are not index differences) leave the band
+    gradient for the materialized bias, and a shifted range (7 + arange: the same distances) keeps
+    it."""
 
     calls = []
-    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    # FlexAttention itself: its dense math on a CPU (flex_backward)
+    real = fast_paths.flex_attention_lse
     monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     T = 20
     model = tiny(pe, block_size=3 * T, **kw).train()
@@ -1143,16 +1362,22 @@ def test_fused_table_gradient_with_explicit_positions(pe, kw, stride, offset, mo
 
 
 @pytest.mark.parametrize("pe, multiplier", [("kerple", None), ("fire", 1.5), ("fire", 0.5)])
-def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplier, monkeypatch, flex_backward):
-    """A trainable bias never takes FlexAttention's captured-parameter gradient (atomics on the table's few entries:
-    slow, not deterministic, or out of a GPU's shared memory). With fused=True a bias of i - j alone trains through
-    its table over every distance (KERPLE, FIRE within its threshold: FlexAttention reads it as a constant, TableGrad
-    gives its gradient); FIRE past its threshold, with no table, never through FlexAttention in training (its rows a
-    block of queries at a time, on any device); each with the reference's logits and gradients, and each still evaluates
-    through FlexAttention."""
+def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(
+    pe, multiplier, monkeypatch, flex_backward
+):
+    """A trainable bias never takes FlexAttention's captured-parameter gradient (atomics on the
+    table's few entries: slow, not deterministic, or out of a GPU's shared memory). With fused=True
+    a bias of i - j alone trains through its table over every distance (KERPLE, FIRE within its
+    threshold: FlexAttention reads it as a constant, TableGrad gives its gradient); FIRE past its
+    threshold, with no table, never through FlexAttention in training (its rows a block of queries
+    at a time, on any device); each with the reference's logits and gradients, and each still
+    evaluates through FlexAttention."""
     calls, paths = [], taken_paths(monkeypatch)
-    monkeypatch.setattr(fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k))
-    real = fast_paths.flex_attention_lse  # FlexAttention itself: its dense math on a CPU (flex_backward)
+    monkeypatch.setattr(
+        fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k)
+    )
+    # FlexAttention itself: its dense math on a CPU (flex_backward)
+    real = fast_paths.flex_attention_lse
     monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     model = tiny(pe).train()
     if multiplier is not None:
@@ -1164,7 +1389,9 @@ def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplie
     paths.clear()
     logits, fused_grads = grads(model, idx)
     table = multiplier != 0.5
-    assert set(paths) == ({"flex_table"} if table else {"bias_blocks"}) and bool(calls) == table, paths
+    assert set(paths) == ({"flex_table"} if table else {"bias_blocks"}) and bool(calls) == table, (
+        paths
+    )
     close(logits, ref_logits)
     for name in ref_grads:
         close(fused_grads[name], ref_grads[name], tol=1e-5)
@@ -1174,11 +1401,14 @@ def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(pe, multiplie
     assert calls
 
 
-@pytest.mark.parametrize("R, tile, window", [(4, 128, None), (4, 3, 6), (18, 128, None), (18, 4, None), (18, 5, 7)])
+@pytest.mark.parametrize(
+    "R, tile, window", [(4, 128, None), (4, 3, 6), (18, 128, None), (18, 4, None), (18, 5, 7)]
+)
 def test_table_gradient_of_each_entry(R, tile, window, monkeypatch):
-    """table_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v, causal (and
-    inside a window), in float64: a clamped table (R = 4) and one over every distance (R = T - 1 = 18), in tiles of
-    the default size and of a few queries (several block diagonals, a ragged last tile); two runs equal bit for bit."""
+    """table_grad on raw tensors equals autograd through softmax(q·kᵀ/√hs + table[min(i - j, R)])·v,
+    causal (and inside a window), in float64: a clamped table (R = 4) and one over every distance (R
+    = T - 1 = 18), in tiles of the default size and of a few queries (several block diagonals, a
+    ragged last tile); two runs equal bit for bit."""
     monkeypatch.setattr(fast_paths, "DIAGONAL_TILE", tile)
     torch.manual_seed(0)
     B, nh, T, hs = 2, 3, 19, 8
@@ -1197,29 +1427,33 @@ def test_table_gradient_of_each_entry(R, tile, window, monkeypatch):
 
 @pytest.mark.parametrize("R", [64, 1023])
 def test_table_gradient_on_cuda_is_deterministic_and_exact(R, cuda):
-    """On CUDA, table_grad (bias-RPE's clamped table, KERPLE's over every distance, at GPT-2's block) gives the same
-    gradient bit for bit in two runs (no atomics), within float32's error of the float64 gradient on the CPU. Runs on
-    the GPU machine."""
+    """On CUDA, table_grad (bias-RPE's clamped table, KERPLE's over every distance, at GPT-2's
+    block) gives the same gradient bit for bit in two runs (no atomics), within float32's error of
+    the float64 gradient on the CPU. Runs on the GPU machine."""
     torch.manual_seed(0)
     B, nh, T, hs = 2, 4, 1024, 64
     q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
     table = torch.randn(nh, R + 1, dtype=torch.float64) * 0.5
     rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
-    s = ((q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]).masked_fill(rel < 0, float("-inf"))
+    s = ((q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]).masked_fill(
+        rel < 0, float("-inf")
+    )
     y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
     exact = fast_paths.table_grad(q, k, v, y, lse, dy, table)
     on_cuda = [t.cuda().float() for t in (q, k, v, y, lse, dy, table)]
     got, again = fast_paths.table_grad(*on_cuda), fast_paths.table_grad(*on_cuda)
     assert torch.equal(got, again)
-    torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    torch.testing.assert_close(
+        got.double().cpu(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
-    """Where no distance a query sees is past the table's last entry (KERPLE's table over every distance, or a window
-    no longer than the table), table_grad sums that entry from its own pairs: inferred from the rows' zero sum, as a
-    clamped table's far entry is, it would gather every row's rounding (FlexAttention's y in bf16), and be off by more
-    than any other entry."""
+    """Where no distance a query sees is past the table's last entry (KERPLE's table over every
+    distance, or a window no longer than the table), table_grad sums that entry from its own pairs:
+    inferred from the rows' zero sum, as a clamped table's far entry is, it would gather every row's
+    rounding (FlexAttention's y in bf16), and be off by more than any other entry."""
     torch.manual_seed(0)
     B, nh, T, hs = 4, 2, 384, 16
     q, k, v, dy = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
@@ -1229,7 +1463,8 @@ def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
     s = s.masked_fill(~fast_paths.sees(rel, window), float("-inf"))
     y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
     exact = fast_paths.table_grad(q, k, v, y, lse, dy, table, window)
-    rounded = fast_paths.table_grad(q, k, v, y.bfloat16().double(), lse, dy, table, window)  # y as a bf16 kernel's
+    # y as a bf16 kernel's
+    rounded = fast_paths.table_grad(q, k, v, y.bfloat16().double(), lse, dy, table, window)
     error = (rounded - exact).abs()
     assert error[:, -1].max() <= error[:, :-1].max()
     if window is not None:  # the distances past the window: no gradient at all
@@ -1237,15 +1472,17 @@ def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
 
 
 def test_key_span_reads_only_the_keys_a_block_of_queries_may_see():
-    """The keys j0 … j1 - 1 of queries i0 … i1 - 1 (own keys at consecutive positions): none in their future, none
-    window or more before the first, none before the earliest start of their documents; every key from a cache."""
+    """The keys j0 … j1 - 1 of queries i0 … i1 - 1 (own keys at consecutive positions): none in
+    their future, none window or more before the first, none before the earliest start of their
+    documents; every key from a cache."""
     pos = torch.arange(100, 228)  # 128 consecutive positions from 100
     assert fast_paths.key_span(64, 128, 128, True, pos, None) == (0, 128)
     assert fast_paths.key_span(64, 128, 128, True, pos, None, window=9) == (56, 128)
     assert fast_paths.key_span(0, 64, 128, True, pos, None, window=9) == (0, 64)
     starts = torch.full((2, 128), 100)
     starts[0, 60:] = 100 + 70  # row 0's second document begins at index 70; row 1 is one document
-    assert fast_paths.key_span(64, 128, 128, True, pos, starts) == (0, 128)  # row 1 reads from its start
+    # row 1 reads from its start
+    assert fast_paths.key_span(64, 128, 128, True, pos, starts) == (0, 128)
     starts[1, 30:] = 100 + 80
     assert fast_paths.key_span(64, 128, 128, True, pos, starts) == (70, 128)
     assert fast_paths.key_span(64, 128, 128, True, pos, starts, window=9) == (70, 128)
@@ -1253,23 +1490,27 @@ def test_key_span_reads_only_the_keys_a_block_of_queries_may_see():
 
 
 def test_diagonal_sums():
-    """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a square."""
+    """diagonal_sums(m)[o + n - 1] is the sum of m[r, c] over r - c = o, for every diagonal of a
+    square."""
     m = torch.randn(2, 5, 5, dtype=torch.float64)
-    expected = torch.stack([torch.diagonal(m, offset=-o, dim1=-2, dim2=-1).sum(-1) for o in range(-4, 5)], dim=-1)
+    expected = torch.stack(
+        [torch.diagonal(m, offset=-o, dim1=-2, dim2=-1).sum(-1) for o in range(-4, 5)], dim=-1
+    )
     torch.testing.assert_close(fast_paths.diagonal_sums(m), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("pe", POSITION_BIASED)
 @pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS)
 def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypatch):
-    """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head dims from 16, and
-    through the materialized bias below (Triton's minimum); FIRE (no table: whether its queries are within its
-    threshold is data) through its rows a block of queries at a time, at every head dim; logits and gradients, the
-    bias-RPE table's included, are as close to a float64 forward as the eager float32 path is (within 3x its error,
-    or 1e-4): at head dim 128 float32 itself is off by up to 1e-3 on these logits, so a fixed 1e-4 between the two
-    float32 paths would fail both. Where the fused kernel does not compile, the model's kernel fallbacks take over, as
-    in train.py, and the path they end on must agree too; up to head dim 64 the default options compile. Runs on the
-    GPU machine."""
+    """Compiled on CUDA, the bias encodings train through FlexAttention (the default there) at head
+    dims from 16, and through the materialized bias below (Triton's minimum); FIRE (no table:
+    whether its queries are within its threshold is data) through its rows a block of queries at a
+    time, at every head dim; logits and gradients, the bias-RPE table's included, are as close to a
+    float64 forward as the eager float32 path is (within 3x its error, or 1e-4): at head dim 128
+    float32 itself is off by up to 1e-3 on these logits, so a fixed 1e-4 between the two float32
+    paths would fail both. Where the fused kernel does not compile, the model's kernel fallbacks
+    take over, as in train.py, and the path they end on must agree too; up to head dim 64 the
+    default options compile. Runs on the GPU machine."""
     import copy
 
     calls = []
@@ -1279,7 +1520,11 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
         return flex_attention(*args, **kw)
 
     monkeypatch.setattr(fast_paths, "flex_attention", counting_flex)
-    model = tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64).cuda().train()
+    model = (
+        tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=2 * head_dim, rpe_max_distance=64)
+        .cuda()
+        .train()
+    )
     idx = tokens(2, 256).cuda()
     exact_logits, exact_grads = grads(copy.deepcopy(model).double(), idx)
     ref_logits, ref_grads = grads(model, idx)
@@ -1293,12 +1538,15 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
         compiled[0] = torch.compile(model)
 
     step = lambda: grads(compiled[0], idx)  # noqa: E731
-    logits, fused_grads = with_kernel_fallbacks(step, model.attention_options, recompile, notes.append)
+    logits, fused_grads = with_kernel_fallbacks(
+        step, model.attention_options, recompile, notes.append
+    )
     print(pe, head_dim, notes or "no fallback")
     assert head_dim > 64 or not notes, notes
     wpe = model.encoding
-    # a table of i - j (trained through TableGrad) or no parameters; FIRE compiled has no table (FlexAttention's own
-    # gradient, atomics, is never taken): its rows a block of queries at a time, through SDPA
+    # a table of i - j (trained through TableGrad) or no parameters; FIRE compiled has no table
+    # (FlexAttention's own gradient, atomics, is never taken): its rows a block of queries at a
+    # time, through SDPA
     fused = head_dim >= 16 and wpe.relative and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
     assert pe != "fire" or notes or set(paths) == {"bias_blocks"}, paths
@@ -1319,19 +1567,25 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_compiled_bf16_training_step_on_cuda(pe, cuda, monkeypatch):
-    """A GPU trains compiled under bf16 autocast, through the kernels the table picks there (FlexAttention for a bias
-    of positions, CoPE's counted blocks, the rows of FoX's and FIRE's bias by blocks, SDPA): its logits and gradients
-    are as close to eager float32's as eager bf16's are (within twice, or bf16's 2%). Runs on the GPU machine;
-    elsewhere on its emulation (the cuda fixture)."""
+    """A GPU trains compiled under bf16 autocast, through the kernels the table picks there
+    (FlexAttention for a bias of positions, CoPE's counted blocks, the rows of FoX's and FIRE's bias
+    by blocks, SDPA): its logits and gradients are as close to eager float32's as eager bf16's are
+    (within twice, or bf16's 2%). Runs on the GPU machine; elsewhere on its emulation (the cuda
+    fixture)."""
     from test_precision import ROUNDING, gradient_error, logit_error, model_for, step
 
-    model = model_for(pe, seed=0, n_layer=1).to(cuda)  # one layer: each layer compiles the same kernels
+    # one layer: each layer compiles the same kernels
+    model = model_for(pe, seed=0, n_layer=1).to(cuda)
     idx = tokens(2, 128).to(cuda)
     exact_logits, exact = step(model, idx, autocast=False, device=cuda)
     eager_logits, eager = step(model, idx, autocast=True, device=cuda)
     paths = taken_paths(monkeypatch)
     logits, compiled = step(torch.compile(model), idx, autocast=True, device=cuda)
-    assert not model.encoding.has_score_bias or set(paths) <= {"flex_table", "flex", "bias_blocks"}, paths
+    assert not model.encoding.has_score_bias or set(paths) <= {
+        "flex_table",
+        "flex",
+        "bias_blocks",
+    }, paths
     errors = [(logit_error(logits, exact_logits), logit_error(eager_logits, exact_logits))]
     errors.append((gradient_error(compiled, exact), gradient_error(eager, exact)))
     for got, eager_error in errors:
@@ -1340,31 +1594,38 @@ def test_compiled_bf16_training_step_on_cuda(pe, cuda, monkeypatch):
 
 @pytest.mark.parametrize("pe", EXTRAPOLATING)
 def test_cache_equals_full_forward_on_cuda(pe, cuda):
-    """On a GPU the KV cache (a prompt, then a token at a time past the block) gives the full forward's logits, and
-    generation's compiled decode step the eager one's tokens, rolling past the context. Runs on the GPU machine;
-    elsewhere on its emulation (the cuda fixture)."""
+    """On a GPU the KV cache (a prompt, then a token at a time past the block) gives the full
+    forward's logits, and generation's compiled decode step the eager one's tokens, rolling past the
+    context. Runs on the GPU machine; elsewhere on its emulation (the cuda fixture)."""
     model = tiny(pe, block_size=16, n_layer=1).to(cuda)
     idx = tokens(2, 30).to(cuda)
     close(cached_logits(model, idx, [5] + [1] * 25, window=40), model(idx)[0], tol=1e-4)
     eager = model.generate(idx[:, :5], 20, temperature=0, max_context=12)
-    assert torch.equal(model.generate(idx[:, :5], 20, temperature=0, max_context=12, compile=True), eager)
+    assert torch.equal(
+        model.generate(idx[:, :5], 20, temperature=0, max_context=12, compile=True), eager
+    )
 
 
 def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
-    """fall_back: a compiler failure (Triton's, under the error torch raises) moves a bias model's options to one
-    pipeline stage, then to the materialized bias, then has nothing left; a model's own error, or a model without a
-    bias (no options), has nothing to fall back from. with_kernel_fallbacks retries the step after each, logging one
-    line, with the fallback's options."""
+    """fall_back: a compiler failure (Triton's, under the error torch raises) moves a bias model's
+    options to one pipeline stage, then to the materialized bias, then has nothing left; a model's
+    own error, or a model without a bias (no options), has nothing to fall back from.
+    with_kernel_fallbacks retries the step after each, logging one line, with the fallback's
+    options."""
     from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
 
     from fast_paths import fall_back
 
     failure = RuntimeError("the compiled step failed")
-    failure.__cause__ = NoTritonConfigsError("out of resource: Required: 245760 Hardware limit: 232448")
+    failure.__cause__ = NoTritonConfigsError(
+        "out of resource: Required: 245760 Hardware limit: 232448"
+    )
     options = tiny("alibi").attention_options
     assert options == AttentionOptions() and fall_back(options, ValueError("a bug")) is None
     options, note = fall_back(options, failure)
-    assert "num_stages=1" in note and options == AttentionOptions(flex_kernel_options={"num_stages": 1})
+    assert "num_stages=1" in note and options == AttentionOptions(
+        flex_kernel_options={"num_stages": 1}
+    )
     options, note = fall_back(options, failure)
     assert "materialized bias" in note and options.fused is False
     assert fall_back(options, failure) is None
@@ -1376,24 +1637,42 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
             raise failure
         return "done"
 
-    assert with_kernel_fallbacks(step, AttentionOptions(), retried.append, log=notes.append) == "done"
-    assert len(tries) == 3 and len(notes) == 2 and all("(the compiled step failed)" in n for n in notes)
+    assert (
+        with_kernel_fallbacks(step, AttentionOptions(), retried.append, log=notes.append) == "done"
+    )
+    assert (
+        len(tries) == 3
+        and len(notes) == 2
+        and all("(the compiled step failed)" in n for n in notes)
+    )
     stage = {"num_stages": 1}
-    assert retried == [AttentionOptions(flex_kernel_options=stage), AttentionOptions(False, flex_kernel_options=stage)]
+    assert retried == [
+        AttentionOptions(flex_kernel_options=stage),
+        AttentionOptions(False, flex_kernel_options=stage),
+    ]
     tries.clear()
-    with pytest.raises(RuntimeError, match="the compiled step failed"):  # no score bias: nothing to fall back from
+    with pytest.raises(
+        RuntimeError, match="the compiled step failed"
+    ):  # no score bias: nothing to fall back from
         with_kernel_fallbacks(step, None, retried.append, log=notes.append)
     assert len(tries) == 1
 
 
 @pytest.mark.parametrize("pe", ["alibi", "bias_rpe"])
 def test_fused_attention_with_smaller_kernel_options_on_cuda(pe, cuda):
-    """train.py's first fallback when Triton runs out of shared memory, FlexAttention with num_stages=1, compiles and
-    gives the eager materialized path's logits and gradients. Runs on the GPU machine."""
-    model = tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=128, rpe_max_distance=64).cuda().train()
+    """train.py's first fallback when Triton runs out of shared memory, FlexAttention with
+    num_stages=1, compiles and gives the eager materialized path's logits and gradients. Runs on the
+    GPU machine."""
+    model = (
+        tiny(pe, block_size=256, n_layer=1, n_head=2, n_embd=128, rpe_max_distance=64)
+        .cuda()
+        .train()
+    )
     idx = tokens(2, 256).cuda()
     ref_logits, ref_grads = grads(model, idx)
-    model.attention_options = replace(model.attention_options, flex_kernel_options={"num_stages": 1})
+    model.attention_options = replace(
+        model.attention_options, flex_kernel_options={"num_stages": 1}
+    )
     logits, fused_grads = grads(torch.compile(model), idx)
     close(logits, ref_logits, tol=1e-4)
     for name in ref_grads:
@@ -1402,9 +1681,10 @@ def test_fused_attention_with_smaller_kernel_options_on_cuda(pe, cuda):
 
 @pytest.mark.parametrize("pe", BIASED)
 def test_training_keeps_about_one_bias_per_layer(pe):
-    """A training forward on the materialized path keeps few (Tq, Tk)-sized tensors for the backward, at most two
-    biases' worth per layer: the bias's formula is recomputed in the backward, not stored (FIRE's MLP once stored
-    about 100 biases' worth per layer, which would be 60 GB at GPT-2 124M and block 1024)."""
+    """A training forward on the materialized path keeps few (Tq, Tk)-sized tensors for the
+    backward, at most two biases' worth per layer: the bias's formula is recomputed in the backward,
+    not stored (FIRE's MLP once stored about 100 biases' worth per layer, which would be 60 GB at
+    GPT-2 124M and block 1024)."""
     T, n_layer = 64, 3
     model = tiny(pe, block_size=T, n_layer=n_layer).train()
     saved = []
@@ -1423,13 +1703,17 @@ def test_training_keeps_about_one_bias_per_layer(pe):
 
 
 def test_scalar_mlp_gradients_equal_autograd():
-    """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's gradients for x and every
-    weight, with the weights broadcast per head against x (heads, queries, keys), in float64."""
+    """FIRE's MLP with its hand-written backward (one hidden unit at a time) has autograd's
+    gradients for x and every weight, with the weights broadcast per head against x (heads, queries,
+    keys), in float64."""
     from fast_paths import UnitByUnit
 
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
-    w1, b1, w2 = (torch.randn(3, 1, 1, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    w1, b1, w2 = (
+        torch.randn(3, 1, 1, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(3)
+    )
     mlp = POS_ENCODINGS["fire"].mlp
     torch.autograd.gradcheck(lambda *t: UnitByUnit.apply(mlp, *t), (x, w1, b1, w2))
     plain = sum(torch.relu(x * w1[..., u] + b1[..., u]) * w2[..., u] for u in range(4))
@@ -1437,9 +1721,9 @@ def test_scalar_mlp_gradients_equal_autograd():
 
 
 def test_fire_bias_keeps_few_tensors_for_its_gradient():
-    """FIRE's bias at every pair with a gradient (positions that skip, too many pairs to keep the hidden units) keeps
-    a few bias-sized tensors for the backward, not one per hidden unit (32): what a checkpointed bias's recomputation
-    in the backward holds."""
+    """FIRE's bias at every pair with a gradient (positions that skip, too many pairs to keep the
+    hidden units) keeps a few bias-sized tensors for the backward, not one per hidden unit (32):
+    what a checkpointed bias's recomputation in the backward holds."""
     T = 160  # 25,600 pairs: past fast_paths.MLP_FEW
     pe = tiny("fire", block_size=2 * T, n_layer=2).train().encoding
     saved = []
@@ -1459,9 +1743,10 @@ def test_fire_bias_keeps_few_tensors_for_its_gradient():
 
 @pytest.mark.parametrize("multiplier", [1.0, 0.5])  # every query within L, half of them past it
 def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
-    """A layer's whole bias, as training computes it (the rows within L a gather from the distances, the rest per pair
-    and recomputed in the backward): what autograd keeps for the backward adds up to less than half an (nh, T, T)
-    bias (today: a third with every query within L, the gather's index; a fifth with half of them past it)."""
+    """A layer's whole bias, as training computes it (the rows within L a gather from the distances,
+    the rest per pair and recomputed in the backward): what autograd keeps for the backward adds up
+    to less than half an (nh, T, T) bias (today: a third with every query within L, the gather's
+    index; a fifth with half of them past it)."""
     from model import Chunk
 
     T = 256
@@ -1486,19 +1771,24 @@ def test_fire_layer_bias_keeps_less_than_one_bias_for_its_gradient(multiplier):
     bias.sum().backward()
     assert bias.shape == (4, T, T)
     assert sum(saved) < 4 * T * T / 2, sum(saved) / (4 * T * T)
-    assert all(p.grad[1].abs().sum() > 0 for p in pe.parameters())  # layer 1's parameters (heads 4 … 7)
+    # layer 1's parameters (heads 4 … 7)
+    assert all(p.grad[1].abs().sum() > 0 for p in pe.parameters())
 
 
 def test_reference_attention_adds_a_float32_bias_to_half_precision():
-    """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does: ALiBi's bias at
-    distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to bf16) weighs the keys exactly, so the
-    output is the exact one rounded once to bf16."""
+    """With bf16 q, k, v the materialized path adds the bias in float32, as FlexAttention does:
+    ALiBi's bias at distances 3000-3100 of a 1/256-slope head (7 distinct values once rounded to
+    bf16) weighs the keys exactly, so the output is the exact one rounded once to bf16."""
     from model import attend
 
     T = 4096
-    q, k = torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 1, T, 16, dtype=torch.bfloat16)
+    q, k = (
+        torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16),
+        torch.zeros(2, 1, T, 16, dtype=torch.bfloat16),
+    )
     rel = (T - 1) - torch.arange(T)  # the last query against every key
-    v = ((rel - 3050).float() / 8)[None, None, :, None].expand(2, 1, T, 16).bfloat16()  # exact in bf16, mean near 0
+    # exact in bf16, mean near 0
+    v = ((rel - 3050).float() / 8)[None, None, :, None].expand(2, 1, T, 16).bfloat16()
     seen = (rel >= 3000) & (rel <= 3100)
     bias = (-rel.float() / 256).masked_fill(~seen, float("-inf"))[None, None]  # (nh=1, Tq=1, Tk)
     exact = torch.softmax(bias.double(), -1) @ v.double()
@@ -1509,14 +1799,16 @@ def test_reference_attention_adds_a_float32_bias_to_half_precision():
 
 @pytest.mark.parametrize("pe", ENCODINGS)
 def test_bf16_model_generates(pe):
-    """A model cast to bf16 (weights and activations) keeps bf16 activations and generates, with and without the
-    cache (a float32 sinusoidal table once turned x to float32 and crashed the next bf16 Linear)."""
+    """A model cast to bf16 (weights and activations) keeps bf16 activations and generates, with and
+    without the cache (a float32 sinusoidal table once turned x to float32 and crashed the next bf16
+    Linear)."""
     reference = tiny(pe)
     model = tiny(pe).to(torch.bfloat16)
     idx = tokens(2, 5)
     logits = model(idx)[0]
     assert logits.dtype == torch.bfloat16
-    # the same weights in bf16 give the float32 model's logits to bf16's precision (8 bits of mantissa)
+    # the same weights in bf16 give the float32 model's logits to bf16's precision (8 bits of
+    # mantissa)
     expected = reference(idx)[0]
     assert (logits.float() - expected).abs().max() <= 0.05 * expected.abs().max()
     for use_cache in (True, False):
@@ -1524,10 +1816,11 @@ def test_bf16_model_generates(pe):
 
 
 def test_fused_attention_note_names_the_head_dim_limit_and_dropout():
-    """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): flex_fits says no, and the model's
-    note says why and what attention does instead; on CPUs, and from 16 on, it fits and there is no note. Attention
-    dropout (FlexAttention has none) sends a score bias to the materialized bias in training: the note says so and
-    names the fix; a CPU's paths take dropout the same way for every encoding (no note)."""
+    """A head dim under 16 cannot take FlexAttention on CUDA (Triton's minimum): flex_fits says no,
+    and the model's note says why and what attention does instead; on CPUs, and from 16 on, it fits
+    and there is no note. Attention dropout (FlexAttention has none) sends a score bias to the
+    materialized bias in training: the note says so and names the fix; a CPU's paths take dropout
+    the same way for every encoding (no note)."""
     from fast_paths import flex_fits, fused_attention_note
 
     assert not flex_fits(8, "cuda") and flex_fits(8, "cpu") and flex_fits(16, "cuda")
@@ -1536,14 +1829,20 @@ def test_fused_attention_note_names_the_head_dim_limit_and_dropout():
     assert fused_attention_note(8, "cpu") is None and fused_attention_note(16, "cuda") is None
     note = fused_attention_note(64, "cuda", dropout=0.2)
     assert "dropout=0.2" in note and "materialized bias" in note and "--dropout=0" in note
-    assert fused_attention_note(64, "cpu", dropout=0.2) is None and fused_attention_note(64, "cuda", 0.0) is None
+    assert (
+        fused_attention_note(64, "cpu", dropout=0.2) is None
+        and fused_attention_note(64, "cuda", 0.0) is None
+    )
 
 
 @pytest.mark.parametrize("pe", POSITION_BIASED)
-@pytest.mark.parametrize("chunks,window,extra", [([7, 1, 1, 5], None, 0), ([4, 1, 9, 1, 1, 14], 6, 0), ([3, 27], 6, 5)])
+@pytest.mark.parametrize(
+    "chunks,window,extra", [([7, 1, 1, 5], None, 0), ([4, 1, 9, 1, 1, 14], 6, 0), ([3, 27], 6, 5)]
+)
 def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window, extra):
-    """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the full forward. One
-    layer: FlexAttention runs unfused (and slowly) on a CPU, and a layer's heads are tested in the test above."""
+    """Fused attention over a KV cache (queries at an offset, keys in a wrapped ring) equals the
+    full forward. One layer: FlexAttention runs unfused (and slowly) on a CPU, and a layer's heads
+    are tested in the test above."""
     model = tiny(pe, n_layer=1)
     idx = tokens(2, sum(chunks))
     expected = model(idx, window=window)[0]
@@ -1552,14 +1851,14 @@ def test_fused_attention_with_cache_applies_the_query_offset(pe, chunks, window,
         close(cached_logits(model, idx, chunks, window=window, extra=extra), expected)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The encodings after ALiBi: T5 buckets, KERPLE
 
 
 def test_t5_buckets_equal_the_reference_implementation():
-    """T5's causal buckets equal Hugging Face's port of Mesh TensorFlow's `_relative_position_bucket`
-    (bidirectional=False) for distances 0 … 2000, at the default 32 buckets / 128 and a smaller 8 / 20; far_distance is
-    the first distance of the last bucket."""
+    """T5's causal buckets equal Hugging Face's port of Mesh TensorFlow's
+    `_relative_position_bucket` (bidirectional=False) for distances 0 … 2000, at the default 32
+    buckets / 128 and a smaller 8 / 20; far_distance is the first distance of the last bucket."""
     pytest.importorskip("transformers")  # CI has it; a bare GPU machine may not
     from transformers.models.t5.modeling_t5 import T5Attention
 
@@ -1579,7 +1878,8 @@ def test_t5_buckets_equal_the_reference_implementation():
 
 
 def test_kerple_log_bias_matches_the_formula():
-    """KERPLE (log): bias = -r1·log(1 + r2·(i - j)) per head, r1, r2 > 0, a function of i - j alone."""
+    """KERPLE (log): bias = -r1·log(1 + r2·(i - j)) per head, r1, r2 > 0, a function of i - j
+    alone."""
     pe = tiny("kerple").encoding
     r1, r2 = pe.log_r1.exp().detach(), pe.log_r2.exp().detach()
     assert (r1 > 0).all() and (r2 > 0).all()
@@ -1587,30 +1887,39 @@ def test_kerple_log_bias_matches_the_formula():
     expected = -r1[:, None] * torch.log(1 + r2[:, None] * n)
     close(pe.score_bias(torch.arange(4)[:, None], n.long() + 100, 100), expected)
     close(
-        pe.score_bias(torch.arange(4)[:, None], n.long() + 5, 5), pe.score_bias(torch.arange(4)[:, None], n.long(), 0)
+        pe.score_bias(torch.arange(4)[:, None], n.long() + 5, 5),
+        pe.score_bias(torch.arange(4)[:, None], n.long(), 0),
     )
 
 
 def test_kerple_per_layer_gives_each_layer_its_own_pair():
-    """kerple_per_layer=True (the paper's model): a (r1, r2) pair per head in every layer, so layers attend with
-    different biases, and the cache still equals the full forward; the default shares one pair per head."""
+    """kerple_per_layer=True (the paper's model): a (r1, r2) pair per head in every layer, so layers
+    attend with different biases, and the cache still equals the full forward; the default shares
+    one pair per head."""
     shared, per_layer = tiny("kerple", n_layer=3), tiny("kerple", n_layer=3, kerple_per_layer=True)
     assert shared.encoding.log_r1.shape == (4,) and not shared.encoding.per_layer
     assert per_layer.encoding.log_r1.shape == (12,) and per_layer.encoding.per_layer
     pe, n = per_layer.encoding, torch.arange(50)
-    layer_bias = [pe.score_bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)]
-    assert not torch.allclose(layer_bias[0], layer_bias[1])  # the layers' own pairs, read at h = layer·n_head + head
+    layer_bias = [
+        pe.score_bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)
+    ]
+    # the layers' own pairs, read at h = layer·n_head + head
+    assert not torch.allclose(layer_bias[0], layer_bias[1])
     idx = tokens(2, 16)
     cache = KVCache(per_layer.config.n_layer, 16)  # fed a token at a time, against the full forward
-    close(torch.cat([per_layer(idx[:, t : t + 1], cache=cache)[0] for t in range(16)], 1), per_layer(idx)[0])
+    close(
+        torch.cat([per_layer(idx[:, t : t + 1], cache=cache)[0] for t in range(16)], 1),
+        per_layer(idx)[0],
+    )
     with pytest.raises(ValueError, match="kerple_per_layer='yes' must be True or False"):
         tiny("kerple", kerple_per_layer="yes")
 
 
 def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """FIRE's bias from the paper's formula (Li et al. 2023, eq. 3 and their code), written here apart from model.py,
-    in the parameters' dtype: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), L = |m|·L0, f = w2·relu(w1·x
-    + b1) per head. i (Tq, 1) and j (Tk,) positions -> (nh, Tq, Tk)."""
+    """FIRE's bias from the paper's formula (Li et al. 2023, eq. 3 and their code), written here
+    apart from model.py, in the parameters' dtype: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) =
+    log(|c|·x + 1), L = |m|·L0, f = w2·relu(w1·x + b1) per head. i (Tq, 1) and j (Tk,) positions ->
+    (nh, Tq, Tk)."""
     dt = pe.c.dtype
     c, L = pe.c[layer].abs(), (pe.L_multiplier[layer] * pe.init_L).abs()
     d = (i - j).clamp(min=0).to(dt)
@@ -1619,17 +1928,21 @@ def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     return torch.einsum("qkn,hn->hqk", hidden, pe.w2[layer])
 
 
-@pytest.mark.parametrize("multiplier", [1.0, 0.3, 0.1])  # L = block_size (every query within it), below most, below all
+# L = block_size (every query within it), below most, below all
+@pytest.mark.parametrize("multiplier", [1.0, 0.3, 0.1])
 @pytest.mark.parametrize("regime", ["default", "explicit", "cached"])
 @pytest.mark.parametrize("path", ["cpu", "matrix"])
 def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
-    """FIRE's fast bias gives the logits and every parameter's gradient of a model whose bias is the paper's formula at
-    every pair, in float64 to 1e-10 relative: with L above every query's position, below most, below all, at default,
-    explicit (offset) positions, and through a KV cache in chunks. On the CPU's path, its table of distances while
-    every query is within L, else a block of queries at a time, pair by pair (the hidden units once per layer); its
-    matrix (the reference's, and a GPU's), one MLP per distance for the queries within L and pair by pair past it."""
+    """FIRE's fast bias gives the logits and every parameter's gradient of a model whose bias is the
+    paper's formula at every pair, in float64 to 1e-10 relative: with L above every query's
+    position, below most, below all, at default, explicit (offset) positions, and through a KV cache
+    in chunks. On the CPU's path, its table of distances while every query is within L, else a block
+    of queries at a time, pair by pair (the hidden units once per layer); its matrix (the
+    reference's, and a GPU's), one MLP per distance for the queries within L and pair by pair past
+    it."""
     torch.manual_seed(0)
-    model = tiny("fire", block_size=32, n_layer=2).double().train()  # L0 = 32: positions 5 … 28 are within it
+    # L0 = 32: positions 5 … 28 are within it
+    model = tiny("fire", block_size=32, n_layer=2).double().train()
     with torch.no_grad():
         model.encoding.L_multiplier.fill_(multiplier)
         model.encoding.w2.mul_(50)  # a bias that matters: the logits depend on it
@@ -1639,12 +1952,15 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
     ref.attention_options = replace(ref.attention_options, fused=False)
     nh = ref.config.n_head
     ref.encoding.layer_bias = None  # every pair, by the paper's formula
-    ref.encoding.score_bias = lambda h, i, j: fire_reference(ref.encoding, int(h.flatten()[0]) // nh, i, j)
+    ref.encoding.score_bias = lambda h, i, j: fire_reference(
+        ref.encoding, int(h.flatten()[0]) // nh, i, j
+    )
     idx = tokens(2, 24)
 
     def run(m):
         m.zero_grad()
-        if regime == "cached":  # inference: the cache is written in place, no gradient goes through it
+        # inference: the cache is written in place, no gradient goes through it
+        if regime == "cached":
             cache = KVCache(m.config.n_layer, 32)
             with torch.no_grad():
                 chunks = [m(idx[:, a:b], cache=cache)[0] for a, b in ((0, 10), (10, 11), (11, 24))]
@@ -1661,10 +1977,15 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
         lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or run_mlp(f, x, *w, **few),
     )
     (a, grads_a), (b, grads_b) = run(model), run(ref)
-    # the matrix: the MLP ran on the 24 distances, and pair by pair only on the queries past L (all 24 only when all
-    # are). The CPU's path: on the 24 distances where no query is past L, else pair by pair (one block of 24 queries).
-    # In a cache, every chunk's queries over the cache's 32 slots (inference: no gradient)
-    past = int(((torch.arange(5, 29) if regime == "explicit" else torch.arange(24)) > multiplier * 32).sum())
+    # the matrix: the MLP ran on the 24 distances, and pair by pair only on the queries past L (all
+    # 24 only when all are). The CPU's path: on the 24 distances where no query is past L, else pair
+    # by pair (one block of 24 queries). In a cache, every chunk's queries over the cache's 32 slots
+    # (inference: no gradient)
+    past = int(
+        (
+            (torch.arange(5, 29) if regime == "explicit" else torch.arange(24)) > multiplier * 32
+        ).sum()
+    )
     if regime == "cached":
         expected = {(10, 32), (1, 32), (13, 32)}
     elif path == "cpu":
@@ -1672,8 +1993,14 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
     else:
         expected = ({(24,)} if past < 24 else set()) | ({(past, 24)} if past else set())
     assert set(shapes) == expected, shapes
-    assert past == {1.0: 0, 0.3: {"explicit": 19}.get(regime, 14), 0.1: {"explicit": 24}.get(regime, 20)}[multiplier]
-    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)  # logits of about 1: a near-zero one differs at 1e-15
+    assert (
+        past
+        == {1.0: 0, 0.3: {"explicit": 19}.get(regime, 14), 0.1: {"explicit": 24}.get(regime, 20)}[
+            multiplier
+        ]
+    )
+    # logits of about 1: a near-zero one differs at 1e-15
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for name in grads_b:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-10, atol=1e-14, msg=name)
 
@@ -1681,15 +2008,18 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
 @pytest.mark.parametrize("pe", ENCODINGS)
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_gives_the_same_step(pe, mode):
-    """With activation checkpointing (every block's sublayers, or its attention alone, computed again in the
-    backward), a training step's logits, loss and every gradient equal the step without it, bit for bit, dropout's
-    draws included (the recompute replays the RNG); and the backward recomputes: fewer tensors are kept."""
+    """With activation checkpointing (every block's sublayers, or its attention alone, computed
+    again in the backward), a training step's logits, loss and every gradient equal the step without
+    it, bit for bit, dropout's draws included (the recompute replays the RNG); and the backward
+    recomputes: fewer tensors are kept."""
     from shape import set_activation_checkpointing
 
     def step(model):
         torch.manual_seed(3)
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t
+        ):
             logits, loss = model(tokens(2, 16), targets=torch.roll(tokens(2, 16), -1, 1))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -1703,20 +2033,24 @@ def test_activation_checkpointing_gives_the_same_step(pe, mode):
     assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
     assert grads.keys() == grads2.keys() and all(torch.equal(grads[n], grads2[n]) for n in grads)
     assert kept2 < kept
-    with pytest.raises(ValueError, match="activation_checkpointing='some': choose none, full, selective"):
+    with pytest.raises(
+        ValueError, match="activation_checkpointing='some': choose none, full, selective"
+    ):
         set_activation_checkpointing(model, "some")
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mode, monkeypatch):
-    """FIRE past its threshold (no dropout: its bias a block of queries at a time, each block under activation
-    checkpointing of its own) under the model's activation checkpointing, one nested in the other: the same logits and
-    gradients bit for bit, and fewer tensors kept."""
+    """FIRE past its threshold (no dropout: its bias a block of queries at a time, each block under
+    activation checkpointing of its own) under the model's activation checkpointing, one nested in
+    the other: the same logits and gradients bit for bit, and fewer tensors kept."""
     from shape import set_activation_checkpointing
 
     def step(model):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t
+        ):
             logits, loss = model(tokens(2, 16), targets=torch.roll(tokens(2, 16), -1, 1))
         loss.backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
@@ -1732,13 +2066,16 @@ def test_activation_checkpointing_around_the_cpus_blocks_gives_the_same_step(mod
     assert kept2 < kept
 
 
-@pytest.mark.parametrize("pe, mode", [("rope", "full"), ("bias_rpe", "selective"), ("fire", "full")])
+@pytest.mark.parametrize(
+    "pe, mode", [("rope", "full"), ("bias_rpe", "selective"), ("fire", "full")]
+)
 def test_activation_checkpointing_compiles_to_one_graph(pe, mode):
-    """Compiled (dynamo and AOTAutograd, one graph), a training step with activation checkpointing gives the eager
-    step's logits and gradients without it."""
+    """Compiled (dynamo and AOTAutograd, one graph), a training step with activation checkpointing
+    gives the eager step's logits and gradients without it."""
     from shape import set_activation_checkpointing
 
-    model = tiny(pe, block_size=32, n_layer=1).train()  # a second layer would compile the same code again
+    # a second layer would compile the same code again
+    model = tiny(pe, block_size=32, n_layer=1).train()
     idx = tokens(2, 32)
     ref_logits, ref = grads(model, idx)
     set_activation_checkpointing(model, mode)

@@ -1,4 +1,5 @@
-"""RoPE scaling (linear, NTK, dynamic NTK, YaRN): golden values from the published formulas, and an exact KV cache."""
+"""RoPE scaling (linear, NTK, dynamic NTK, YaRN): golden values from the published formulas, and an
+exact KV cache."""
 
 import math
 from dataclasses import replace
@@ -37,7 +38,8 @@ def test_linear_divides_every_frequency():
 
 
 def test_ntk_base_matches_the_original_formula():
-    """bloc97's base · s^(d/(d-2)): base 12,286 for s = 5000/4096, d = 64 (a textbook's s^(2/(d-2)) gives 10,065)."""
+    """bloc97's base · s^(d/(d-2)): base 12,286 for s = 5000/4096, d = 64 (a textbook's s^(2/(d-2))
+    gives 10,065)."""
     s = 5000 / 4096
     got = rope(64, 4096, "ntk", s).inv_freq("cpu").double()
     base = 10000 * s ** (64 / 62)
@@ -49,17 +51,21 @@ def test_ntk_base_matches_the_original_formula():
 
 
 def test_dynamic_ntk_base_follows_the_length():
-    """Unscaled up to L0; at L = 2·L0 with s = 2, base · (s·L/L0 - (s - 1))^(d/(d-2)) = base · 3^(d/(d-2))."""
+    """Unscaled up to L0; at L = 2·L0 with s = 2, base · (s·L/L0 - (s - 1))^(d/(d-2)) = base ·
+    3^(d/(d-2))."""
     pe = rope(32, 128, "dynamic_ntk", 2.0)
     close(pe.inv_freq("cpu", torch.tensor(100)).double(), theta(32), tol=1e-6)
     close(pe.inv_freq("cpu", torch.tensor(128)).double(), theta(32), tol=1e-6)
-    close(pe.inv_freq("cpu", torch.tensor(256)).double(), theta(32, 10000 * 3 ** (32 / 30)), tol=1e-6)
+    close(
+        pe.inv_freq("cpu", torch.tensor(256)).double(), theta(32, 10000 * 3 ** (32 / 30)), tol=1e-6
+    )
 
 
 def test_yarn_matches_the_paper():
-    """LLaMA's setting (d = 128, base 10^4, L0 = 4096), s = 16. dim(r) = d·ln(L0/(2πr))/(2·ln base): dim(32) = 20.95,
-    dim(1) = 45.03, so dims k <= 20 are kept (they turn > 32 times in L0), k >= 46 divided by s, a linear ramp between.
-    A port that blends the other way round interpolates the fast dims and keeps the slow ones: k = 0 catches it."""
+    """LLaMA's setting (d = 128, base 10^4, L0 = 4096), s = 16. dim(r) = d·ln(L0/(2πr))/(2·ln base):
+    dim(32) = 20.95, dim(1) = 45.03, so dims k <= 20 are kept (they turn > 32 times in L0), k >= 46
+    divided by s, a linear ramp between. A port that blends the other way round interpolates the
+    fast dims and keeps the slow ones: k = 0 catches it."""
     pe = rope(128, 4096, "yarn", 16.0)
     assert (pe.low, pe.high) == (20, 46)
     got, t = pe.inv_freq("cpu").double(), theta(128)
@@ -69,13 +75,15 @@ def test_yarn_matches_the_paper():
     assert abs(got[33].item() - (t[33] / 16 * ramp + t[33] * (1 - ramp)).item()) < 1e-7
     assert abs(pe.mscale - (0.1 * math.log(16) + 1)) < 1e-12  # 1.2773
     cos, sin = pe.rotary(torch.tensor([0, 5]))
-    close(cos[0], torch.full((64,), 0.1 * math.log(16) + 1))  # the temperature scales cos and sin alike
+    # the temperature scales cos and sin alike
+    close(cos[0], torch.full((64,), 0.1 * math.log(16) + 1))
     close(cos[1] ** 2 + sin[1] ** 2, torch.full((64,), (0.1 * math.log(16) + 1) ** 2))
 
 
 def test_factor_one_changes_nothing():
-    """s = 1 is the identity for the static scalings (YaRN's temperature is 0.1·ln 1 + 1 = 1). Dynamic NTK still
-    stretches past L0 (its ratio is s·L/L0 - (s - 1) = L/L0 there), so it is the identity up to L0 only."""
+    """s = 1 is the identity for the static scalings (YaRN's temperature is 0.1·ln 1 + 1 = 1).
+    Dynamic NTK still stretches past L0 (its ratio is s·L/L0 - (s - 1) = L/L0 there), so it is the
+    identity up to L0 only."""
     model = tiny("rope", block_size=16)
     idx = tokens(2, 24)
     expected = model(idx)[0]
@@ -92,8 +100,8 @@ STATIC = [s for s in SCALINGS if s != "dynamic_ntk"]
 @pytest.mark.parametrize("scaling", STATIC)
 @pytest.mark.parametrize("chunks", [[24], [10, 1, 1, 5, 7], [1] * 24])
 def test_cache_is_exact_with_scaling(scaling, chunks):
-    """Static scalings: cached logits equal the full forward at every position, past block_size, and in a rolling
-    window."""
+    """Static scalings: cached logits equal the full forward at every position, past block_size, and
+    in a rolling window."""
     model = tiny("rope", block_size=8, rope_scaling=scaling, rope_factor=4.0)
     idx = tokens(2, 24)
     close(cached_logits(model, idx, chunks), model(idx)[0])
@@ -112,10 +120,11 @@ def test_generation_with_scaling_equals_full_forwards(scaling):
 
 @pytest.mark.parametrize("W", [6, 12, 23])
 def test_dynamic_ntk_generation_caches_up_to_L0_then_recomputes(W):
-    """Dynamic NTK changes every key (in every layer: deeper keys depend on earlier layers) whenever the length
-    grows past L0, so no cache is exact there. generate() caches up to L0 = 8 and recomputes the last W tokens past it,
-    which equals greedy full forwards over the last W tokens. W = 6 never passes L0: the rolling cache runs
-    throughout, and equals the sliding-window forward as without scaling."""
+    """Dynamic NTK changes every key (in every layer: deeper keys depend on earlier layers) whenever
+    the length grows past L0, so no cache is exact there. generate() caches up to L0 = 8 and
+    recomputes the last W tokens past it, which equals greedy full forwards over the last W tokens.
+    W = 6 never passes L0: the rolling cache runs throughout, and equals the sliding-window forward
+    as without scaling."""
     model = tiny("rope", block_size=8, rope_scaling="dynamic_ntk", rope_factor=3.0)
     idx = tokens(2, 3)
     if W <= 8:
@@ -128,7 +137,9 @@ def test_dynamic_ntk_generation_caches_up_to_L0_then_recomputes(W):
     model(tokens(2, 5), cache=cache)
     with pytest.raises(ValueError, match="dynamic_ntk.*no KV cache can be exact"):
         model(tokens(2, 1), cache=cache)  # position 8: length 9 > L0
-    assert (model(tokens(2, 24))[0] - tiny("rope", block_size=8)(tokens(2, 24))[0]).abs().max() > 1e-3
+    assert (
+        model(tokens(2, 24))[0] - tiny("rope", block_size=8)(tokens(2, 24))[0]
+    ).abs().max() > 1e-3
 
 
 def test_set_rope_scaling_and_errors():
@@ -145,36 +156,51 @@ def test_set_rope_scaling_and_errors():
         tiny("alibi").set_rope_scaling("yarn", 2.0)
 
 
-def hf_inv_freq(kind: str, d: int, L0: int, factor: float, base: float = 10000.0) -> tuple[torch.Tensor, float]:
-    """Hugging Face's inverse frequencies and attention factor for rope_type `kind` (a Llama config, head dim d)."""
+def hf_inv_freq(
+    kind: str, d: int, L0: int, factor: float, base: float = 10000.0
+) -> tuple[torch.Tensor, float]:
+    """Hugging Face's inverse frequencies and attention factor for rope_type `kind` (a Llama config,
+    head dim d)."""
     pytest.importorskip("transformers")  # CI has it; a bare GPU machine may not
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = {"rope_type": kind, "rope_theta": base, "factor": factor, "original_max_position_embeddings": L0}
+    params = {
+        "rope_type": kind,
+        "rope_theta": base,
+        "factor": factor,
+        "original_max_position_embeddings": L0,
+    }
     if kind == "llama3":
         params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    config = LlamaConfig(hidden_size=d, num_attention_heads=1, max_position_embeddings=L0 * 4, rope_parameters=params)
+    config = LlamaConfig(
+        hidden_size=d, num_attention_heads=1, max_position_embeddings=L0 * 4, rope_parameters=params
+    )
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv_freq.double(), attention_factor
 
 
-@pytest.mark.parametrize("d, L0, factor, base", [(128, 8192, 8.0, 500000.0), (32, 64, 4.0, 10000.0)])
+@pytest.mark.parametrize(
+    "d, L0, factor, base", [(128, 8192, 8.0, 500000.0), (32, 64, 4.0, 10000.0)]
+)
 def test_llama3_equals_hugging_face(d, L0, factor, base):
-    """llama3 scaling gives Hugging Face's `llama3` rope type's frequencies: Llama 3.1's own setting (d = 128,
-    base 500,000, L0 = 8192, s = 8; fast dims kept, slow ones divided by 8, a smooth blend between) and a small one."""
+    """llama3 scaling gives Hugging Face's `llama3` rope type's frequencies: Llama 3.1's own setting
+    (d = 128, base 500,000, L0 = 8192, s = 8; fast dims kept, slow ones divided by 8, a smooth blend
+    between) and a small one."""
     expected, attention_factor = hf_inv_freq("llama3", d, L0, factor, base)
     got = rope(d, L0, "llama3", factor, base).inv_freq("cpu").double()
     close(got, expected, tol=1e-6)
     assert attention_factor == 1.0 and rope(d, L0, "llama3", factor, base).mscale == 1.0
     t = theta(d, base)
-    assert torch.isclose(got[0], t[0]) and torch.isclose(got[-1], t[-1] / factor)  # both ends of the blend
+    # both ends of the blend
+    assert torch.isclose(got[0], t[0]) and torch.isclose(got[-1], t[-1] / factor)
 
 
 @pytest.mark.parametrize("d, L0, factor", [(32, 64, 4.0), (128, 4096, 16.0), (64, 256, 2.0)])
 def test_yarn_equals_hugging_face(d, L0, factor):
-    """yarn gives Hugging Face's frequencies and temperature, also where the ramp's bounds fall outside the pairs
-    (L0 = 64, head dim 32, config/cpu.py's setting: the ramp is clamped to start at pair 0, not at pair -2)."""
+    """yarn gives Hugging Face's frequencies and temperature, also where the ramp's bounds fall
+    outside the pairs (L0 = 64, head dim 32, config/cpu.py's setting: the ramp is clamped to start
+    at pair 0, not at pair -2)."""
     expected, attention_factor = hf_inv_freq("yarn", d, L0, factor)
     pe = rope(d, L0, "yarn", factor)
     close(pe.inv_freq("cpu").double(), expected, tol=1e-6)
@@ -184,10 +210,12 @@ def test_yarn_equals_hugging_face(d, L0, factor):
 
 @pytest.mark.parametrize("fraction, turning", [(1.0, 16), (0.5, 8), (0.25, 4), (0.05, 1)])
 def test_partial_rope_rotates_the_fastest_pairs(fraction, turning):
-    """rope_fraction rotates the first round(fraction·d/2) pairs, the fastest, with RoPE's own θ_k, and leaves the
-    slowest unrotated (angle 0 at every position), p-RoPE's choice; q·k then depends on i - j only in the turning
-    pairs, and the unrotated dims of q and k pass through unchanged."""
-    pe = RoPE(GPTConfig(n_embd=32, n_head=1, block_size=64, pos_encoding="rope", rope_fraction=fraction))
+    """rope_fraction rotates the first round(fraction·d/2) pairs, the fastest, with RoPE's own θ_k,
+    and leaves the slowest unrotated (angle 0 at every position), p-RoPE's choice; q·k then depends
+    on i - j only in the turning pairs, and the unrotated dims of q and k pass through unchanged."""
+    pe = RoPE(
+        GPTConfig(n_embd=32, n_head=1, block_size=64, pos_encoding="rope", rope_fraction=fraction)
+    )
     got = pe.inv_freq("cpu").double()
     close(got[:turning], theta(32)[:turning], tol=1e-7)
     assert (got[turning:] == 0).all()
@@ -196,9 +224,17 @@ def test_partial_rope_rotates_the_fastest_pairs(fraction, turning):
 
 
 def test_yarn_temperature_scales_only_the_rotated_pairs():
-    """YaRN under partial RoPE: the rotated pairs' cos and sin carry the attention factor 0.1·ln(s) + 1, the pairs that
-    do not turn pass through unscaled (cos 1, sin 0), as Hugging Face applies cos and sin to the rotary dims only."""
-    cfg = GPTConfig(n_embd=32, n_head=1, block_size=64, pos_encoding="rope", rope_fraction=0.5, rope_scaling="yarn")
+    """YaRN under partial RoPE: the rotated pairs' cos and sin carry the attention factor 0.1·ln(s)
+    + 1, the pairs that do not turn pass through unscaled (cos 1, sin 0), as Hugging Face applies
+    cos and sin to the rotary dims only."""
+    cfg = GPTConfig(
+        n_embd=32,
+        n_head=1,
+        block_size=64,
+        pos_encoding="rope",
+        rope_fraction=0.5,
+        rope_scaling="yarn",
+    )
     pe = RoPE(replace(cfg, rope_factor=4.0))
     m = 0.1 * math.log(4.0) + 1
     cos, sin = pe.rotary(torch.arange(50))
@@ -207,7 +243,8 @@ def test_yarn_temperature_scales_only_the_rotated_pairs():
 
 
 def test_partial_rope_model_has_an_exact_cache():
-    """A partial-RoPE model's KV cache equals its full forward, past block_size and in a rolling window."""
+    """A partial-RoPE model's KV cache equals its full forward, past block_size and in a rolling
+    window."""
     model = tiny("rope", block_size=8, rope_fraction=0.5)
     idx = tokens(2, 20)
     close(cached_logits(model, idx, [7, 1, 12]), model(idx)[0])

@@ -1,6 +1,7 @@
-"""The synthetic token-level tasks: each generator's layout, reproducibility and errors; an oracle that reads the
-answer from the sequence scores 100% and a context-blind predictor scores chance; the answer-only loss; a tiny run
-learns the one-step task; train.py's and compare/sweep.py's synthetic track end to end."""
+"""The synthetic token-level tasks: each generator's layout, reproducibility and errors; an oracle
+that reads the answer from the sequence scores 100% and a context-blind predictor scores chance; the
+answer-only loss; a tiny run learns the one-step task; train.py's and compare/sweep.py's synthetic
+track end to end."""
 
 import json
 import subprocess
@@ -37,22 +38,31 @@ def in_range(x: np.ndarray, span: tuple[int, int]) -> bool:
     return bool(((x >= span[0]) & (x < span[1])).all())
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # generators
 
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("train_rows", [False, True])
 def test_generator_lengths_and_reproducibility(task, train_rows):
-    """Every sequence is L inputs and L targets with at least one answer, inside the vocabulary, from the shortest
-    length the task allows up; the same seed gives the same sequences and another seed others."""
+    """Every sequence is L inputs and L targets with at least one answer, inside the vocabulary,
+    from the shortest length the task allows up; the same seed gives the same sequences and another
+    seed others."""
     shortest = synthetic_tasks.fixed_tokens(task) - 1
     for L in (shortest, shortest + 1, 64, 200):
-        a = [synthetic_tasks.sequence(task, V, L, np.random.default_rng(7), train_rows) for _ in range(2)]
+        a = [
+            synthetic_tasks.sequence(task, V, L, np.random.default_rng(7), train_rows)
+            for _ in range(2)
+        ]
         b = synthetic_tasks.sequence(task, V, L, np.random.default_rng(8), train_rows)
         x, y = a[0]
         assert x.shape == y.shape == (L,) and x.dtype == y.dtype == np.int64
-        assert (y >= 0).any() and in_range(x, (0, V)) and in_range(y[y >= 0], (0, V)) and (y[y < 0] == -1).all()
+        assert (
+            (y >= 0).any()
+            and in_range(x, (0, V))
+            and in_range(y[y >= 0], (0, V))
+            and (y[y < 0] == -1).all()
+        )
         assert np.array_equal(a[0][0], a[1][0]) and np.array_equal(a[0][1], a[1][1])
         if L >= 64:
             assert not np.array_equal(x, b[0])
@@ -60,8 +70,9 @@ def test_generator_lengths_and_reproducibility(task, train_rows):
 
 @pytest.mark.parametrize("task", ["needle", "passkey"])
 def test_lookup_layout(task):
-    """needle and passkey: one MARK, the key after it, QUERY last, and the one answer after it is the key; needle's
-    filler is the filler range (the key is the only key token), passkey's the key range."""
+    """needle and passkey: one MARK, the key after it, QUERY last, and the one answer after it is
+    the key; needle's filler is the filler range (the key is the only key token), passkey's the key
+    range."""
     rng = np.random.default_rng(0)
     depths = []
     for _ in range(300):
@@ -77,23 +88,31 @@ def test_lookup_layout(task):
 
 @pytest.mark.parametrize("layout", synthetic_tasks.MQAR_LAYOUTS)
 def test_mqar_layout(layout):
-    """mqar: task_pairs pairs, keys distinct and values distinct, each key and value once before the queries; each
-    query is a key of them, whose target is its value; scattered puts the queries together at the end, zoology the
-    pairs together at the start; the filler is from the filler range."""
+    """mqar: task_pairs pairs, keys distinct and values distinct, each key and value once before the
+    queries; each query is a key of them, whose target is its value; scattered puts the queries
+    together at the end, zoology the pairs together at the start; the filler is from the filler
+    range."""
     rng = np.random.default_rng(0)
     for L, pairs, queries in ((64, 8, 4), (20, 8, 4), (300, 6, 6), (40, 3, 1)):
-        x, y = synthetic_tasks.sequence("mqar", V, L, rng, pairs=pairs, queries=queries, layout=layout)
+        x, y = synthetic_tasks.sequence(
+            "mqar", V, L, rng, pairs=pairs, queries=queries, layout=layout
+        )
         at = np.flatnonzero(y >= 0)
         assert len(at) == queries and len(set(x[at].tolist())) == queries
         if layout == "scattered":
             assert at.tolist() == list(range(L - queries, L))
         else:
-            assert in_range(x[0 : 2 * pairs : 2], VOCAB.keys) and in_range(x[1 : 2 * pairs : 2], VOCAB.values)
+            assert in_range(x[0 : 2 * pairs : 2], VOCAB.keys) and in_range(
+                x[1 : 2 * pairs : 2], VOCAB.values
+            )
             assert at.min() >= 2 * pairs
         context = x[: at.min()]
         keys = context[(context >= VOCAB.keys[0]) & (context < VOCAB.keys[1])]
         values = context[(context >= VOCAB.values[0]) & (context < VOCAB.values[1])]
-        assert len(keys) == len(set(keys.tolist())) == pairs and len(values) == len(set(values.tolist())) == pairs
+        assert (
+            len(keys) == len(set(keys.tolist())) == pairs
+            and len(values) == len(set(values.tolist())) == pairs
+        )
         for t in at:
             (where,) = np.flatnonzero(context == x[t])
             assert context[where + 1] == y[t]
@@ -105,21 +124,23 @@ def test_mqar_layout(layout):
 
 @pytest.mark.parametrize("layout", synthetic_tasks.MQAR_LAYOUTS)
 def test_mqar_answers_never_enter_the_input(layout):
-    """No mqar answer is in the input after its pair: a value occurs once, right after its key, so a model cannot
-    rule out values already answered (before, a query's value followed it, and the last query was 100% by
-    exclusion); training rows too."""
+    """No mqar answer is in the input after its pair: a value occurs once, right after its key, so a
+    model cannot rule out values already answered (before, a query's value followed it, and the last
+    query was 100% by exclusion); training rows too."""
     rng = np.random.default_rng(1)
     for train_rows in (False, True):
         for _ in range(300):
-            x, y = synthetic_tasks.sequence("mqar", V, 64, rng, train_rows, pairs=8, queries=8, layout=layout)
+            x, y = synthetic_tasks.sequence(
+                "mqar", V, 64, rng, train_rows, pairs=8, queries=8, layout=layout
+            )
             for t in np.flatnonzero(y >= 0):
                 (where,) = np.flatnonzero(x == y[t])
                 assert where < t and x[where - 1] == x[t]
 
 
 def test_copy_layout():
-    """copy: the answers are the string again after SEP; evaluation strings fill half the sequence, training strings
-    take every length from 1 up."""
+    """copy: the answers are the string again after SEP; evaluation strings fill half the sequence,
+    training strings take every length from 1 up."""
     rng = np.random.default_rng(0)
     for L in (2, 3, 64, 65):
         x, y = synthetic_tasks.sequence("copy", V, L, rng)
@@ -127,13 +148,16 @@ def test_copy_layout():
         assert (y >= 0).sum() == n and tokens[L - n] == SEP
         assert np.array_equal(tokens[L + 1 - n :], tokens[L - 2 * n : L - n])
         assert np.array_equal(y[y >= 0], tokens[L + 1 - n :])
-    lengths = {int((synthetic_tasks.sequence("copy", V, 64, rng, train=True)[1] >= 0).sum()) for _ in range(500)}
+    lengths = {
+        int((synthetic_tasks.sequence("copy", V, 64, rng, train=True)[1] >= 0).sum())
+        for _ in range(500)
+    }
     assert lengths == set(range(1, 33))
 
 
 def test_offset_layout():
-    """offset: QUERY and a number k in 1..4 last, and the answer is the token k places after the one MARK; the
-    filler is from the key range, so only the position tells it."""
+    """offset: QUERY and a number k in 1..4 last, and the answer is the token k places after the one
+    MARK; the filler is from the key range, so only the position tells it."""
     rng = np.random.default_rng(0)
     ks = set()
     for _ in range(300):
@@ -141,18 +165,25 @@ def test_offset_layout():
         (at,) = np.flatnonzero(x == MARK)
         k = x[-1] - VOCAB.values[0] + 1
         ks.add(int(k))
-        assert x[-2] == QUERY and y[-1] == x[at + k] and at + k < 62 and np.flatnonzero(y >= 0).tolist() == [63]
+        assert (
+            x[-2] == QUERY
+            and y[-1] == x[at + k]
+            and at + k < 62
+            and np.flatnonzero(y >= 0).tolist() == [63]
+        )
         assert in_range(np.delete(x[:-2], at), VOCAB.keys)
     assert ks == set(range(1, synthetic_tasks.OFFSETS + 1))
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_too_short_and_too_small_vocabulary_are_errors(task):
-    """A length below the task's fixed parts, and a vocabulary whose ranges are too small, are one-line errors
-    that name the fix."""
+    """A length below the task's fixed parts, and a vocabulary whose ranges are too small, are
+    one-line errors that name the fix."""
     shortest = synthetic_tasks.fixed_tokens(task) - 1
     synthetic_tasks.check(task, shortest, V)
-    with pytest.raises(synthetic_tasks.SyntheticError, match=f"at least {shortest} tokens.*raise block_size"):
+    with pytest.raises(
+        synthetic_tasks.SyntheticError, match=f"at least {shortest} tokens.*raise block_size"
+    ):
         synthetic_tasks.check(task, shortest - 1, V)
     least = 8 if task == "mqar" else 2
     synthetic_tasks.check(task, 64, synthetic_tasks.N_SPECIAL + 3 * least)
@@ -165,10 +196,13 @@ def test_too_short_and_too_small_vocabulary_are_errors(task):
 
 def test_unknown_task_and_bad_queries_are_errors():
     with pytest.raises(
-        synthetic_tasks.SyntheticError, match="'neddle' is not a synthetic task; choose one of needle, passkey"
+        synthetic_tasks.SyntheticError,
+        match="'neddle' is not a synthetic task; choose one of needle, passkey",
     ):
         synthetic_tasks.check("neddle", 64, V)
-    with pytest.raises(synthetic_tasks.SyntheticError, match="task_queries=9 must be between 1 and task_pairs=8"):
+    with pytest.raises(
+        synthetic_tasks.SyntheticError, match="task_queries=9 must be between 1 and task_pairs=8"
+    ):
         synthetic_tasks.check("mqar", 64, V, pairs=8, queries=9)
 
 
@@ -181,7 +215,10 @@ def test_unknown_task_and_bad_queries_are_errors():
         (["--task=needle", "--dataset=shakespeare_char"], "dataset='shakespeare_char' is for text"),
         (["--task=needle", "--task_fraction=0.1"], "task_fraction=0.1 is for text"),
         (["--task=needle", "--task_mix=1.0"], "task_mix=1.0 must be in"),
-        (["--task=needle", "--task_pairs=-3"], "task_pairs=-3 is read by task=mqar and this is task='needle'"),
+        (
+            ["--task=needle", "--task_pairs=-3"],
+            "task_pairs=-3 is read by task=mqar and this is task='needle'",
+        ),
         (["--task=mqar", "--task_pairs=0", "--task_queries=0"], "task_pairs=0 must be at least 1"),
         (["--task_mix=0.5"], "task_mix=0.5 is read by a synthetic task .* and this is a text run"),
         (["--task_vocab=7"], "task_vocab=7 is read by a synthetic task"),
@@ -195,22 +232,31 @@ def test_train_rejects_bad_synthetic_options(args, message):
 
 def test_train_cli_error_is_one_line(tmp_path):
     """From the command line: 'error: …' on one line and exit 1, before any training output."""
-    cmd = [sys.executable, "train.py", "config/rope.py", "config/passkey.py", "--dataset=openwebtext"]
-    r = subprocess.run(cmd + [f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=ENV)
+    cmd = [
+        sys.executable,
+        "train.py",
+        "config/rope.py",
+        "config/passkey.py",
+        "--dataset=openwebtext",
+    ]
+    r = subprocess.run(
+        cmd + [f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=ENV
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert (
-        r.stderr.startswith("error: task='passkey' trains on synthetic sequences alone") and r.stderr.count("\n") == 1
+        r.stderr.startswith("error: task='passkey' trains on synthetic sequences alone")
+        and r.stderr.count("\n") == 1
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # scoring: an oracle, a context-blind predictor, the loss
 
 
 def oracle_answers(x: np.ndarray) -> np.ndarray:
-    """The next token after every input position of x (T,), read from the inputs by each task's rule, independently
-    of the generators: the token after MARK (needle, passkey), k after it (offset), after the earlier copy of the
-    current key (mqar), n + 1 back after SEP (copy)."""
+    """The next token after every input position of x (T,), read from the inputs by each task's
+    rule, independently of the generators: the token after MARK (needle, passkey), k after it
+    (offset), after the earlier copy of the current key (mqar), n + 1 back after SEP (copy)."""
     T = len(x)
     marks, seps = np.flatnonzero(x == MARK), np.flatnonzero(x == SEP)
     if len(seps):  # copy: the string is x[s - n : s] and its copy ends at the last target
@@ -235,16 +281,17 @@ def oracle(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("task", TASKS)
 def test_oracle_scores_100_percent(task):
-    """A reader that follows each task's rule scores 100% at the training length and 8x it: every answer is in the
-    sequence, where the task says it is."""
+    """A reader that follows each task's rule scores 100% at the training length and 8x it: every
+    answer is in the sequence, where the task says it is."""
     for L in (64, 512):
         assert S.accuracy(oracle, task, V, L, 60) == 1.0
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_context_blind_predictor_scores_chance(task):
-    """A bigram predictor fit on 3000 training sequences (the likeliest next token given the current one) cannot
-    see the context: it scores chance, one over the answer range's size (binomial bounds, 5 sigma)."""
+    """A bigram predictor fit on 3000 training sequences (the likeliest next token given the current
+    one) cannot see the context: it scores chance, one over the answer range's size (binomial
+    bounds, 5 sigma)."""
     rng = np.random.default_rng(0)
     counts = torch.zeros(V, V)
     x, y = synthetic_tasks.batch(task, V, 3000, 64, rng)
@@ -259,11 +306,13 @@ def test_context_blind_predictor_scores_chance(task):
 
 
 def reference_floor(task: str, L: int, n: int, **kw) -> float:
-    """Each task's no-retrieval baseline, written here from the task's description (not synthetic.shortcut), on the
-    evaluation's sequences: the expected accuracy of guessing uniformly among the baseline's candidates."""
+    """Each task's no-retrieval baseline, written here from the task's description (not
+    synthetic.shortcut), on the evaluation's sequences: the expected accuracy of guessing uniformly
+    among the baseline's candidates."""
     rng, hits = S.eval_rng(0, task, L), []
     for _ in range(n):
-        rng.uniform()  # batch() draws whether each row is a curriculum row, also at evaluation (mix 0)
+        # batch() draws whether each row is a curriculum row, also at evaluation (mix 0)
+        rng.uniform()
         x, y = synthetic_tasks.sequence(task, V, L, rng, **kw)
         for t in np.flatnonzero(y >= 0):
             before = x[: t + 1].tolist()
@@ -276,7 +325,9 @@ def reference_floor(task: str, L: int, n: int, **kw) -> float:
             elif task == "offset":  # the token right after the marker
                 guesses = {before[before.index(MARK) + 1]}
             elif task == "copy":  # a token that followed the current one earlier
-                guesses = {before[i + 1] for i in range(t) if before[i] == before[t]} or set(range(*VOCAB.keys))
+                guesses = {before[i + 1] for i in range(t) if before[i] == before[t]} or set(
+                    range(*VOCAB.keys)
+                )
             else:  # needle: chance among the keys
                 guesses = set(range(*VOCAB.keys))
             hits.append((y[t] in guesses) / len(guesses))
@@ -285,13 +336,15 @@ def reference_floor(task: str, L: int, n: int, **kw) -> float:
 
 @pytest.mark.parametrize("task", TASKS)
 def test_floor_is_the_no_retrieval_baseline(task):
-    """synthetic.floor equals a baseline written independently on the same sequences; mqar's is one over the pairs
-    (every value stays a candidate: none is ruled out by an answer in the input), needle's chance among the keys,
-    offset's about the k = 1 share (a quarter), and each is far below what retrieval scores (100%)."""
+    """synthetic.floor equals a baseline written independently on the same sequences; mqar's is one
+    over the pairs (every value stays a candidate: none is ruled out by an answer in the input),
+    needle's chance among the keys, offset's about the k = 1 share (a quarter), and each is far
+    below what retrieval scores (100%)."""
     kw = {"pairs": 4, "queries": 4, "layout": "zoology"} if task == "mqar" else {}
     n = 300
     got = S.floor(task, V, 64, n, **kw)["token"]
-    S.FLOOR_SEQUENCES, saved = n, S.FLOOR_SEQUENCES  # the reference reads n sequences: the floor too
+    # the reference reads n sequences: the floor too
+    S.FLOOR_SEQUENCES, saved = n, S.FLOOR_SEQUENCES
     try:
         first = S.floor(task, V, 64, n, **kw)["strategies"][next(iter(S.SHORTCUTS[task]))]
         assert first == pytest.approx(reference_floor(task, 64, n, **kw), abs=1e-12)
@@ -306,9 +359,10 @@ def test_floor_is_the_no_retrieval_baseline(task):
 
 
 def test_floor_reads_the_scored_sequences_and_takes_the_best_shortcut():
-    """The floor's first n sequences are the ones scores() reads (a model that records its inputs sees them), and it
-    takes the best shortcut; the steadier estimate over more sequences is close to the scored one; a model playing a
-    one-candidate shortcut (the token after the marker) scores exactly its floor on the scored sequences."""
+    """The floor's first n sequences are the ones scores() reads (a model that records its inputs
+    sees them), and it takes the best shortcut; the steadier estimate over more sequences is close
+    to the scored one; a model playing a one-candidate shortcut (the token after the marker) scores
+    exactly its floor on the scored sequences."""
     n, L = 300, 128
     seen = []
 
@@ -319,38 +373,52 @@ def test_floor_reads_the_scored_sequences_and_takes_the_best_shortcut():
     S.scores(recorder, "offset", V, L, n)
     scored = torch.cat(seen)
     rng = S.eval_rng(0, "offset", L)
-    mine = torch.cat([synthetic_tasks.batch("offset", V, 1, L, rng, train=False)[0] for _ in range(n)])
+    mine = torch.cat(
+        [synthetic_tasks.batch("offset", V, 1, L, rng, train=False)[0] for _ in range(n)]
+    )
     assert torch.equal(scored, mine)
     f = S.floor("offset", V, L, n)
     assert f["token"] == max(f["strategies"].values()) == f["strategies"][f["strategy"]]
-    assert abs(f["steady"] - f["token"]) < 2 * f["band"] and 0.02 < f["band"] < 0.06  # one answer a sequence
+    # one answer a sequence
+    assert abs(f["steady"] - f["token"]) < 2 * f["band"] and 0.02 < f["band"] < 0.06
 
     def player(x: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros(*x.shape, V)
         for b in range(len(x)):
             t = x.shape[1] - 1
-            logits[b, t, S.SHORTCUTS["offset"]["the token after the marker"](x[b].numpy(), t, VOCAB)] = 1
+            logits[
+                b, t, S.SHORTCUTS["offset"]["the token after the marker"](x[b].numpy(), t, VOCAB)
+            ] = 1
         return logits
 
-    assert S.scores(player, "offset", V, L, n)["token"] == pytest.approx(f["strategies"]["the token after the marker"])
+    assert S.scores(player, "offset", V, L, n)["token"] == pytest.approx(
+        f["strategies"]["the token after the marker"]
+    )
 
 
 def test_offsets_commonest_token_counts_every_tie():
-    """Offset's shortcut that ignores k guesses among every token tied for the commonest of the four after the marker
-    (scored as the expectation of a uniform pick), not the first of them."""
+    """Offset's shortcut that ignores k guesses among every token tied for the commonest of the four
+    after the marker (scored as the expectation of a uniform pick), not the first of them."""
     v, mark = VOCAB, MARK
     k = list(range(*v.keys))
     distinct = np.array([k[0], mark, k[1], k[2], k[3], k[4], k[5]])
-    assert sorted(S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](distinct, 6, v)) == k[1:5]
+    assert (
+        sorted(S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](distinct, 6, v))
+        == k[1:5]
+    )
     repeated = np.array([k[0], mark, k[1], k[2], k[2], k[3], k[5]])
-    assert list(S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](repeated, 6, v)) == [k[2]]
+    assert list(
+        S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](repeated, 6, v)
+    ) == [k[2]]
     pairs = np.array([k[0], mark, k[3], k[2], k[2], k[3], k[5]])
-    assert sorted(S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](pairs, 6, v)) == [k[2], k[3]]
+    assert sorted(
+        S.SHORTCUTS["offset"]["the commonest of the 4 after the marker"](pairs, 6, v)
+    ) == [k[2], k[3]]
 
 
 def test_whole_sequence_score_needs_every_answer():
-    """scores(): "sequence" counts a copy right only when every copied token is; a reader wrong at one token of each
-    string keeps nearly all its token accuracy and none of its whole strings."""
+    """scores(): "sequence" counts a copy right only when every copied token is; a reader wrong at
+    one token of each string keeps nearly all its token accuracy and none of its whole strings."""
 
     def wrong_last(x: torch.Tensor) -> torch.Tensor:
         logits = oracle(x)
@@ -363,9 +431,12 @@ def test_whole_sequence_score_needs_every_answer():
 
 
 def test_validation_reads_the_evaluation_distribution():
-    """train.py's validation rows are the evaluation's (every mqar row has task_pairs pairs and task_queries
-    queries, no needle rows), its training rows the curriculum's (1 to task_pairs pairs, needle rows)."""
-    cfg = options.resolve(configure(train.defaults, ["config/rope.py", "config/mqar.py"]), train.defaults)
+    """train.py's validation rows are the evaluation's (every mqar row has task_pairs pairs and
+    task_queries queries, no needle rows), its training rows the curriculum's (1 to task_pairs
+    pairs, needle rows)."""
+    cfg = options.resolve(
+        configure(train.defaults, ["config/rope.py", "config/mqar.py"]), train.defaults
+    )
     procs = Processes(False, 0, 0, 1, "cpu")
     batches = Batches(cfg, load_data(cfg, procs), procs)
     g = torch.Generator().manual_seed(0)
@@ -379,9 +450,12 @@ def test_validation_reads_the_evaluation_distribution():
 
 
 def test_answer_only_loss_is_masked_cross_entropy():
-    """The model's loss on a synthetic batch equals the cross-entropy computed by hand over the answer tokens alone."""
+    """The model's loss on a synthetic batch equals the cross-entropy computed by hand over the
+    answer tokens alone."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32, pos_encoding="rope"))
+    model = GPT(
+        GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32, pos_encoding="rope")
+    )
     x, y = synthetic_tasks.batch("mqar", V, 6, 64, np.random.default_rng(1), train=False)
     logits, loss = model(x, y)
     lp = F.log_softmax(logits.double(), -1)
@@ -391,11 +465,21 @@ def test_answer_only_loss_is_masked_cross_entropy():
 
 
 def test_previous_token_curriculum_asks_for_the_token_before():
-    """task_prev_tokens: every position that is not an answer asks for the token before it, the answers stay, the
-    first position asks for nothing; without it the rows are the task's alone."""
-    plain = synthetic_tasks.batch("mqar", V, 8, 64, np.random.default_rng(3), pairs=4, queries=4, layout="zoology")
+    """task_prev_tokens: every position that is not an answer asks for the token before it, the
+    answers stay, the first position asks for nothing; without it the rows are the task's alone."""
+    plain = synthetic_tasks.batch(
+        "mqar", V, 8, 64, np.random.default_rng(3), pairs=4, queries=4, layout="zoology"
+    )
     x, y = synthetic_tasks.batch(
-        "mqar", V, 8, 64, np.random.default_rng(3), previous=True, pairs=4, queries=4, layout="zoology"
+        "mqar",
+        V,
+        8,
+        64,
+        np.random.default_rng(3),
+        previous=True,
+        pairs=4,
+        queries=4,
+        layout="zoology",
     )
     assert torch.equal(x, plain[0])
     answers = plain[1] >= 0
@@ -404,14 +488,16 @@ def test_previous_token_curriculum_asks_for_the_token_before():
 
 
 def test_mix_puts_needle_rows_in_training_batches():
-    """task_mix: about that share of the rows are needle rows (filler from the filler range), the rest the task's."""
+    """task_mix: about that share of the rows are needle rows (filler from the filler range), the
+    rest the task's."""
     x, _ = synthetic_tasks.batch("passkey", V, 2000, 64, np.random.default_rng(0), mix=0.25)
     needle_rows = ((x >= VOCAB.filler[0]).sum(1) > 30).float().mean().item()
     assert 0.22 < needle_rows < 0.28
 
 
 def test_ids_tokenizer_round_trip():
-    """The synthetic checkpoints' tokenizer writes ids as numbers and reads them back; a bad id is an error."""
+    """The synthetic checkpoints' tokenizer writes ids as numbers and reads them back; a bad id is
+    an error."""
     tok = tokenizer_from_meta(IdsTokenizer(V).meta)
     assert tok.encode(" 0 17\n5 ") == [0, 17, 5] and tok.decode([0, 17, 5]) == "0 17 5"
     with pytest.raises(ValueError, match="token id 128 is outside"):
@@ -420,18 +506,26 @@ def test_ids_tokenizer_round_trip():
         tok.encode("a b")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # training and the suite
 
 
 @pytest.mark.slow
 def test_tiny_run_learns_the_needle(tmp_path):
-    """train.py on the one-step task, 200 iterations of a 30k-parameter model at batch 32: validation accuracy at the
-    training length far above chance (1/41), and the checkpoint's history and eval at 2x agree with it."""
+    """train.py on the one-step task, 200 iterations of a 30k-parameter model at batch 32:
+    validation accuracy at the training length far above chance (1/41), and the checkpoint's history
+    and eval at 2x agree with it."""
     out = tmp_path / "needle"
     fast = ["--batch_size=32", "--learning_rate=3e-3", "--warmup_iters=20", "--eval_interval=50"]
     train_in_process(
-        ["config/rope.py", "config/needle.py", f"--out_dir={out}", "--max_iters=200", "--lr_decay_iters=200", *fast]
+        [
+            "config/rope.py",
+            "config/needle.py",
+            f"--out_dir={out}",
+            "--max_iters=200",
+            "--lr_decay_iters=200",
+            *fast,
+        ]
     )
     ckpt = load_checkpoint(out / "ckpt.pt")
     history = ckpt["history"]
@@ -444,12 +538,21 @@ def test_tiny_run_learns_the_needle(tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_resume_is_exact(tmp_path):
-    """A synthetic run stopped and resumed gives the same weights and history as one that never stopped."""
-    common = ["config/alibi.py", "config/passkey.py", "--eval_interval=5", "--lr_decay_iters=20", "--batch_size=8"]
+    """A synthetic run stopped and resumed gives the same weights and history as one that never
+    stopped."""
+    common = [
+        "config/alibi.py",
+        "config/passkey.py",
+        "--eval_interval=5",
+        "--lr_decay_iters=20",
+        "--batch_size=8",
+    ]
     common += ["--eval_iters=2"]
     train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'straight'}"])
     train_in_process([*common, "--max_iters=10", f"--out_dir={tmp_path / 'split'}"])
-    train_in_process([*common, "--max_iters=20", f"--out_dir={tmp_path / 'split'}", "--init_from=resume"])
+    train_in_process(
+        [*common, "--max_iters=20", f"--out_dir={tmp_path / 'split'}", "--init_from=resume"]
+    )
     a, b = (load_checkpoint(tmp_path / d / "ckpt.pt") for d in ("straight", "split"))
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -459,18 +562,30 @@ def test_synthetic_resume_is_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_train_py")
 def test_synthetic_suite_end_to_end(tmp_path):
-    """compare/sweep.py --synthetic: trains each encoding on the task, two at a time; the report has a table per task
-    with the learned counts, the plot, and a second run reuses everything."""
+    """compare/sweep.py --synthetic: trains each encoding on the task, two at a time; the report has
+    a table per task with the learned counts, the plot, and a second run reuses everything."""
     out = tmp_path / "suite"
     cmd = ["--synthetic", "needle", "--encodings", "alibi", "learned", "--seeds", "1"]
-    cmd += ["--jobs", "2", "--task_trials", "20", f"--out_dir={out}", "--train", "--max_iters=30", "--eval_interval=10"]
-    r = run_cli(sweep.main, cmd)  # in this process; its runs forked from a server that imported train.py
+    cmd += [
+        "--jobs",
+        "2",
+        "--task_trials",
+        "20",
+        f"--out_dir={out}",
+        "--train",
+        "--max_iters=30",
+        "--eval_interval=10",
+    ]
+    # in this process; its runs forked from a server that imported train.py
+    r = run_cli(sweep.main, cmd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "## needle" in report and "| 64 (1×) | 128 (2×) |" in report and "Every seed:" in report
-    assert "| *floor (no retrieval)* | | | *2%* | *2%* | *2%* | *2%* |" in report  # needle: chance, 1 in 41 keys
+    # needle: chance, 1 in 41 keys
+    assert "| *floor (no retrieval)* | | | *2%* | *2%* | *2%* | *2%* |" in report
     learned_row = next(line for line in report.splitlines() if line.startswith("| learned | "))
-    assert " of 1 |" in learned_row and learned_row.count("n/a") == 3  # 2x, 4x, 8x: no positions past its block
+    # 2x, 4x, 8x: no positions past its block
+    assert " of 1 |" in learned_row and learned_row.count("n/a") == 3
     assert (out / "synthetic.png").stat().st_size > 10_000
     results = json.loads((out / "results.json").read_text())["results"]["needle"]
     assert set(results) == {"alibi", "learned"} and results["alibi"][0]["iters"] == 30
@@ -479,15 +594,33 @@ def test_synthetic_suite_end_to_end(tmp_path):
 
 
 def synthetic_checkpoint(out_dir, task: str = "needle", n_embd: int = 16) -> None:
-    """A random model's checkpoint as train.py writes one for a synthetic task (block 64, vocabulary 128)."""
+    """A random model's checkpoint as train.py writes one for a synthetic task (block 64, vocabulary
+    128)."""
     from dataclasses import asdict
 
     from lib.checkpoint import save_checkpoint
 
-    config = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=n_embd, pos_encoding="alibi")
-    cfg = {"task": task, "task_vocab": V, "task_pairs": 8, "task_queries": 4, "block_size": 64, "max_iters": 1}
-    ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "config": cfg, "iter_num": 1}
-    save_checkpoint(ckpt | {"tokenizer": {"kind": "ids", "vocab_size": V}, "best_val_loss": 1.0}, out_dir / "ckpt.pt")
+    config = GPTConfig(
+        block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=n_embd, pos_encoding="alibi"
+    )
+    cfg = {
+        "task": task,
+        "task_vocab": V,
+        "task_pairs": 8,
+        "task_queries": 4,
+        "block_size": 64,
+        "max_iters": 1,
+    }
+    ckpt = {
+        "model": GPT(config).state_dict(),
+        "model_args": asdict(config),
+        "config": cfg,
+        "iter_num": 1,
+    }
+    save_checkpoint(
+        ckpt | {"tokenizer": {"kind": "ids", "vocab_size": V}, "best_val_loss": 1.0},
+        out_dir / "ckpt.pt",
+    )
 
 
 @pytest.mark.parametrize(
@@ -498,14 +631,20 @@ def synthetic_checkpoint(out_dir, task: str = "needle", n_embd: int = 16) -> Non
         (["--device=cuda:7"], "device='cuda:7' but"),
         (["--out_json", "DIR"], "is a folder; give a file name"),
         (["--out_json", "DIR/missing/x.json"], "does not exist; create it"),
-        (["--lengths", "2"], "needs a length of at least 3 tokens (its fixed parts alone), got 2; evaluate at longer"),
+        (
+            ["--lengths", "2"],
+            "needs a length of at least 3 tokens (its fixed parts alone), got "
+            "2; evaluate at longer",
+        ),
         (["--lengths", "10000000"], "length 10,000,000 needs at least"),
         (["--lengths", "64", "64", "100"], "--lengths 64 64 100: each length may appear once"),
     ],
 )
-def test_synthetic_cli_bad_values_are_one_line_errors_before_work(tmp_path, args, message, monkeypatch):
-    """compare/synthetic.py's options are checked before any evaluation: one line naming the value and the fix, no
-    traceback, nothing written."""
+def test_synthetic_cli_bad_values_are_one_line_errors_before_work(
+    tmp_path, args, message, monkeypatch
+):
+    """compare/synthetic.py's options are checked before any evaluation: one line naming the value
+    and the fix, no traceback, nothing written."""
     synthetic_checkpoint(tmp_path / "run")
     monkeypatch.setattr(S, "accuracy", lambda *a, **k: pytest.fail("evaluated before the checks"))
     args = [a.replace("DIR", str(tmp_path)) for a in args]
@@ -515,19 +654,20 @@ def test_synthetic_cli_bad_values_are_one_line_errors_before_work(tmp_path, args
 
 
 def test_unreadable_synthetic_cache_is_evaluated_again(tmp_path):
-    """A truncated synthetic.json (a kill mid-write in an older version) is read as missing: the run is evaluated
-    again and the cache written whole."""
+    """A truncated synthetic.json (a kill mid-write in an older version) is read as missing: the run
+    is evaluated again and the cache written whole."""
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
     (d / "synthetic.json").write_text('{"key": {"lengths": [64')
     out = sweep.evaluate_synthetic(d, [64], 5)
-    assert 0 <= out.accuracy[64] <= 1 and json.loads((d / "synthetic.json").read_text())["accuracy"] == {
-        "64": out.accuracy[64]
-    }
+    assert 0 <= out.accuracy[64] <= 1 and json.loads((d / "synthetic.json").read_text())[
+        "accuracy"
+    ] == {"64": out.accuracy[64]}
 
 
 def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
-    """--lengths with --synthetic are the lengths the suite scores at (not silently the default 1x to 8x)."""
+    """--lengths with --synthetic are the lengths the suite scores at (not silently the default 1x
+    to 8x)."""
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
     out = sweep.evaluate_synthetic(d, [64, 96], 5)
@@ -535,8 +675,8 @@ def test_sweep_lengths_apply_to_the_synthetic_suite(tmp_path):
 
 
 def test_synthetic_cache_is_for_its_checkpoint(tmp_path):
-    """A run trained again with other options (its checkpoints deleted, the same number of iterations) is evaluated
-    again, not given the deleted model's cached synthetic.json."""
+    """A run trained again with other options (its checkpoints deleted, the same number of
+    iterations) is evaluated again, not given the deleted model's cached synthetic.json."""
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
     before = sweep.evaluate_synthetic(d, [64], 5)
@@ -548,8 +688,9 @@ def test_synthetic_cache_is_for_its_checkpoint(tmp_path):
 
 
 def test_synthetic_report_takes_the_training_length_from_the_checkpoints(tmp_path):
-    """--lengths that start past the training length: the report says the checkpoints' block size (64), not the first
-    length, and labels each length with its multiple of it; runs trained at different lengths are refused."""
+    """--lengths that start past the training length: the report says the checkpoints' block size
+    (64), not the first length, and labels each length with its multiple of it; runs trained at
+    different lengths are refused."""
     d = tmp_path / "needle" / "alibi-seed1"
     synthetic_checkpoint(d)
     score = sweep.evaluate_synthetic(d, [100, 200], 5)
@@ -563,20 +704,27 @@ def test_synthetic_report_takes_the_training_length_from_the_checkpoints(tmp_pat
 
 @pytest.mark.slow
 def test_synthetic_suite_from_a_process_that_ran_torch_threads(tmp_path):
-    """The suite's evaluation workers come from a fork server: forked from a process whose torch thread pool has
-    run (a caller that computed something first), a worker with more than one thread (here --jobs 1 on 2 cores)
-    deadlocked in OpenMP and the sweep never ended."""
+    """The suite's evaluation workers come from a fork server: forked from a process whose torch
+    thread pool has run (a caller that computed something first), a worker with more than one thread
+    (here --jobs 1 on 2 cores) deadlocked in OpenMP and the sweep never ended."""
     for enc in ("alibi", "rope"):
         synthetic_checkpoint(tmp_path / "needle" / f"{enc}-seed1")
     script = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(2); torch.randn(512, 512) @ "
-        "torch.randn(512, 512); from compare import sweep; sweep.main(['--synthetic', 'needle', '--encodings', "
-        "'alibi', 'rope', '--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', sys.argv[2], '--train', "
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(2); "
+        "torch.randn(512, 512) @ "
+        "torch.randn(512, 512); from compare import sweep; sweep.main(['--synthetic', 'needle', "
+        "'--encodings', "
+        "'alibi', 'rope', '--seeds', '1', '--jobs', '1', '--task_trials', '10', '--out_dir', "
+        "sys.argv[2], '--train', "
         "'--max_iters=1'])"
     )
     env = dict(ENV, OMP_NUM_THREADS="2")
     r = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script, str(ROOT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (tmp_path / "report.md").exists()

@@ -1,5 +1,5 @@
-"""OpenWebText (Gokaslan & Cohen 2019) with GPT-2 BPE, as nanoGPT prepares it: ~9B train tokens (~17 GB),
-0.05% held out for validation. Downloads from the Hugging Face hub (~54 GB of cache).
+"""OpenWebText (Gokaslan & Cohen 2019) with GPT-2 BPE, as nanoGPT prepares it: ~9B train tokens (~17
+GB), 0.05% held out for validation. Downloads from the Hugging Face hub (~54 GB of cache).
     python data/openwebtext/prepare.py [--num_proc 8]
 """
 
@@ -19,4 +19,8 @@ def split(dataset, seed: int = 2357):
 prepare = hf_recipe(Path(__file__).resolve().parent, split)
 
 if __name__ == "__main__":
-    run_hf_recipe(__doc__, prepare, lambda load_dataset, num_proc: load_dataset("openwebtext", num_proc=num_proc))
+    run_hf_recipe(
+        __doc__,
+        prepare,
+        lambda load_dataset, num_proc: load_dataset("openwebtext", num_proc=num_proc),
+    )

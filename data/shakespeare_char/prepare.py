@@ -1,5 +1,5 @@
-"""The embedded default: the complete works of Shakespeare, character level (84 characters), no network needed.
-python data/shakespeare_char/prepare.py
+"""The embedded default: the complete works of Shakespeare, character level (84 characters), no
+network needed. python data/shakespeare_char/prepare.py
 """
 
 import sys
@@ -10,7 +10,9 @@ from lib.datafiles import prepare_text, read_embedded_corpus  # noqa: E402
 
 
 def prepare(out_dir: Path | None = None) -> None:
-    prepare_text(read_embedded_corpus(), out_dir or Path(__file__).resolve().parent, tokenizer="char")
+    prepare_text(
+        read_embedded_corpus(), out_dir or Path(__file__).resolve().parent, tokenizer="char"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The embedded corpus in short documents, character level: each speech (a speaker's line and what is said until the
-next speaker; a median of 85 characters), the record separator (\\x1e, the end-of-text token) before each one
-after the first. Documents shorter than a block: what document packing changes (compare/sweep.py --packing). No network
-needed.
-python data/shakespeare_char_speeches/prepare.py
+"""The embedded corpus in short documents, character level: each speech (a speaker's line and what
+is said until the next speaker; a median of 85 characters), the record separator (\\x1e, the
+end-of-text token) before each one after the first. Documents shorter than a block: what document
+packing changes (compare/sweep.py --packing). No network needed. python
+data/shakespeare_char_speeches/prepare.py
 """
 
 import sys
@@ -13,7 +13,11 @@ from lib.datafiles import prepare_documents, read_embedded_corpus, speeches  # n
 
 
 def prepare(out_dir: Path | None = None) -> None:
-    prepare_documents(speeches(read_embedded_corpus()), out_dir or Path(__file__).resolve().parent, tokenizer="char")
+    prepare_documents(
+        speeches(read_embedded_corpus()),
+        out_dir or Path(__file__).resolve().parent,
+        tokenizer="char",
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""WikiText-103 (Merity et al. 2016), the ALiBi paper's corpus, raw text with GPT-2 BPE (~120M train tokens).
-The rows are lines of articles, joined as they are; an end-of-text token goes before each article's title line
-(" = Title = ", one "=" a side; sections have more), so that the articles are documents for packing="documents".
+"""WikiText-103 (Merity et al. 2016), the ALiBi paper's corpus, raw text with GPT-2 BPE (~120M train
+tokens). The rows are lines of articles, joined as they are; an end-of-text token goes before each
+article's title line (" = Title = ", one "=" a side; sections have more), so that the articles are
+documents for packing="documents".
     python data/wikitext103/prepare.py [--num_proc 8]
 """
 
@@ -26,4 +27,8 @@ def begins_article(line: str) -> bool:
 prepare = hf_recipe(Path(__file__).resolve().parent, split, eot=begins_article)
 
 if __name__ == "__main__":
-    run_hf_recipe(__doc__, prepare, lambda load_dataset, num_proc: load_dataset("wikitext", "wikitext-103-raw-v1"))
+    run_hf_recipe(
+        __doc__,
+        prepare,
+        lambda load_dataset, num_proc: load_dataset("wikitext", "wikitext-103-raw-v1"),
+    )
