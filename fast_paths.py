@@ -210,7 +210,8 @@ def flex_table(
     """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the
     distances 0 … R (the last for every longer one), which TableGrad gives its gradient. starts (B,
     T): where each token's document starts (packing="documents"), else None."""
-    frozen, R = table.detach(), table.size(1) - 1
+    frozen = table.detach()
+    R = table.size(1) - 1
     score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - key_pos[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
 
     def attention(q, k, v):
@@ -282,11 +283,10 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     D = (dyb * yb).sum(-1, keepdim=True)  # (B, nh, nb, n, 1): rowsum(dP ⊙ P)
     # documents' starts
     sb = None if starts is None else F.pad(starts, (0, nb * n - T), value=-1).view(B, nb, n)
-    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
-    frozen, near_grad = (
-        table.detach().to(dtype),
-        torch.zeros(nh, band, device=q.device, dtype=dtype),
-    )
+    r = torch.arange(n, device=q.device)[:, None]
+    c = torch.arange(n, device=q.device)[None, :]
+    frozen = table.detach().to(dtype)
+    near_grad = torch.zeros(nh, band, device=q.device, dtype=dtype)
     for kd in range(last + 1):  # query tiles kd … nb - 1 against key tiles 0 … nb - 1 - kd
         rel = kd * n + r - c  # (n, n): i - j
         # (nb - kd, n, 1): the query's index
@@ -294,15 +294,21 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
         near = (rel >= 0) & (rel < band) & (i < T)  # (nb - kd, n, n)
         if sb is not None:  # and in the query's document: (B, 1, nb - kd, n, n)
             near = near & (sb[:, kd:, :, None] == sb[:, : nb - kd, None, :])[:, None]
-        qt, dyt, lt, Dt = qb[:, :, kd:], dyb[:, :, kd:], lse_b[:, :, kd:], D[:, :, kd:]
-        kt, vt = kb[:, :, : nb - kd], vb[:, :, : nb - kd]
+        qt = qb[:, :, kd:]
+        dyt = dyb[:, :, kd:]
+        lt = lse_b[:, :, kd:]
+        Dt = D[:, :, kd:]
+        kt = kb[:, :, : nb - kd]
+        vt = vb[:, :, : nb - kd]
         # (B,nh,nb-kd,n,n)
         s = (qt @ kt.transpose(-2, -1)) * hs**-0.5 + frozen[:, rel.clamp(0, R)][None, :, None]
         p = torch.where(near, (s - lt).exp(), 0.0)
         # (nh, n, n), over the batch and the tiles
         ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))
         sums = diagonal_sums(ds)  # (nh, 2n - 1): distances kd·n - (n - 1) … kd·n + n - 1
-        lo, d0, d1 = kd * n - (n - 1), max(0, kd * n - (n - 1)), min(band, kd * n + n)
+        lo = kd * n - (n - 1)
+        d0 = max(0, kd * n - (n - 1))
+        d1 = min(band, kd * n + n)
         near_grad[:, d0:d1] += sums[:, d0 - lo : d1 - lo]
     if direct:  # entries past the last seen distance (a window shorter than the table) have none
         return F.pad(near_grad, (0, R + 1 - band)).to(table.dtype)
@@ -332,12 +338,10 @@ def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torc
     another head size) by its math. In float32 at least, so that the bias is not rounded to steps of
     q's precision (ALiBi's -m·3000 to steps of 1/16)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    q, k, v, bias = (
-        q.to(work),
-        k.to(work),
-        v.to(work),
-        (bias if bias.dim() == 4 else bias[None]).to(work),
-    )
+    q = q.to(work)
+    k = k.to(work)
+    v = v.to(work)
+    bias = (bias if bias.dim() == 4 else bias[None]).to(work)
     # compare/probe.py reads with V the identity
     if v.size(-1) != q.size(-1) or q.device.type != "cpu":
         s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale) + bias
@@ -358,7 +362,8 @@ class TableBiasAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, table, pos, key_pos, window, starts=None, key_starts=None):
         # None: the queries' own
-        own_keys, key_pos = key_pos is None, pos if key_pos is None else key_pos
+        own_keys = key_pos is None
+        key_pos = pos if key_pos is None else key_pos
         key_starts = starts if key_starts is None else key_starts
 
         # (nh, bq, nk), or (B, nh, bq, nk) by documents
@@ -377,20 +382,23 @@ class TableBiasAttention(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, table, pos, key_pos, y, lse, starts, key_starts = ctx.saved_tensors
         # bf16 in, float32 arithmetic
-        dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
+        dtype = q.dtype
+        work = torch.promote_types(q.dtype, torch.float32)
         q, k, v, dy, y = (t.to(work) for t in (q, k, v, dy, y))
         # D: rowsum(dP ⊙ P), (B, nh, Tq, 1)
-        scale, D = q.size(-1) ** -0.5, (dy * y).sum(-1, keepdim=True)
-        dq, dk, dv, dtable = (
-            torch.empty_like(q),
-            torch.zeros_like(k),
-            torch.zeros_like(v),
-            torch.zeros_like(table),
-        )
+        scale = q.size(-1) ** -0.5
+        D = (dy * y).sum(-1, keepdim=True)
+        dq = torch.empty_like(q)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        dtable = torch.zeros_like(table)
         for rows, cols in query_blocks(q.size(2), k.size(2), ctx.own_keys, pos, starts, ctx.window):
             # (nh, bq, nk), (bq, nk)
             bias, index = table_block(table, pos[rows], key_pos[cols], ctx.window)
-            qb, dyb, kb, vb = q[:, :, rows], dy[:, :, rows], k[:, :, cols], v[:, :, cols]
+            qb = q[:, :, rows]
+            dyb = dy[:, :, rows]
+            kb = k[:, :, cols]
+            vb = v[:, :, cols]
             p = (
                 (qb @ kb.transpose(-2, -1))
                 .mul_(scale)
@@ -429,7 +437,8 @@ def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.T
     query does not see a key."""
     B, nh, Tq, _ = q.shape
     work = torch.promote_types(q.dtype, torch.float32)
-    y, lse = q.new_empty(B, nh, Tq, v.size(-1), dtype=work), q.new_empty(B, nh, Tq, dtype=work)
+    y = q.new_empty(B, nh, Tq, v.size(-1), dtype=work)
+    lse = q.new_empty(B, nh, Tq, dtype=work)
     for rows, cols in blocks:
         y[:, :, rows], lse[:, :, rows] = flash(
             q[:, :, rows], k[:, :, cols], v[:, :, cols], bias(rows, cols, lse.dtype)
@@ -459,7 +468,10 @@ class SumBiasAttention(torch.autograd.Function):
             mask = unseen(pos, key_pos, window, starts, key_starts, rows, cols, qs.dtype)
             ys[:, :, rows], lse[:, :, rows] = flash(qb, kb, vs[:, :, cols], mask, scale=1.0)
         ctx.save_for_backward(qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts)
-        ctx.window, ctx.own_keys, ctx.blocks, ctx.dtype = window, own_keys, blocks, q.dtype
+        ctx.window = window
+        ctx.own_keys = own_keys
+        ctx.blocks = blocks
+        ctx.dtype = q.dtype
         return ys[..., : v.size(-1)].to(q.dtype)
 
     @staticmethod
@@ -467,12 +479,11 @@ class SumBiasAttention(torch.autograd.Function):
         qs, ks, vs, c, key_c, pos, key_pos, ys, lse, starts, key_starts = ctx.saved_tensors
         hs = qs.size(-1) - 2  # with a gradient v is q's size too (summed padded it)
         dys = F.pad(dy.to(qs.dtype), (0, 2))
-        dq, dk, dv = (
-            qs.new_empty(*qs.shape[:3], hs),
-            torch.zeros_like(ks[..., :hs]),
-            torch.zeros_like(vs[..., :hs]),
-        )
-        dc, dkey_c = torch.zeros_like(c), torch.zeros_like(key_c)
+        dq = qs.new_empty(*qs.shape[:3], hs)
+        dk = torch.zeros_like(ks[..., :hs])
+        dv = torch.zeros_like(vs[..., :hs])
+        dc = torch.zeros_like(c)
+        dkey_c = torch.zeros_like(key_c)
         for rows, cols in ctx.blocks:
             qb, kb = with_sums(qs, ks, c, key_c, rows, cols)
             mask = unseen(pos, key_pos, ctx.window, starts, key_starts, rows, cols, qs.dtype)
@@ -496,7 +507,8 @@ class SumBiasAttention(torch.autograd.Function):
             dkey_c[:, :, cols] -= dkb[..., hs + 1].to(dc.dtype)
             dv[:, :, cols] += dvb[..., :hs]
         if ctx.own_keys:  # c is the keys' too: one gradient
-            dc, dkey_c = dc + dkey_c, None
+            dc = dc + dkey_c
+            dkey_c = None
         dq = dq.mul_(hs**-0.5)  # the queries went in as q/√hs
         return (
             dq.to(ctx.dtype),
@@ -520,10 +532,8 @@ def summed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     bias): q as q/√hs, the keys' 1 in the first new one and the queries' 1 in the second (with_sums
     writes the sums beside them), v with zeros (the flash kernel takes one head size)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    qs, ks = (
-        F.pad(q.to(work) * q.size(-1) ** -0.5, (0, 2), value=1.0),
-        F.pad(k.to(work), (0, 2), value=1.0),
-    )
+    qs = F.pad(q.to(work) * q.size(-1) ** -0.5, (0, 2), value=1.0)
+    ks = F.pad(k.to(work), (0, 2), value=1.0)
     return (
         qs,
         ks,
@@ -577,14 +587,14 @@ class CountAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, e, counts: GateCounts, pos, window, starts, blocks):
         work = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            qs, kf, vf, es = (
-                q.to(work).contiguous(),
-                k.to(work).flip(-2),
-                v.to(work).flip(-2),
-                e.to(work),
-            )
-            y, lse = qs.new_empty(*q.shape[:3], v.size(-1)), qs.new_empty(*q.shape[:3], 1)
-            keys, nears = Keys(qs, kf, es, counts, pos, window, starts), []
+            qs = q.to(work).contiguous()
+            kf = k.to(work).flip(-2)
+            vf = v.to(work).flip(-2)
+            es = e.to(work)
+            y = qs.new_empty(*q.shape[:3], v.size(-1))
+            lse = qs.new_empty(*q.shape[:3], 1)
+            keys = Keys(qs, kf, es, counts, pos, window, starts)
+            nears = []
             # the bias alone: the kernel adds it to the scores it computes
             for rows, cols in blocks:
                 them = reversed_keys(cols, kf.size(2))
@@ -602,16 +612,21 @@ class CountAttention(torch.autograd.Function):
     def backward(ctx, dy):
         qs, kf, vf, es, y, lse, pos, starts = ctx.saved_tensors
         # gate logit = score·ratio
-        c, ratio = qs.size(-1) ** -0.5, ctx.counts.gate_scale * qs.size(-1) ** 0.5
+        c = qs.size(-1) ** -0.5
+        ratio = ctx.counts.gate_scale * qs.size(-1) ** 0.5
         with torch.autocast(qs.device.type, enabled=False):
             dy = dy.to(qs.dtype)
             D = (dy * y).sum(-1, keepdim=True)  # (B, nh, Tq, 1): rowsum(dP ⊙ P)
             keys = Keys(qs, kf, es, ctx.counts, pos, ctx.window, starts)
-            dq, dkf, dvf = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
+            dq = torch.empty_like(qs)
+            dkf = torch.zeros_like(kf)
+            dvf = torch.zeros_like(vf)
             dz = torch.empty_like(keys.z)
             for (rows, cols), near in zip(ctx.blocks, ctx.nears, strict=True):
                 p, g, lo, w, step, _ = counted_scores(keys, rows, cols, near=near)
-                them, qb, dyb = reversed_keys(cols, kf.size(2)), qs[:, :, rows], dy[:, :, rows]
+                them = reversed_keys(cols, kf.size(2))
+                qb = qs[:, :, rows]
+                dyb = dy[:, :, rows]
                 p = p.sub_(lse[:, :, rows]).exp_()  # the probabilities (B, nh, bq, nk)
                 dvf[:, :, them] += p.transpose(-2, -1) @ dyb
                 dP = torch.matmul(
@@ -657,8 +672,11 @@ class Keys:
         self.qs, self.kf, self.counts, self.window = qs, kf, counts, window
         # (B, nh, Tq, p_max + 1): z[n] = q·e[n], and z[p_max - 1] again
         zz = qs @ torch.cat([es, es[-1:]]).T
-        self.z, self.z_next = zz[..., :-1], zz[..., 1:]  # z[n], z[n + 1]
-        self.pos, self.key_pos, self.starts = pos, pos.flip(0), starts
+        self.z = zz[..., :-1]  # z[n], z[n + 1]
+        self.z_next = zz[..., 1:]
+        self.pos = pos
+        self.key_pos = pos.flip(0)
+        self.starts = starts
         self.key_starts = None if starts is None else starts.flip(-1)
         self.size = qs.size(0) * qs.size(1) * TABLE_BLOCK * kf.size(2)
 
@@ -684,12 +702,15 @@ def counted_scores(
     the gates g, then over the `near` nearest keys (None: found here, the keys before every count
     has stopped at p_max - 1) ⌊p⌋, p - ⌊p⌋ and z's step at each pair, and near; in keys' buffers."""
     them = reversed_keys(cols, keys.kf.size(2))
-    qb, kb, c = keys.qs[:, :, rows], keys.kf[:, :, them], keys.qs.size(-1) ** -0.5
+    qb = keys.qs[:, :, rows]
+    kb = keys.kf[:, :, them]
+    c = keys.qs.size(-1) ** -0.5
     shape = (*qb.shape[:3], kb.size(2))
     mask = unseen(
         keys.pos, keys.key_pos, keys.window, keys.starts, keys.key_starts, rows, them, qb.dtype
     )
-    qk, g = keys.take("s", shape), keys.take("g", shape)
+    qk = keys.take("s", shape)
+    g = keys.take("g", shape)
     torch.bmm(qb.flatten(0, 1), kb.flatten(0, 1).transpose(1, 2), out=qk.flatten(0, 1))
     if keys.counts.gate_scale != c:  # σ(q·k·gate_scale), 0 where unseen
         torch.mul(qk, keys.counts.gate_scale, out=g).sigmoid_().mul_(mask.isfinite())
@@ -705,7 +726,8 @@ def counted_scores(
             if torch.compiler.is_compiling()
             else int((p.amin(dim=(0, 1, 2)) < last).sum())
         )
-    p, z = p[..., :near], keys.z[:, :, rows]
+    p = p[..., :near]
+    z = keys.z[:, :, rows]
     lo = keys.take("lo", p.shape, torch.long).copy_(p)  # ⌊p⌋ (p >= 0)
     w = p.frac_()
     # z[⌊p⌋ + 1]
@@ -846,10 +868,8 @@ def content_attention(
             )
         # CoPE's positions, counted in order
         if kernel == "bias_blocks" and counts is not None and own_keys:
-            gate_counts, blocks = (
-                counts(),
-                list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window)),
-            )
+            gate_counts = counts()
+            blocks = list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window))
             return CountAttention.apply(
                 q, k, v, gate_counts.e, gate_counts, pos, window, query_starts, blocks
             )
@@ -903,12 +923,10 @@ class UnitByUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w1, b1, w2 = ctx.saved_tensors
-        gx, gw1, gb1, gw2 = (
-            torch.zeros_like(g),
-            torch.zeros_like(w1),
-            torch.zeros_like(b1),
-            torch.zeros_like(w2),
-        )
+        gx = torch.zeros_like(g)
+        gw1 = torch.zeros_like(w1)
+        gb1 = torch.zeros_like(b1)
+        gw2 = torch.zeros_like(w2)
         for u in range(w1.size(-1)):
             a = x * w1[..., u] + b1[..., u]
             ga = torch.where(a > 0, g * w2[..., u], 0.0)  # d out / d a_u
@@ -954,11 +972,13 @@ def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2)
     of that position p and the distance d alone, so the MLP runs once per (p, d) for the positions
     past the threshold (every position, compiled: their number is data) and once per d for those
     below, then each row gathers its own."""
-    T, device = len(pos), pos.device
+    T = len(pos)
+    device = pos.device
     # p < L
     within = 0 if torch.compiler.is_compiling() else min(T, max(0, math.ceil(threshold.item())))
     table = mlp_distances(f, T, c, threshold, w1, b1, w2[:, 0])  # (nh, T): p < L reads d alone
-    p, d = torch.arange(within, T, device=device)[:, None], torch.arange(T, device=device)
+    p = torch.arange(within, T, device=device)[:, None]
+    d = torch.arange(T, device=device)
     past = run_mlp(f.mlp, f.input(c, threshold, p, p - d), w1, b1, w2)  # (nh, T - within, T)
     by_position = torch.cat([table[:, None].expand(-1, within, -1), past], dim=1)  # (nh, p, d)
     rel = (pos[:, None] - pos).clamp(min=0)  # (T, T): i - j, the same in a document

@@ -78,13 +78,12 @@ class KVCache:
         advances a cache. At the cache's next T positions, or at pos (T,), the last of them `last`
         (a host int: no sync); eot_token: packing="documents"'s, where each token's document starts.
         model.GPT.chunk checks a chunk before it claims."""
-        T, start = idx.size(1), self.next_pos
+        T = idx.size(1)
+        start = self.next_pos
         if pos is None:  # the cache's next T positions
-            pos, last, consecutive = (
-                torch.arange(start, start + T, device=idx.device),
-                start + T - 1,
-                True,
-            )
+            pos = torch.arange(start, start + T, device=idx.device)
+            last = start + T - 1
+            consecutive = True
         else:  # .diff() syncs: only for explicit positions
             consecutive = T == 1 or bool((pos.diff() == 1).all())
         starts = None if eot_token is None else document_starts(idx, pos, eot_token, self)  # (B, T)
@@ -98,7 +97,8 @@ class KVCache:
                     (len(starts), self.size), -1, dtype=torch.long, device=pos.device
                 )
             self.starts.index_copy_(1, slots, starts)
-        self.next_pos, self.length = last + 1, self.length + len(pos)
+        self.next_pos = last + 1
+        self.length = self.length + len(pos)
         return Chunk(
             pos,
             self.pos,
@@ -186,7 +186,8 @@ def generate(
             "idx must be a (B, T) tensor of integer token ids, B and T >= 1 (e.g. "
             f"torch.tensor([[1, 2]])); got {got}"
         )
-    idx, V = idx.long(), model.config.vocab_size  # ids of any integer width
+    idx = idx.long()  # ids of any integer width
+    V = model.config.vocab_size
     if (low := int(idx.min())) < 0 or (high := int(idx.max())) >= V:
         raise ValueError(
             f"idx holds token id {low if low < 0 else high}: the model's vocabulary is 0 … {V - 1}"
@@ -207,7 +208,8 @@ def generate(
                 *(t for t in [after.starts, *after.running] if t is not None),
             ]:
                 torch._dynamo.mark_static_address(t)
-        cache, new = after, sample_next(logits, temperature, top_k, top_p, generator)  # new: (B, 1)
+        cache = after  # new: (B, 1)
+        new = sample_next(logits, temperature, top_k, top_p, generator)
         idx = torch.cat([idx, new], dim=1)
     return idx
 

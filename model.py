@@ -88,11 +88,9 @@ class PositionalEncoding(nn.Module):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         overrides = lambda hook: getattr(cls, hook) is not getattr(PositionalEncoding, hook)  # noqa: E731
-        cls.embeds, cls.rotates, cls.forgets = (
-            overrides("embed"),
-            overrides("rotary"),
-            overrides("forget"),
-        )
+        cls.embeds = overrides("embed")
+        cls.rotates = overrides("rotary")
+        cls.forgets = overrides("forget")
 
     @classmethod
     def resolve(cls, config: GPTConfig) -> None:
@@ -235,7 +233,8 @@ class Learned(PositionalEncoding):
         # (block_size,)
         x = (torch.arange(block_size, dtype=torch.float64) * L0 / block_size).clamp(max=L0 - 1)
         lo = x.floor().long()
-        hi, frac = (lo + 1).clamp(max=L0 - 1), (x - lo).to(self.weight.dtype)[:, None]
+        hi = (lo + 1).clamp(max=L0 - 1)
+        frac = (x - lo).to(self.weight.dtype)[:, None]
         w = self.weight.detach()
         self.weight = nn.Parameter(torch.lerp(w[lo], w[hi], frac))  # (block_size, C)
 
@@ -297,7 +296,8 @@ class T5(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.num_buckets, self.max_distance = config.t5_num_buckets, config.t5_max_distance
+        self.num_buckets = config.t5_num_buckets
+        self.max_distance = config.t5_max_distance
         # (nh, buckets)
         self.weight = nn.Parameter(torch.zeros(config.n_head, config.t5_num_buckets))
         n = torch.arange(max(self.max_distance, self.num_buckets) + 1)
@@ -413,11 +413,9 @@ class RoPE(PositionalEncoding):
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         d = self.head_dim = config.n_embd // config.n_head
-        self.base, self.scaling, self.factor = (
-            config.rope_base,
-            config.rope_scaling,
-            float(config.rope_factor),
-        )
+        self.base = config.rope_base
+        self.scaling = config.rope_scaling
+        self.factor = float(config.rope_factor)
         self.rotating = round(config.rope_fraction * d / 2)  # pairs that rotate
         self.original = config.rope_original_max_len or config.block_size
         self.mscale = 0.1 * math.log(self.factor) + 1.0 if self.scaling == "yarn" else 1.0
@@ -431,10 +429,8 @@ class RoPE(PositionalEncoding):
         # YaRN's ramp, over the pair index k: dim(r) is the k whose wavelength 2π/θ_k fits r times
         # into L0
         dim = lambda r: d * math.log(self.original / (2 * math.pi * r)) / (2 * math.log(self.base))  # noqa: E731
-        self.low, self.high = (
-            max(math.floor(dim(YARN_BETA)), 0),
-            min(math.ceil(dim(YARN_ALPHA)), d - 1),
-        )
+        self.low = max(math.floor(dim(YARN_BETA)), 0)
+        self.high = min(math.ceil(dim(YARN_ALPHA)), d - 1)
         if self.high == self.low:
             self.high += 0.001  # a step, not a division by zero
         # θ is fixed by the config (dynamic_ntk's alone moves with the length): float32 bits, as
@@ -469,7 +465,8 @@ class RoPE(PositionalEncoding):
     def inv_freq(self, device: torch.device, length: torch.Tensor | None = None) -> torch.Tensor:
         """θ_k (hs/2,) float32, scaled; length (0-d, or (B, T, 1) by documents: θ (B, T, hs/2)):
         dynamic_ntk's only."""
-        d, s = self.head_dim, self.factor
+        d = self.head_dim
+        s = self.factor
         k = torch.arange(0, d // 2, device=device, dtype=torch.float32)
         theta = self.theta_base ** (-2 * k / d)
         if self.scaling == "linear":  # position interpolation (Chen et al. 2023)
@@ -586,7 +583,9 @@ class FIRE(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        layers, nh, n = config.n_layer, config.n_head, self.units
+        layers = config.n_layer
+        nh = config.n_head
+        n = self.units
         self.n_head = nh
         self.c = nn.Parameter(torch.full((layers,), 0.1))  # (layers,) used as |c|
         # (layers,) m: Adam moves L by a fraction of itself
@@ -636,7 +635,8 @@ class FIRE(PositionalEncoding):
     def layer_bias(self, layer: int | slice) -> fast_paths.MLPBias:
         """Layer `layer`'s bias (every layer's at a slice) as an MLP of each pair's input, its
         parameters read once: c used as |c|, and the threshold L = |m|·L0."""
-        c, threshold = self.c[layer].abs(), (self.L_multiplier * self.init_L).abs()[layer]
+        c = self.c[layer].abs()
+        threshold = (self.L_multiplier * self.init_L).abs()[layer]
         return fast_paths.MLPBias(
             self.input, self.mlp, c, threshold, self.w1[layer], self.b1[layer], self.w2[layer]
         )
@@ -676,7 +676,8 @@ class CoPE(PositionalEncoding):
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
-        self.p_max, hs = config.cope_p_max, config.n_embd // config.n_head
+        self.p_max = config.cope_p_max
+        hs = config.n_embd // config.n_head
         self.gate_scale = hs**-0.5 if config.cope_gates == "scaled" else 1.0
         # each layer's, its heads' too; 0: NoPE
         self.e = nn.Parameter(torch.zeros(config.n_layer, self.p_max, hs))
@@ -898,11 +899,15 @@ def pair_bias(
             pe.layer_bias(layer), chunk.pos, chunk.key_pos, own_keys, doc_pos, recompute
         )
     # (nh, 1, 1), (Tq, 1), (Tk,)
-    heads, i, j = heads[:, None, None], chunk.pos[:, None], chunk.key_pos
+    heads = heads[:, None, None]
+    i = chunk.pos[:, None]
+    j = chunk.key_pos
     # each row's positions in its documents: (B, nh, Tq, Tk)
     if chunk.starts is not None and not pe.relative:
         i, j = chunk.document_positions()  # (B, Tq), (B, Tk)
-        heads, i, j = heads[None], i[:, None, :, None], j[:, None, None, :]
+        heads = heads[None]
+        i = i[:, None, :, None]
+        j = j[:, None, None, :]
     if recompute:
         return checkpoint(pe.score_bias, heads, i, j, use_reentrant=False)
     return pe.score_bias(heads, i, j)
@@ -1033,7 +1038,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
         self.layer_idx = layer_idx
 
     def forward(self, x, rope, attention, cache=None, slots=None):
@@ -1044,7 +1050,8 @@ class CausalSelfAttention(nn.Module):
         # (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = apply_rotary(q, *rope)
+            k = apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots)  # (B, nh, Tk, hs)
         y = attention(q, k, v, x)  # (B, nh, T, hs)
@@ -1168,7 +1175,8 @@ class GPT(nn.Module):
         groups = {}
         for p in self.parameters():
             if p.requires_grad:
-                decay, scaled = p.dim() >= 2 and id(p) not in no_decay, id(p) in encoding
+                decay = p.dim() >= 2 and id(p) not in no_decay
+                scaled = id(p) in encoding
                 groups.setdefault((decay, scaled), []).append(p)
         ordered = sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))  # decayed first
         params = [
@@ -1224,7 +1232,8 @@ class GPT(nn.Module):
         """The Chunk of idx (B, T) at pos (None: the next T), checked; with a cache, the cache's
         (KVCache.claim, which generation calls alone: it feeds a cache only chunks that pass these
         checks)."""
-        T, start = idx.size(1), cache.next_pos if cache is not None else 0
+        T = idx.size(1)
+        start = cache.next_pos if cache is not None else 0
         explicit_pos = pos is not None
         # .max() syncs: only for explicit positions
         last = int(pos.max()) if explicit_pos else start + T - 1

@@ -192,7 +192,8 @@ def main(argv: list[str]) -> None:
         return
     cfg = configure(defaults, argv)
     check_options(cfg)
-    device, dtype = cfg["device"], cfg["dtype"] or default_dtype(cfg["device"])
+    device = cfg["device"]
+    dtype = cfg["dtype"] or default_dtype(cfg["device"])
     torch.manual_seed(cfg["seed"])
     allow_tf32(device)
 
@@ -204,7 +205,8 @@ def main(argv: list[str]) -> None:
         if problem := missing("transformers", f"init_from={cfg['init_from']!r}"):
             sys.exit(f"error: {problem}")
         try:
-            model, tok = GPT.from_pretrained(cfg["init_from"]), GPT2Tokenizer()
+            model = GPT.from_pretrained(cfg["init_from"])
+            tok = GPT2Tokenizer()
         # offline, a misspelled name, no transformers
         except (OSError, ImportError, ValueError) as e:
             sys.exit(f"error: cannot load GPT-2 weights from init_from={cfg['init_from']!r}: {e}")
@@ -215,11 +217,9 @@ def main(argv: list[str]) -> None:
             sys.exit(f"error: {problem}")
     if cfg["rope_scaling"]:
         try:
-            pe, length, T = (
-                model.encoding,
-                cfg["max_context"] or model.config.block_size,
-                model.config.block_size,
-            )
+            pe = model.encoding
+            length = cfg["max_context"] or model.config.block_size
+            T = model.config.block_size
             default = pe.default_factor(cfg["rope_scaling"], length, T) if pe.rope_scalable else 1.0
             model.set_rope_scaling(cfg["rope_scaling"], cfg["rope_factor"] or default)
         except ValueError as e:

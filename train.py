@@ -369,7 +369,8 @@ def build_model(
         if cfg["block_size"] < model.config.block_size:
             model.crop_block_size(cfg["block_size"])
         # an attention rule, not a weight
-        model.config.packing, model.config.eot_token = cfg["packing"], eot
+        model.config.packing = cfg["packing"]
+        model.config.eot_token = eot
     for k in model_keys:
         if getattr(model.config, k) != cfg[k]:
             log(
@@ -441,7 +442,8 @@ def get_lr(it: int, cfg: dict) -> float:
 def train_step(run: Run) -> torch.Tensor:
     """One optimizer step over gradient_accumulation_steps micro-batches (gradients synchronized on
     the last); returns the loss (a 0-d tensor: reading it would wait for the GPU)."""
-    cfg, strategy = run.cfg, run.strategy
+    cfg = run.cfg
+    strategy = run.strategy
     grad_accum = cfg["gradient_accumulation_steps"] // run.procs.world_size
     loss_sum = torch.zeros((), device=run.procs.device)
     for micro_step in range(grad_accum):
@@ -486,7 +488,9 @@ def estimate_loss(run: Run, stop: torch.Tensor | None = None) -> dict[str, float
     where every rank must finish the same batches."""
     out = {}
     run.net.eval()
-    n, done, t0 = len(SPLITS) * run.cfg["eval_iters"], 0, time.time()
+    n = len(SPLITS) * run.cfg["eval_iters"]
+    done = 0
+    t0 = time.time()
     shown = t0
     for split in SPLITS:
         g = torch.Generator().manual_seed(run.cfg["seed"] + 1)
@@ -519,7 +523,8 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
     """Estimate the losses, log them (and to wandb), and save a checkpoint: at every evaluation with
     always_save_checkpoint, else when the val loss improves, and at the end; ckpt_best when it
     improves. Returns the evaluation's seconds, or None when a stop request ended it early."""
-    cfg, log = run.cfg, run.procs.log
+    cfg = run.cfg
+    log = run.procs.log
     t0 = time.time()
     losses = with_fallback(run, lambda: estimate_loss(run, stop))
     if losses is None:
@@ -556,12 +561,16 @@ class Progress:
     log_interval's loss, speed, MFU and ETA."""
 
     def __init__(self, run: Run):
-        self.run, self.start_iter = run, run.iter_num
-        self.dt_avg, self.eval_dt, self.t0 = None, 0.0, time.time()
+        self.run = run
+        self.start_iter = run.iter_num
+        self.dt_avg = None
+        self.eval_dt = 0.0
+        self.t0 = time.time()
         self.flops = peak_flops(run.procs.device)
 
     def evaluated(self, seconds: float) -> None:
-        self.eval_dt, self.t0 = seconds, time.time()
+        self.eval_dt = seconds
+        self.t0 = time.time()
 
     def left(self) -> tuple[int, int]:
         """Iterations and evaluations left after this one."""
@@ -569,9 +578,12 @@ class Progress:
         return left, left // self.run.cfg["eval_interval"] + 1
 
     def stepped(self, loss: torch.Tensor, lr: float, wandb) -> None:
-        run, cfg, log = self.run, self.run.cfg, self.run.procs.log
+        run = self.run
+        cfg = self.run.cfg
+        log = self.run.procs.log
         t1 = time.time()
-        dt, self.t0 = t1 - self.t0, t1
+        dt = t1 - self.t0
+        self.t0 = t1
         # skip the first iterations (compilation, warm-up) in the average
         if run.iter_num > self.start_iter + 1:
             self.dt_avg = dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * dt
@@ -614,7 +626,9 @@ class Progress:
 
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
-    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    h = seconds // 3600
+    m = seconds // 60 % 60
+    s = seconds % 60
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
@@ -655,7 +669,10 @@ def start_wandb(run: Run):
 
 def log_start(run: Run) -> None:
     """The run's first lines: what trains where, and anything about the setup worth a note."""
-    cfg, procs, model, log = run.cfg, run.procs, run.model, run.procs.log
+    cfg = run.cfg
+    procs = run.procs
+    model = run.model
+    log = run.procs.log
     log(
         f"{cfg['pos_encoding']} GPT: {model.get_num_params() / 1e6:.2f}M parameters; "
         f"{run.tokens_per_iter:,} tokens "

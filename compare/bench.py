@@ -125,7 +125,8 @@ def load_nanogpt(path: str | None):
 def train_step_fn(model, cfg: dict, args, device: str):
     """One optimizer step on random tokens: forward with targets, backward, AdamW (what train.py
     does per iteration)."""
-    B, T = cfg["batch_size"], cfg["block_size"]
+    B = cfg["batch_size"]
+    T = cfg["block_size"]
     x = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     y = torch.randint(0, cfg["vocab_size"], (B, T), device=device)
     # a document every DOCUMENT tokens
@@ -223,7 +224,9 @@ def bench_encodings(args, device: str) -> None:
         how = "compiled" if args.compile else "eager"
         print(f"\n### Training step per encoding, {how} ({cfg})\n")
         peak = peak_flops(device)
-        steps, times, memory = {}, {enc: [] for enc in args.step_encodings}, {}
+        steps = {}
+        times = {enc: [] for enc in args.step_encodings}
+        memory = {}
         for enc in args.step_encodings:
             torch.manual_seed(0)
             model = GPT(GPTConfig(**model_args(cfg), pos_encoding=enc)).to(device)
@@ -251,7 +254,8 @@ def bench_encodings(args, device: str) -> None:
                 )
         tokens = cfg["batch_size"] * cfg["block_size"]
         rows = {enc: statistics.median(ts) for enc, ts in times.items()}
-        fastest, rope = min(rows.values()), rows.get("rope")
+        fastest = min(rows.values())
+        rope = rows.get("rope")
         print(
             "| encoding | ms/step | tokens/s | MFU | peak memory (activations) | vs fastest | "
             "vs rope | kernel |"
@@ -281,17 +285,16 @@ def bench_packing(args, device: str) -> None:
             f"\n### Training step with document packing, {how} ({cfg}, a document every "
             f"{DOCUMENT} tokens)\n"
         )
-        steps, times = {}, {}
+        steps = {}
+        times = {}
         for enc in args.step_encodings:
             for packing in PACKINGS:
                 torch.manual_seed(0)
                 model = GPT(
                     GPTConfig(**model_args(cfg), pos_encoding=enc, packing=packing, eot_token=0)
                 ).to(device)
-                steps[enc, packing], times[enc, packing] = (
-                    train_step_fn(model, cfg, args, device),
-                    [],
-                )
+                steps[enc, packing] = train_step_fn(model, cfg, args, device)
+                times[enc, packing] = []
         for _ in range(args.rounds):
             for key, step in steps.items():
                 times[key].append(timed(step, device, args.steps, args.warmup))
@@ -580,7 +583,8 @@ def bench_memory(args, device: str) -> None:
     """Peak memory and step time of one training step per encoding, block size and activation
     checkpointing mode, in fresh processes (CPU), beside the estimate; then, for a memory budget,
     the longest block each mode trains at."""
-    B, L = args.memory_batch, args.memory_n_layer
+    B = args.memory_batch
+    L = args.memory_n_layer
     if args.memory_blocks:
         print(
             f"\n### Training step memory (comparison model with {L} layers, batch {B}, float32, "

@@ -95,7 +95,10 @@ def evaluate(
     n = len(data) - 1
     spans = windows(n, L, mode, stride)
     B = window_batch(model, L, budget_bytes)
-    total, count, per_pos, i = 0.0, 0, torch.zeros(L, dtype=torch.float64), 0
+    total = 0.0
+    count = 0
+    per_pos = torch.zeros(L, dtype=torch.float64)
+    i = 0
     while i < len(spans):
         chunk = spans[i : i + B]
         x = torch.from_numpy(np.stack([data[s : s + L] for s, _ in chunk]).astype(np.int64)).to(
@@ -152,10 +155,8 @@ def evaluate_packed(model: GPT, packing: str, meta: dict, out_dir: str) -> None:
             "dataset marks none (no "
             "'eot' in its meta.json); evaluate on a dataset prepared with documents (--data_dir)"
         )
-    model.config.packing, model.config.eot_token = (
-        packing,
-        meta.get("eot") if packing == "documents" else None,
-    )
+    model.config.packing = packing
+    model.config.eot_token = meta.get("eot") if packing == "documents" else None
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -281,10 +282,8 @@ def evaluate_args(args: argparse.Namespace) -> dict:
     report."""
     lengths = sorted(set(args.lengths))
     # once
-    args.modes, args.rope_scaling = (
-        list(dict.fromkeys(args.modes)),
-        list(dict.fromkeys(args.rope_scaling)),
-    )
+    args.modes = list(dict.fromkeys(args.modes))
+    args.rope_scaling = list(dict.fromkeys(args.rope_scaling))
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     ctx = autocast(device, dtype)
@@ -306,11 +305,10 @@ def evaluate_args(args: argparse.Namespace) -> dict:
                 )
         except (CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
-        ckpt, model = run.ckpt, run.model
-        label, T = (
-            args.names[n] if args.names else model.config.pos_encoding,
-            model.config.block_size,
-        )
+        ckpt = run.ckpt
+        model = run.model
+        label = args.names[n] if args.names else model.config.pos_encoding
+        T = model.config.block_size
         packing = model.config.packing  # its own, or --packing's
         own = dict(
             name=label,
@@ -324,10 +322,8 @@ def evaluate_args(args: argparse.Namespace) -> dict:
         runs.append(own)
         for scaling in args.rope_scaling if model.encoding.rope_scalable else []:
             scaled = model_from_checkpoint(ckpt).to(device).eval()
-            scaled.config.packing, scaled.config.eot_token = (
-                model.config.packing,
-                model.config.eot_token,
-            )
+            scaled.config.packing = model.config.packing
+            scaled.config.eot_token = model.config.eot_token
             if args.rope_factor:
                 name = f"{label}+{scaling} (s={args.rope_factor:g})"
             else:  # dynamic_ntk: s = 1, its ratio grows as L / T by itself

@@ -63,7 +63,8 @@ def far_share(p: torch.Tensor, far: int, first_query: int) -> torch.Tensor:
     """The share of attention (nh,) on keys at distance >= far, of queries first_query … T - 1,
     averaged over the batch and those queries. p (B, nh, T, T)."""
     T = p.size(-1)
-    i, j = torch.arange(T, device=p.device)[:, None], torch.arange(T, device=p.device)[None, :]
+    i = torch.arange(T, device=p.device)[:, None]
+    j = torch.arange(T, device=p.device)[None, :]
     mask = (i - j >= far).to(p.dtype)  # (T, T)
     return (p[:, :, first_query:] * mask[first_query:]).sum(-1).mean((0, 2))
 
@@ -92,7 +93,8 @@ def content_read(model: GPT, idx: torch.Tensor) -> list[list] | None:
     each head and the share of tokens it keeps (f > 0.9) (nh, 2); CoPE's count p_ij of the last
     query at each distance 0 … T - 1, per head (nh, T), averaged over the batch. None for the
     encodings whose bias reads positions alone."""
-    pe, layers = model.encoding, []
+    pe = model.encoding
+    layers = []
     if not pe.reads_content:
         return None
 
@@ -139,7 +141,8 @@ def probe_bytes(model: GPT, length: int) -> int:
 def probe(model: GPT, data: np.ndarray, length: int, windows: int, device: str = "cpu") -> dict:
     """Far-attention shares (n_layer, n_head) over `windows` windows of `length` tokens, and the
     bias curves."""
-    far, first = model.config.block_size, length - length // 4
+    far = model.config.block_size
+    first = length - length // 4
     check_length(model, length)
     starts = np.linspace(0, len(data) - length - 1, windows).astype(int)
     shares = []
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(
             "--names: one distinct label per checkpoint (folders with the same name need --names)"
         )
-    runs, memory = {}, device_memory(args.device)
+    runs = {}
+    memory = device_memory(args.device)
     # every checkpoint checked before any is probed
     for name, out_dir in zip(names, args.out_dirs, strict=True):
         try:
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"error: {out_dir}: {e}")
         # the reference path: every encoding, any length, any device
         run.model.attention_options = replace(run.model.attention_options, fused=False)
-        n, need = len(val) - args.length, probe_bytes(run.model, args.length)  # n: distinct windows
+        n = len(val) - args.length  # n: distinct windows
+        need = probe_bytes(run.model, args.length)
         if n < 1:
             sys.exit(
                 f"error: {out_dir}: the validation split has {len(val)} tokens, fewer than "

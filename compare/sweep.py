@@ -240,7 +240,8 @@ def trained_differently(ckpt: dict, asked: dict) -> str | None:
             continue
         if key == "init_from" and Path(old).is_dir() and Path(value).is_dir():
             # the source, however its path is written
-            old, value = Path(old).resolve(), Path(value).resolve()
+            old = Path(old).resolve()
+            value = Path(value).resolve()
         if old != value:
             differ.append(key)
     if not differ:
@@ -264,7 +265,8 @@ def train_command(
     labels."""
     arguments = train_arguments(enc, seed, d, args, configs, extra, last)
     # every run's options, checked first
-    cmd, asked = [sys.executable, "train.py", *arguments], asked_config(arguments)
+    cmd = [sys.executable, "train.py", *arguments]
+    asked = asked_config(arguments)
     if (ckpt := saved_run(d)) is None:
         return cmd
     if problem := trained_differently(ckpt, asked):
@@ -307,7 +309,9 @@ def train_all(jobs: list[tuple[Path, list[str]]], n_parallel: int) -> None:
     threads = max(1, (os.cpu_count() or 1) // n_parallel)
     env = os.environ | ({"OMP_NUM_THREADS": str(threads)} if n_parallel > 1 else {})
     running: list[tuple[Path, subprocess.Popen, float, object]] = []
-    t0, done, total = time.time(), 0, len(jobs)
+    t0 = time.time()
+    done = 0
+    total = len(jobs)
     queue = list(jobs)
 
     def stop_running() -> None:
@@ -782,7 +786,9 @@ def finetune_options(source: Path, trained: dict, scaling: str, args) -> list[st
     steps-to-a-loss curve, each on as many tokens as the source's, so factor times fewer batches),
     and RoPE's scaling with s = factor from L0 = its block_size (train.py's defaults, written
     out)."""
-    n, F, block = args.steps, args.factor, trained["block_size"]
+    n = args.steps
+    F = args.factor
+    block = trained["block_size"]
     opts = [
         f"--init_from={source}",
         f"--block_size={F * block}",
@@ -850,11 +856,10 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
     into their folders), fine-tune each at factor times its length (resuming, skipping finished
     runs), evaluate (cached while no checkpoint changes), report."""
     t0 = time.time()
-    size, F = SIZES[args.size], args.factor
-    text_dir, task_dir = (
-        Path(args.sources or f"sweep-{args.size}"),
-        Path(args.task_sources or "sweep-synthetic"),
-    )
+    size = SIZES[args.size]
+    F = args.factor
+    text_dir = Path(args.sources or f"sweep-{args.size}")
+    task_dir = Path(args.task_sources or "sweep-synthetic")
     task_args = argparse.Namespace(**(vars(args) | {"train": []}))  # --train is the text runs'
     kinds = ["text"] + ([args.extend_task] if args.extend_task != "none" else [])
     plan = []  # (kind, enc, scaling, seed, source, fine-tuned run)
@@ -899,9 +904,11 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
             jobs.append((d, cmd))
     train_all(jobs, args.jobs)
     # trained: each fine-tune's options, which the report's labels are read from
-    runs, trained = [], []
+    runs = []
+    trained = []
     for kind, enc, _, seed, src, d in plan:
-        ckpt, source = finished_checkpoint(d), finished_checkpoint(src)
+        ckpt = finished_checkpoint(d)
+        source = finished_checkpoint(src)
         seconds = (read_json(d / "sweep.json") or {}).get("seconds", 0.0)
         scaling = ckpt["config"].get("rope_scaling", "none")
         runs.append(
@@ -934,7 +941,9 @@ def extend_study(args, argv: list[str], out_dir: Path) -> None:
                 f"[sweep] the runs were trained at different {what} ({found}): one report "
                 "cannot compare them"
             )
-    L0, F, steps = L0[0], int(factors[0]), steps[0]
+    L0 = L0[0]
+    F = int(factors[0])
+    steps = steps[0]
     # --factor 1: 1x once
     lengths = args.lengths or list(dict.fromkeys(L0 * k for k in (1, F, 2 * F, 4 * F)))
     evaluation = dict(
@@ -1200,7 +1209,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     # option there as an abbreviation of the sweep's own (--task=needle as --task_trials)
     cut = argv.index("--train") if "--train" in argv else len(argv)
     args = p.parse_args(argv[:cut])
-    args.train, scalings_given = argv[cut + 1 :], args.rope_scaling
+    args.train = argv[cut + 1 :]
+    scalings_given = args.rope_scaling
     if args.extend:  # options the extension study, as asked, never reads
         idle = {"task_depths": "it scores no passkey depths (the text sweep's)"}
         if args.extend_task == "none":

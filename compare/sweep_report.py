@@ -191,7 +191,9 @@ def aggregate(report: dict) -> dict:
 
 def summary_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
     """One row per encoding, mean ± std over seeds: what to compare first."""
-    train_len, lengths, tk = report["runs"][0]["train_len"], report["lengths"], report.get("tasks")
+    train_len = report["runs"][0]["train_len"]
+    lengths = report["lengths"]
+    tk = report.get("tasks")
     mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
     far = [k for k in (4, 16) if k * train_len in lengths]
     L4 = 4 * train_len if tk and 4 * train_len in tk["lengths"] else None
@@ -235,7 +237,8 @@ def summary_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
 def retrieval_lines(report: dict, runs: list[TextRun]) -> list[str]:
     """Accuracy by length for each of compare/tasks.py's tasks (mean ± std over seeds)."""
     tk = report["tasks"]
-    lengths, depths = tk["lengths"], tk["depths"]
+    lengths = tk["lengths"]
+    depths = tk["depths"]
     lines = [
         "## Retrieval tasks (compare/tasks.py), mean ± std over seeds",
         "",
@@ -274,7 +277,8 @@ def packing_lines(report: dict, runs: list[TextRun], agg: dict) -> list[str]:
     if not pairs or "inside_documents" not in report:
         return []
     inside = aggregate(report["inside_documents"])
-    train_len, longest = report["runs"][0]["train_len"], max(report["lengths"])
+    train_len = report["runs"][0]["train_len"]
+    longest = max(report["lengths"])
     mode = "sliding" if "sliding" in report["modes"] else report["modes"][0]
 
     def ppl(table: dict, name: str, L: int) -> str:
@@ -308,7 +312,8 @@ def text_report(out_dir: Path, report: dict, runs: list[TextRun], argv: list[str
     """report.md of a text sweep, and its plots (length.png, position.png; passkey.png with the
     retrieval tasks)."""
     agg = aggregate(report)
-    lengths, train_len = report["lengths"], report["runs"][0]["train_len"]
+    lengths = report["lengths"]
+    train_len = report["runs"][0]["train_len"]
     lines = [
         "# Positional encodings: train short, test long",
         "",
@@ -585,10 +590,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval (95%) of a proportion k / n: sound at the ends (0 of 5, 5 of 5),
     where the normal approximation gives an interval of zero width."""
     p = k / n
-    centre, half = (
-        (p + z * z / (2 * n)) / (1 + z * z / n),
-        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)),
-    )
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, centre - half / (1 + z * z / n)), min(1.0, centre + half / (1 + z * z / n))
 
 
@@ -596,7 +599,8 @@ def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
     """Fisher's exact test, two-sided: the probability, with the margins fixed, of a table as
     unlikely as (k1 of n1 against k2 of n2) or less (every table whose hypergeometric probability is
     at most the observed one's)."""
-    k, n = k1 + k2, n1 + n2
+    k = k1 + k2
+    n = n1 + n2
     prob = [
         math.comb(n1, a) * math.comb(n2, k - a) / math.comb(n, k)
         for a in range(max(0, k - n2), min(k, n1) + 1)
@@ -609,7 +613,8 @@ def permutation_p(a: list[float], b: list[float]) -> float:
     """The exact two-sided permutation test of a difference in means: the share of the ways to split
     the pooled values into groups of len(a) and len(b) whose difference is at least as large as the
     observed one (252 splits for 5 against 5; the smallest p it can give is 2 / 252 = 0.008)."""
-    pooled, na = a + b, len(a)
+    pooled = a + b
+    na = len(a)
     observed = abs(statistics.mean(a) - statistics.mean(b))
     total = sum(pooled)
     splits = list(combinations(range(len(pooled)), na))
@@ -653,7 +658,8 @@ def separations(cs: list[Cell], lengths: list[int]) -> list[str]:
     every pair of encodings."""
     out = []
     for a, b in combinations(cs, 2):
-        n1, n2 = len(a.scores), len(b.scores)
+        n1 = len(a.scores)
+        n2 = len(b.scores)
         if (p := fisher_exact(a.learned, n1, b.learned, n2)) < 0.05:
             hi, lo = (a, b) if a.learned > b.learned else (b, a)
             out.append(
@@ -661,7 +667,8 @@ def separations(cs: list[Cell], lengths: list[int]) -> list[str]:
                 f"{n2} (p = {p:.3f})"
             )
         for L in (lengths[0], lengths[-1]):
-            xa, xb = a.at(L), b.at(L)
+            xa = a.at(L)
+            xb = b.at(L)
             if xa and xb and (p := permutation_p(xa, xb)) < 0.05:
                 (hi, xh), (lo, xl) = sorted(
                     [(a, xa), (b, xb)], key=lambda t: -statistics.mean(t[1])
@@ -845,10 +852,13 @@ def extension_rows(runs: list[Extension], report: dict, F: int) -> list[tuple]:
     """(variant label, fine-tuned?, its runs, {L: [ppl per seed]}) for the text table and plot: each
     encoding as trained and fine-tuned, RoPE's per scaling (without fine-tuning at s = F), in the
     order of the runs."""
-    source, tuned = aggregate(report["sources"]), aggregate(report["fine-tuned"])
+    source = aggregate(report["sources"])
+    tuned = aggregate(report["fine-tuned"])
     rows = []
     for name, rs in by_encoding(runs, extension_name).items():
-        enc, scaling, label = rs[0].enc, rs[0].scaling, extension_label(rs[0], F)
+        enc = rs[0].enc
+        scaling = rs[0].scaling
+        label = extension_label(rs[0], F)
         before = source[enc if scaling == "none" else f"{enc}+{scaling} (s={F:g})"]["sliding"]
         rows.append((label, False, rs, before))
         rows.append((label, True, rs, tuned[name]["sliding"]))
@@ -906,10 +916,8 @@ def extend_report(
     for label, fine_tuned, rs, by_len in extension_rows(text, report, F):
         ppl = [mean_spread(v) if (v := by_len.get(L)) else "n/a" for L in lengths]
         if fine_tuned:
-            start, end = (
-                [h[0]["val"] for h in (r.history for r in rs)],
-                [r.history[-1]["val"] for r in rs],
-            )
+            start = [h[0]["val"] for h in (r.history for r in rs)]
+            end = [r.history[-1]["val"] for r in rs]
             val = f"{mean_spread(start, 3)} → {mean_spread(end, 3)}"
             cells = [
                 f"{steps} steps",
@@ -964,7 +972,8 @@ def task_floor(tasks: dict) -> dict[int, float]:
 def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str]:
     """The synthetic task's table: accuracy by length per encoding and scaling, as trained and
     fine-tuned, under the task's floor; when each fine-tune learned the task at the new length."""
-    task, lengths = tasks["task"], tasks["lengths"]
+    task = tasks["task"]
+    lengths = tasks["lengths"]
     rs_all = [r for r in runs if r.kind == task]
     L0 = lengths[0]
     floors = task_floor(tasks)
@@ -990,8 +999,10 @@ def extension_task_lines(runs: list[Extension], tasks: dict, F: int) -> list[str
         "retrieval)* | | | " + " | ".join(f"*{100 * floors[L]:.0f}%*" for L in lengths) + " |",
     ]
     for rs in by_encoding(rs_all, extension_name).values():
-        label, scaling = extension_label(rs[0], F), rs[0].scaling
-        before, after = task_accuracy(rs, tasks, scaling), task_accuracy(rs, tasks, None)
+        label = extension_label(rs[0], F)
+        scaling = rs[0].scaling
+        before = task_accuracy(rs, tasks, scaling)
+        after = task_accuracy(rs, tasks, None)
         at = [synthetic_tasks.learned_at(r.history) for r in rs]
         learned = [a for a in at if a is not None]
         when = (
@@ -1082,7 +1093,8 @@ def plot_extension(
     axes[2].set(xlabel="fine-tuning step", ylabel=f"val loss at {F * L0} tokens (mean over seeds)")
     axes[2].set_title("RoPE: fine-tuning curves", fontsize=9)
     if tasks:
-        ax, task = axes[3], tasks["task"]
+        ax = axes[3]
+        task = tasks["task"]
         task_runs = [r for r in runs if r.kind == task]
         for k, (name, rs) in enumerate(by_encoding(task_runs, extension_name).items()):
             for variant, ls in ((rs[0].scaling, "--"), (None, "-")):

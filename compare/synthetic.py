@@ -72,7 +72,8 @@ def scores(
     right = total = whole = 0
     for i in range(0, n, batch_size):
         x, y = batch(task, vocab, min(batch_size, n - i), length, rng, train=False, **kw)
-        x, y = x.to(device), y.to(device)
+        x = x.to(device)
+        y = y.to(device)
         mask = y >= 0
         # only the answers' hidden states (N, C) go to the vocabulary
         if hasattr(model, "features"):
@@ -173,7 +174,8 @@ def _floor(task: str, vocab: int, length: int, n: int, seed: int = 0, **kw) -> d
     scores on these sequences; a cell within floor ± band is at the floor, not below it);
     "strategies", every shortcut's token accuracy; and "steady", the best shortcut's token accuracy
     over FLOOR_SEQUENCES sequences (these n and more from the same stream), a steadier estimate."""
-    v, rng = Vocab(vocab), eval_rng(seed, task, length)
+    v = Vocab(vocab)
+    rng = eval_rng(seed, task, length)
     names = list(SHORTCUTS[task])
     p = {name: [] for name in names}  # per answer token: the chance that the shortcut is right
     seq = {name: [] for name in names}  # per sequence: the chance that it is right at every answer
@@ -204,7 +206,8 @@ def evaluate_checkpoint(
 ) -> dict[int, dict | None]:
     """{length: scores (token and sequence accuracy) or None (no positions there)} for the
     checkpoint's own task."""
-    task, vocab = cfg["task"], cfg["task_vocab"]
+    task = cfg["task"]
+    vocab = cfg["task_vocab"]
     out = {}
     for L in lengths:
         check(task, L, vocab, **task_options(cfg), knob="evaluate at longer lengths")
@@ -302,9 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
         runs[d] = (run, lengths)
     report = {}
     for d, (run, lengths) in runs.items():
-        ckpt, model = run.ckpt, run.model
+        ckpt = run.ckpt
+        model = run.model
         cfg = ckpt["config"]
-        task, opts = cfg["task"], task_options(cfg)
+        task = cfg["task"]
+        opts = task_options(cfg)
         acc = evaluate_checkpoint(model, cfg, lengths, args.n, args.seed, args.device)
         floors = {L: floor(task, cfg["task_vocab"], L, args.n, args.seed, **opts) for L in lengths}
         report[d] = {

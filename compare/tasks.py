@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seed < 0:
         p.error(f"--seed={args.seed}: must be >= 0")
     # each once: columns
-    lengths, args.tasks = list(dict.fromkeys(args.lengths)), list(dict.fromkeys(args.tasks))
+    lengths = list(dict.fromkeys(args.lengths))
+    args.tasks = list(dict.fromkeys(args.tasks))
     try:
         check_device(args.device)
         for flag, suffixes in (("out_json", ()), ("plot", PLOT_FORMATS)):
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     if len(set(names)) != len(names):
         p.error("--out_dir: a folder is given twice")
     depths = np.linspace(0, 1, args.depths).round(3).tolist()
-    runs, memory = {}, device_memory(args.device)
+    runs = {}
+    memory = device_memory(args.device)
     # every checkpoint checked before any is evaluated
     for name, out_dir in zip(names, args.out_dir, strict=True):
         try:

@@ -149,9 +149,12 @@ def neox_rope(model: GPT) -> dict:
     spectrum, θ_k = base^(-2k/d) for k < R; NeoX spreads its frequencies over its rotated dims 2R:
     θ_k = b^(-2k/2R), equal for b = base^(2R/d). Static NTK is a larger base, so it exports as one;
     dynamic NTK's exponent uses the rotated dims, so it is exact only when every pair rotates."""
-    pe, c = model.encoding, model.config
-    d, R = pe.head_dim, pe.rotating
-    scaling, s = pe.scaling, pe.factor
+    pe = model.encoding
+    c = model.config
+    d = pe.head_dim
+    R = pe.rotating
+    scaling = pe.scaling
+    s = pe.factor
     if scaling not in HF_ROPE_TYPES and not (scaling == "dynamic_ntk" and 2 * R == d):
         raise ExportError(
             f"rope_scaling={scaling!r} with rope_fraction={c.rope_fraction} has no exact GPT-NeoX "
@@ -178,8 +181,10 @@ def neox_rows(model: GPT) -> torch.Tensor:
     """The order of GPT-NeoX's fused q/k/v rows in ours: NeoX puts each head's q, k, v together
     ((nh, 3, hs) rows), and splits each head's rotated dims in halves (dim k turns with dim R + k),
     where we pair dims 2k, 2k + 1."""
-    c, pe = model.config, model.encoding
-    hs, R = pe.head_dim, pe.rotating
+    c = model.config
+    pe = model.encoding
+    hs = pe.head_dim
+    R = pe.rotating
     # (hs,)
     halves = torch.cat(
         [torch.arange(0, 2 * R, 2), torch.arange(1, 2 * R, 2), torch.arange(2 * R, hs)]
@@ -222,7 +227,8 @@ def to_neox(model: GPT):
         rope_parameters=neox_rope(model),
     )
     hf = GPTNeoXForCausalLM(cfg)
-    ours, rows = model.state_dict(), neox_rows(model)
+    ours = model.state_dict()
+    rows = neox_rows(model)
     names = {
         "gpt_neox.embed_in.weight": "transformer.wte.weight",
         "gpt_neox.final_layer_norm.weight": "transformer.ln_f.weight",
@@ -230,7 +236,8 @@ def to_neox(model: GPT):
         "lm_head.weight": "lm_head.weight",
     }
     for i in range(c.n_layer):
-        ours_i, theirs = f"transformer.h.{i}.", f"gpt_neox.layers.{i}."
+        ours_i = f"transformer.h.{i}."
+        theirs = f"gpt_neox.layers.{i}."
         for a, b in [
             ("input_layernorm", "ln_1"),
             ("post_attention_layernorm", "ln_2"),
@@ -435,7 +442,8 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
     allocated: at least the training length (a shorter one fails on a training-length input), small
     enough to build, and only where the export has such a table (elsewhere the flag would be
     ignored)."""
-    T, pe = model.config.block_size, model.encoding
+    T = model.config.block_size
+    pe = model.encoding
     if target not in ("gpt2", "mpt"):
         if n_positions is not None:
             raise ExportError(
@@ -463,7 +471,8 @@ def check_positions(model: GPT, target: str, n_positions: int | None) -> int | N
         if target == "gpt2"
         else (model.config.n_head, "MPT's ALiBi buffer")
     )
-    need, memory = 4 * 4 * n_positions * width, device_memory("cpu")
+    need = 4 * 4 * n_positions * width
+    memory = device_memory("cpu")
     if memory is not None and need > memory:
         raise ExportError(
             f"--n_positions={n_positions} makes {what} {n_positions} x {width} float32 values, "

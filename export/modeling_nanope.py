@@ -92,8 +92,10 @@ class NanoPEConfig(PretrainedConfig):
         self.max_context, self.read_eot_as = max_context, read_eot_as
         a = self.model_args
         # the names transformers and lm-eval read (export/hf.py gives max_position_embeddings too)
-        self.vocab_size, self.hidden_size = a.get("vocab_size"), a.get("n_embd")
-        self.num_hidden_layers, self.num_attention_heads = a.get("n_layer"), a.get("n_head")
+        self.vocab_size = a.get("vocab_size")
+        self.hidden_size = a.get("n_embd")
+        self.num_hidden_layers = a.get("n_layer")
+        self.num_attention_heads = a.get("n_head")
         kwargs.setdefault("tie_word_embeddings", True)  # GPT ties lm_head to the token embeddings
         super().__init__(**kwargs)
 
@@ -225,7 +227,8 @@ class NanoPEForCausalLM(PreTrainedModel, GenerationMixin):
         out = idx.new_zeros(*idx.shape, self.config.vocab_size, dtype=self.gpt.lm_head.weight.dtype)
         patterns, group = torch.unique(mask.bool(), dim=0, return_inverse=True)  # (G, T), (B,)
         for g, keep in enumerate(patterns):
-            rows, cols = (group == g).nonzero()[:, 0], keep.nonzero()[:, 0]  # (n,), (t,)
+            rows = (group == g).nonzero()[:, 0]  # (n,), (t,)
+            cols = keep.nonzero()[:, 0]
             if len(cols):
                 out[rows[:, None], cols] = self.gpt(idx[rows[:, None], cols])[0]  # (n, t, V)
         return out

@@ -32,7 +32,10 @@ class Batches:
         that generator draws (so the sampler's state is still one generator state), the split and
         the rank. step (iteration, micro-step) asks for a training batch with its retrieval tasks,
         seeded by it rather than by a saved state, so that a resumed run draws the same tasks."""
-        p, cfg, B, T = self.procs, self.cfg, self.cfg["batch_size"], self.cfg["block_size"]
+        p = self.procs
+        cfg = self.cfg
+        B = self.cfg["batch_size"]
+        T = self.cfg["block_size"]
         if cfg["task"]:
             seed = int(torch.randint(2**62, (1,), generator=generator))
             rng = np.random.default_rng([seed, SPLITS.index(split), p.rank])

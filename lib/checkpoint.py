@@ -196,7 +196,8 @@ def save_sharded(state: dict, meta: dict, out_dir: str | Path, links: tuple[str,
     import torch.distributed.checkpoint as dcp
 
     meta = meta | {"optimizer_saved": "optimizer" in state}
-    out_dir, distributed = Path(out_dir), dist.is_initialized()
+    out_dir = Path(out_dir)
+    distributed = dist.is_initialized()
     name = [f"{meta['iter_num']:08d}-{uuid.uuid4().hex[:8]}"]
     if distributed:
         dist.broadcast_object_list(name, src=0)  # one folder for all processes
@@ -234,7 +235,8 @@ def adopt_copied_links(out_dir: str | Path) -> list[str]:
     """A copy that followed the links (scp -r, rsync -L) turns ckpt.dcp into a folder, which a save
     could not replace with a link: move such folders under shards/ and link them, as a save would
     have. Returns the names adopted."""
-    out_dir, adopted = Path(out_dir), []
+    out_dir = Path(out_dir)
+    adopted = []
     for link in LINKS:
         path = out_dir / link
         if path.is_dir() and not path.is_symlink():
@@ -718,7 +720,8 @@ class Checkpointer:
         checkpoint describes): weights, iteration, best loss (if it still compares), optimizer, grad
         scaler, data sampler, RNG states and wandb run."""
         meta = checkpoint.meta
-        state.iter_num, state.best_val_loss = meta["iter_num"], meta["best_val_loss"]
+        state.iter_num = meta["iter_num"]
+        state.best_val_loss = meta["best_val_loss"]
         state.wandb_run_id = meta.get("wandb_run_id")
         # this iteration is evaluated again
         state.history = [h for h in meta.get("history", []) if h["iter"] < state.iter_num]

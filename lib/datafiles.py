@@ -116,7 +116,8 @@ def prepare_documents(
         tok = CharTokenizer.from_text(DOCUMENT_SEPARATOR + "".join(documents))
         eot = tok.encode(DOCUMENT_SEPARATOR)[0]
     else:
-        tok, eot = GPT2Tokenizer(), GPT2_EOT
+        tok = GPT2Tokenizer()
+        eot = GPT2_EOT
     lengths = np.cumsum([len(d) for d in documents])
     first_val = min(
         int(np.searchsorted(lengths, lengths[-1] * (1 - val_fraction))) + 1, len(documents) - 1
@@ -157,7 +158,8 @@ def scenes(text: str) -> list[str]:
     scene), each work's front matter, and each poem or sequence of sonnets whole (they have no
     scenes). Joined, they are the text."""
     lines = text.splitlines(keepends=True)
-    starts, heading_before = [0], False
+    starts = [0]
+    heading_before = False
     for i, line in enumerate(lines):
         title = (
             i + 2 < len(lines) and lines[i + 2].strip() == "by William Shakespeare" and line.strip()
@@ -238,7 +240,8 @@ def prepare_hf(
         total = int(np.sum(ds["len"], dtype=np.uint64))
         tmp = out_dir / f".{split}.bin.tmp"
         arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(total,))
-        shards, offset = min(1024, len(ds)), 0
+        shards = min(1024, len(ds))
+        offset = 0
         for i in tqdm(range(shards), desc=f"writing {split}.bin"):
             batch = ds.shard(num_shards=shards, index=i, contiguous=True).with_format("numpy")
             ids = np.concatenate(batch["ids"]) if len(batch) else np.array([], dtype=np.uint16)
@@ -367,7 +370,8 @@ def load_meta(data_dir: str | Path, block_size: int | None = None) -> dict:
 def _tokenizer_problem(meta: dict) -> str | None:
     """What is wrong with meta.json's tokenizer description, which every checkpoint stores for
     sample.py."""
-    tok, V = meta.get("tokenizer"), meta["vocab_size"]
+    tok = meta.get("tokenizer")
+    V = meta["vocab_size"]
     if tok is None:
         return (
             "it has no 'tokenizer' entry, which every checkpoint stores so that sample.py can "
@@ -514,7 +518,8 @@ def get_batch(
             "tokens: "
             "the data and meta.json disagree; re-run the dataset's prepare.py"
         )
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    x = torch.from_numpy(x)
+    y = torch.from_numpy(y)
     if device.startswith("cuda"):  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
             device, non_blocking=True

@@ -35,7 +35,8 @@ def default_device() -> str:
 def check_device(device: str) -> None:
     """device is one this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
     try:
-        kind, index = torch.device(device).type, torch.device(device).index
+        kind = torch.device(device).type
+        index = torch.device(device).index
     except RuntimeError:
         kind, index = None, None
     if kind not in ("cpu", "cuda", "mps"):
@@ -242,7 +243,9 @@ def check_memory(model, cfg: dict, procs, shards: int) -> None:
     """Log the step's estimated peak memory per process (devices.training_bytes); where it exceeds
     the device's, stop before any work, naming the options that bring it under and what each would
     need."""
-    B, T, dev = cfg["batch_size"], cfg["block_size"], procs.device
+    B = cfg["batch_size"]
+    T = cfg["block_size"]
+    dev = procs.device
 
     def peak(B: int, T: int) -> str:
         return gb(training_bytes(model, B, T, dev, cfg["dtype"], shards)["peak"])

@@ -50,7 +50,8 @@ def resolve(
         filter(None, ["out", cfg["pos_encoding"], cfg["task"]])
     )
     if source is not None:
-        src, out = Path(cfg["init_from"]).resolve(), Path(cfg["out_dir"]).resolve()
+        src = Path(cfg["init_from"]).resolve()
+        out = Path(cfg["out_dir"]).resolve()
         if out == src or src in out.parents:
             raise ConfigError(
                 f"out_dir={cfg['out_dir']!r} is inside init_from={cfg['init_from']!r}, the run "
@@ -332,19 +333,16 @@ def check_fits(config: GPTConfig, cfg: dict, shards: int, defaults: dict) -> Non
     (vocab_size x n_embd, tied to lm_head) and 12 n_embd^2 a layer (attention 4, MLP 8)."""
     table = config.vocab_size * config.n_embd
     n = table + 12 * config.n_layer * config.n_embd**2
-    per_param, memory = max(4, 16 // shards), device_memory(cfg["device"])
+    per_param = max(4, 16 // shards)
+    memory = device_memory(cfg["device"])
     if not memory or n * per_param <= memory:
         return
     if cfg["task"] and 2 * table > n:  # most of it is the task's vocabulary
-        what, fix = (
-            f"task_vocab={cfg['task_vocab']:,} makes",
-            f"lower --task_vocab (default {defaults['task_vocab']})",
-        )
+        what = f"task_vocab={cfg['task_vocab']:,} makes"
+        fix = f"lower --task_vocab (default {defaults['task_vocab']})"
     else:
-        what, fix = (
-            f"n_layer={config.n_layer}, n_embd={config.n_embd:,} make",
-            "lower --n_layer or --n_embd",
-        )
+        what = f"n_layer={config.n_layer}, n_embd={config.n_embd:,} make"
+        fix = "lower --n_layer or --n_embd"
     raise ConfigError(
         f"{what} a model of at least {n:,} parameters, which needs at least {gb(n * per_param)} to "
         "train (float32 "

@@ -116,7 +116,10 @@ class FolderLock:
     the folder is and what holds it (out_dir=..., a training run); busy, the fix."""
 
     def __init__(self, folder: Path, name: str, user: str, busy: str):
-        self.path, self.name, self.user, self.busy = Path(folder) / ".lock", name, user, busy
+        self.path = Path(folder) / ".lock"
+        self.name = name
+        self.user = user
+        self.busy = busy
         self.file = None  # the open file whose lock holds the folder
 
     def acquire(self) -> None:
@@ -175,12 +178,13 @@ class FolderLock:
             if not (path.is_symlink() or path.is_dir()):
                 raise
             if path.is_symlink():
-                what, rm = (
-                    f"a link (to {os.readlink(path)}), and a lock file is never put through a link",
-                    "rm",
+                what = (
+                    f"a link (to {os.readlink(path)}), and a lock file is never put through a link"
                 )
+                rm = "rm"
             else:
-                what, rm = f"a folder, where a {self.user} keeps its lock file", "rm -r"
+                what = f"a folder, where a {self.user} keeps its lock file"
+                rm = "rm -r"
             raise OutputError(
                 f"{path} is {what}: move it aside or remove it ({rm} {path}), then run again"
             ) from None

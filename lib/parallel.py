@@ -81,11 +81,9 @@ def start_processes(device: str, backend: str, seed: int) -> Processes:
         dist.init_process_group(
             backend=backend or ("nccl" if device.startswith("cuda") else "gloo")
         )
-        rank, local_rank, world_size = (
-            dist.get_rank(),
-            int(os.environ["LOCAL_RANK"]),
-            dist.get_world_size(),
-        )
+        rank = dist.get_rank()
+        local_rank = int(os.environ["LOCAL_RANK"])
+        world_size = dist.get_world_size()
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)

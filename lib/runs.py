@@ -115,7 +115,8 @@ def extend_from(cfg: dict, explicit: set[str] | frozenset[str], src: Source) -> 
     command line setting one to something else is an error. A RoPE scaling's L0
     (rope_original_max_len) defaults to the length the source was trained at (its own L0 if it was
     scaled already), and its factor to block_size / L0 (1 for dynamic_ntk)."""
-    folder, trained = src.folder, src.model_config
+    folder = src.folder
+    trained = src.model_config
     for f in fields(GPTConfig):
         k = f.name
         if k in EXTENSION_OPTIONS or k not in cfg:  # vocab_size comes with the data

@@ -146,10 +146,8 @@ def mqar(
     if train:
         pairs = int(rng.integers(1, pairs + 1))
         queries = min(queries, pairs)
-    keys, values = (
-        v.draw(rng, v.keys, pairs, distinct=True),
-        v.draw(rng, v.values, pairs, distinct=True),
-    )
+    keys = v.draw(rng, v.keys, pairs, distinct=True)
+    values = v.draw(rng, v.values, pairs, distinct=True)
     asked = rng.choice(pairs, queries, replace=False)
     x = v.draw(rng, v.filler, L)
     y = np.full(L, -1, dtype=np.int64)
@@ -165,7 +163,8 @@ def mqar(
         first = np.cumsum(gaps[:-1]) + 2 * np.arange(pairs)
         x[first], x[first + 1] = keys, values
         at = np.arange(L - queries, L)
-    x[at], y[at] = keys[asked], values[asked]
+    x[at] = keys[asked]
+    y[at] = values[asked]
     return x, y
 
 
@@ -194,7 +193,9 @@ def offset(
     k = int(rng.integers(1, OFFSETS + 1))
     # MARK at 0 … L - 3 - k: the k-th token after it comes before QUERY
     at = int(rng.integers(0, L - 2 - k))
-    tokens[at], tokens[L - 2], tokens[L - 1] = MARK, QUERY, v.values[0] + k - 1
+    tokens[at] = MARK
+    tokens[L - 2] = QUERY
+    tokens[L - 1] = v.values[0] + k - 1
     tokens[L] = tokens[at + k]
     answer = np.zeros(L + 1, dtype=bool)
     answer[L] = True
@@ -296,7 +297,8 @@ def batch(
         sequence("needle" if rng.uniform() < mix else task, vocab, T, rng, train, **kw)
         for _ in range(B)
     ]
-    x, y = np.stack([x for x, _ in seqs]), np.stack([y for _, y in seqs])
+    x = np.stack([x for x, _ in seqs])
+    y = np.stack([y for _, y in seqs])
     if previous:
         # (B, T): x[t - 1], -1 at t = 0
         before = np.pad(x[:, :-1], ((0, 0), (1, 0)), constant_values=-1)

@@ -133,7 +133,8 @@ def text_recall(
     random order, each followed by its value (the answer)."""
     keys = [LETTERS[i // 26] + LETTERS[i % 26] for i in rng.choice(26 * 26, n_pairs, replace=False)]
     values = ["".join(rng.choice(list(DIGITS), n_digits)) for _ in keys]
-    colon, space = encode(tok, ":", "recall"), encode(tok, " ", "recall")
+    colon = encode(tok, ":", "recall")
+    space = encode(tok, " ", "recall")
     pairs = []
     for k, v in zip(keys, values, strict=True):
         pairs += symbols(tok, k, "recall") + colon + symbols(tok, v, "recall") + space
@@ -214,7 +215,8 @@ def mix_tasks(
     rng = np.random.default_rng(seed)
     B, T = x.shape
     n = int(fraction * B) + int(rng.uniform() < fraction * B % 1)
-    x, y = x.clone(), y.clone()
+    x = x.clone()
+    y = y.clone()
     for row in rng.choice(B, n, replace=False):
         name = names[rng.integers(len(names))]
         tokens, answer = TEXT_TASKS[name](tok, T, rng, **TRAINING_KW.get(name, {}))

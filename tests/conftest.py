@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(items: list) -> None:
     shares = [
         [item for item in slow if modules.index(item.path) % workers == w] for w in range(workers)
     ]
-    ordered, left = [], len(items)
+    ordered = []
+    left = len(items)
     for w, share in enumerate(shares):
         size = left // (workers - w)  # as xdist splits the list
         left -= size
@@ -105,7 +106,9 @@ def run_cli(cli, argv: list[str]) -> subprocess.CompletedProcess:
     as `python script.py argv` would run it: SystemExit("message") is the message on stderr and
     status 1, argparse's exit its own status. Any other exception propagates, failing the test as a
     traceback would. Saves the interpreter's start (two seconds of importing torch) per call."""
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    out = io.StringIO()
+    err = io.StringIO()
+    code = 0
     with signal_handlers_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             cli(argv)
@@ -267,7 +270,9 @@ def cached_logits(
     slots that can work (the window, or every token) plus `extra`: the model splits chunks that
     would evict needed keys."""
     size = (idx.size(1) if window is None else window) + extra
-    cache, out, t = KVCache(model.config.n_layer, size), [], 0
+    cache = KVCache(model.config.n_layer, size)
+    out = []
+    t = 0
     for n in chunks:
         out.append(model(idx[:, t : t + n], cache=cache, window=window)[0])
         t += n

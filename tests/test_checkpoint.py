@@ -120,7 +120,8 @@ def test_consolidation_never_replaces_a_newer_ckpt_pt(tmp_path, monkeypatch):
     save_sharded(
         state, {"iter_num": 4, "model_args": asdict(config), "config": cfg}, tmp_path, ("ckpt.dcp",)
     )
-    path, newer = tmp_path / "ckpt.pt", {"model": {}, "model_args": {}, "iter_num": 8}
+    path = tmp_path / "ckpt.pt"
+    newer = {"model": {}, "model_args": {}, "iter_num": 8}
     with monkeypatch.context() as m:
         m.setattr(
             checkpoint.ShardedCheckpoint, "load_into", lambda *a: pytest.fail("read the shards")
@@ -176,7 +177,8 @@ def test_latest_and_load_read_both_formats_alike(tmp_path):
     model(idx[:, :-1], idx[:, 1:])[1].backward()
     optimizer.step()
     meta = {"iter_num": 4, "model_args": asdict(config), "config": cfg}
-    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    plain = tmp_path / "plain"
+    sharded = tmp_path / "sharded"
     assert latest(plain) is None and latest(tmp_path) is None
     save_checkpoint(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta},
@@ -193,7 +195,8 @@ def test_latest_and_load_read_both_formats_alike(tmp_path):
         resumed.load_into(fresh, fresh_optimizer)
         for k, v in model.state_dict().items():
             assert torch.equal(fresh.state_dict()[k], v), (out.name, k)
-        saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+        saved = optimizer.state_dict()["state"]
+        loaded = fresh_optimizer.state_dict()["state"]
         assert saved.keys() == loaded.keys()
         assert all(torch.equal(saved[i]["exp_avg"], loaded[i]["exp_avg"]) for i in saved)
     shutil.copy(plain / "ckpt.pt", sharded / "ckpt.pt")  # as a consolidation leaves the folder

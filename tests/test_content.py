@@ -20,14 +20,17 @@ def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
     """Golovneva et al. 2024, eqs. 3-5 as the authors' code computes them: g_ij = σ(q_i·k_j/√d),
     p_ij = Σ_{t=j..i} g_it (clamped to p_max - 1), and the score q_i·k_j/√d + z_i[p_ij], z_i[p] =
     q_i·e[p] read linearly between ⌊p⌋ and ⌈p⌉. q, k (B, nh, T, hs)."""
-    T, hs = q.size(2), q.size(-1)
+    T = q.size(2)
+    hs = q.size(-1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()  # [t <= i]
     g = torch.sigmoid(q @ k.transpose(-1, -2) / hs**0.5) * causal  # (B, nh, i, t)
     from_j = torch.ones(T, T, dtype=q.dtype).tril()  # [t >= j], (t, j)
     p = (g @ from_j).clamp(max=p_max - 1)  # Σ_t g_it [j <= t <= i]
     z = q @ e.T  # (B, nh, T, p_max)
-    lo, hi = p.floor(), p.ceil()
-    z_lo, z_hi = z.gather(-1, lo.long()), z.gather(-1, hi.long())
+    lo = p.floor()
+    hi = p.ceil()
+    z_lo = z.gather(-1, lo.long())
+    z_hi = z.gather(-1, hi.long())
     interpolated = torch.where(
         hi > lo, z_lo + (p - lo) / (hi - lo).clamp(min=1) * (z_hi - z_lo), z_lo
     )
@@ -37,13 +40,12 @@ def cope_scores(q, k, e, p_max: int) -> torch.Tensor:
 def fox_scores(q, k, x, w, b) -> torch.Tensor:
     """Lin et al. 2025, eq. 5-6: f_t = σ(w·x_t + b) per head, and q_i·k_j/√d + Σ_{t=j+1..i} log f_t.
     x (B, T, C)."""
-    T, hs = q.size(2), q.size(-1)
+    T = q.size(2)
+    hs = q.size(-1)
     log_f = torch.log(torch.sigmoid(x @ w.T + b)).transpose(1, 2)  # (B, nh, T)
-    i, j, t = (
-        torch.arange(T)[:, None, None],
-        torch.arange(T)[None, :, None],
-        torch.arange(T)[None, None, :],
-    )
+    i = torch.arange(T)[:, None, None]
+    j = torch.arange(T)[None, :, None]
+    t = torch.arange(T)[None, None, :]
     between = ((j < t) & (t <= i)).to(q.dtype)  # (i, j, t)
     decay = torch.einsum("ijt,bht->bhij", between, log_f)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -53,7 +55,9 @@ def fox_scores(q, k, x, w, b) -> torch.Tensor:
 def paper_attention(model, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention output from the paper's equations, in float64 (x: the layer's input (B,
     T, C))."""
-    attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
+    attn = model.transformer.h[0].attn
+    pe = model.encoding
+    cfg = model.config
     B, T, C = x.shape
     q, k, v = (t.view(B, T, cfg.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
     if cfg.pos_encoding == "cope":
@@ -102,7 +106,8 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch
     model = tiny(pe, block_size=80, n_layer=1, cope_p_max=5).double()
     fused = {"cpu": None, "gpu": True, "reference": False}[path]
     model.attention_options = replace(model.attention_options, fused=fused)
-    taken, kernel = [], model_py.fast_paths.kernel
+    taken = []
+    kernel = model_py.fast_paths.kernel
     monkeypatch.setattr(
         model_py.fast_paths, "kernel", lambda *a, **k: taken.append(kernel(*a, **k)) or taken[-1]
     )
@@ -138,7 +143,8 @@ def x_transformers_attention(
     from x_transformers.attend import Attend
     from x_transformers.x_transformers import CoPE as XCoPE
 
-    attn, cfg = model.transformer.h[0].attn, model.config
+    attn = model.transformer.h[0].attn
+    cfg = model.config
     B, T, C = x.shape
     cope = XCoPE(dim=C // cfg.n_head, heads=cfg.n_head, max_pos=cfg.cope_p_max)
     del cope.pos_emb  # the model's vectors, not a parameter of its own
@@ -210,10 +216,12 @@ def test_fox_in_float32_where_it_forgets_fast_is_the_papers_attention(monkeypatc
     model = tiny("fox", block_size=160, n_layer=1)
     with torch.no_grad():
         model.encoding.b.fill_(-4.0)
-    taken, backward = [], model_py.fast_paths.FLASH_BACKWARD
+    taken = []
+    backward = model_py.fast_paths.FLASH_BACKWARD
     spy = lambda *a, **kw: (taken.append(a[1].dtype), backward(*a, **kw))[1]  # noqa: E731  a[1]: the queries
     monkeypatch.setattr(model_py.fast_paths, "FLASH_BACKWARD", spy)
-    x, results = torch.randn(2, 160, 32), []
+    x = torch.randn(2, 160, 32)
+    results = []
     for m, fn in ((model, ours), (copy.deepcopy(model).double(), paper_attention)):
         xi = x.to(next(m.parameters()).dtype).detach().requires_grad_()
         y = fn(m, xi)

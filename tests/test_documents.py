@@ -94,7 +94,8 @@ def assert_logits_alone(model, rows_of_docs: list[list[torch.Tensor]], **kw) -> 
 def kernels_taken(monkeypatch) -> list[str]:
     """The fast kernel each forward's attention takes (None: model.py's reference), as a list that
     fills."""
-    taken, kernel = [], fast_paths.kernel
+    taken = []
+    kernel = fast_paths.kernel
     monkeypatch.setattr(
         fast_paths, "kernel", lambda *a, **kw: taken.append(kernel(*a, **kw)) or taken[-1]
     )
@@ -590,7 +591,8 @@ def test_fsdp_and_activation_checkpointing_train_documents_as_one_process(scenes
     ]
     r = torchrun(2, "train.py", *TRAIN, *common, *args, f"--out_dir={two}")
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = load_checkpoint(one / "ckpt.pt")["model"], load_checkpoint(two / "ckpt.pt")["model"]
+    a = load_checkpoint(one / "ckpt.pt")["model"]
+    b = load_checkpoint(two / "ckpt.pt")["model"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
 

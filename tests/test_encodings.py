@@ -17,7 +17,8 @@ from compare.eval_length import evaluate
 def test_evaluation_past_the_training_length(pe):
     """eval_length's nonoverlapping evaluation at 4x block_size runs for every encoding that
     extrapolates, and its loss is the mean cross-entropy of full forwards over the same windows."""
-    model, L = tiny(pe, block_size=8), 32
+    model = tiny(pe, block_size=8)
+    L = 32
     data = np.random.default_rng(0).integers(0, VOCAB, 5 * L + 1).astype(np.uint16)
     with tqdm(disable=True) as bar:
         got = evaluate(model, data, L, "nonoverlapping", L, 1e8, "cpu", nullcontext(), bar)

@@ -177,7 +177,9 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    out_json, plot, md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"
+    out_json = tmp_path / "r.json"
+    plot = tmp_path / "r.png"
+    md = tmp_path / "r.md"
     dirs = [str(ckpts[e]) for e in ("rope", "alibi", "learned", "sinusoidal")]
     report = eval_length.main(
         [
@@ -213,7 +215,8 @@ def test_command_table_plot_json_and_wandb(ckpts, tmp_path, monkeypatch, capsys)
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     # YaRN with s = L / 16 changes the RoPE model's numbers past the training length, and none up to
     # it (s = 1)
-    rope, yarn = report["runs"][0]["results"]["sliding"], report["runs"][1]["results"]["sliding"]
+    rope = report["runs"][0]["results"]["sliding"]
+    yarn = report["runs"][1]["results"]["sliding"]
     assert rope[48]["loss"] != yarn[48]["loss"]
     assert rope[16]["loss"] == yarn[16]["loss"] and rope[8]["loss"] == yarn[8]["loss"]
 

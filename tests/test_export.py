@@ -110,8 +110,10 @@ def test_partial_rope_is_neox_at_a_smaller_base():
     """Ours rotates the fastest R of d/2 pairs, θ_k = b^(-2k/d); NeoX spreads 2R rotated dims, θ_k =
     b'^(-2k/2R): the same angles for b' = b^(2R/d)."""
     _, model = checkpoint(pos_encoding="rope", rope_fraction=0.5)
-    pe, params = model.encoding, export.neox_rope(model)
-    d, R = pe.head_dim, pe.rotating
+    pe = model.encoding
+    params = export.neox_rope(model)
+    d = pe.head_dim
+    R = pe.rotating
     ours = pe.inv_freq(torch.device("cpu"))[:R]
     theirs = params["rope_theta"] ** (-torch.arange(0, 2 * R, 2).double() / (2 * R))
     close(ours.double(), theirs, tol=1e-7)
@@ -175,7 +177,9 @@ def test_exported_tokenizers_end_of_text_padding_and_unknown_characters(tmp_path
     ]:
         export.hf_tokenizer(meta).save_pretrained(tmp_path / name)
         toks[name] = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
-    tok, eot, space = toks["chars"], len(CHARS), CHARS.index(" ")
+    tok = toks["chars"]
+    eot = len(CHARS)
+    space = CHARS.index(" ")
     assert tok.eos_token == "<|endoftext|>" and tok.convert_tokens_to_ids("<|endoftext|>") == eot
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.padding_side) == (
         eot,
@@ -361,7 +365,8 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path):
     export holding a file of the user's, leaving it as it was."""
     run = saved_run(tmp_path / "out-rope")
     sin = saved_run(tmp_path / "out-sin", "sinusoidal")
-    hf, user = tmp_path / "hf", tmp_path / "mine"
+    hf = tmp_path / "hf"
+    user = tmp_path / "mine"
     assert run_cli(export.main, [str(run), "--out", str(hf)]).returncode == 0
     user.mkdir()
     (user / "notes.txt").write_text("mine")
@@ -460,7 +465,8 @@ def test_a_sharded_checkpoint_replaced_while_read_says_so(moment, tmp_path, monk
     target, name = (
         (checkpoint_py, "_load") if moment == "meta.pt" else (FileSystemReader, "read_data")
     )
-    real, saves = getattr(target, name), iter(range(2, 10))
+    real = getattr(target, name)
+    saves = iter(range(2, 10))
 
     def save_then_read(*args, **kw):  # the training's next save lands as the reader starts reading
         monkeypatch.setattr(target, name, real)
@@ -555,7 +561,8 @@ def test_n_positions_is_checked_before_any_work(pe, kw, n, message, tmp_path):
 def remote(tmp_path_factory) -> dict[str, tuple[Path, GPT, torch.nn.Module]]:
     """Each encoding's export with --remote_code: its folder, our model, and the model transformers
     loads."""
-    root, exports = tmp_path_factory.mktemp("remote"), {}
+    root = tmp_path_factory.mktemp("remote")
+    exports = {}
     for pe in POS_ENCODINGS:
         ckpt, model = checkpoint(perturb=0.3, pos_encoding=pe)
         out = export.export(ckpt, root / pe, remote_code=True)
@@ -597,7 +604,8 @@ def test_remote_code_left_padding_gives_each_row_its_own_logits(pe, remote):
     T = length(pe)
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, V, (n,), generator=g) for n in (5, T, 23)]
-    idx, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long)
+    idx = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
     for b, row in enumerate(rows):
         idx[b, T - len(row) :], mask[b, T - len(row) :] = row, 1
     with torch.no_grad():
@@ -627,7 +635,8 @@ def test_remote_code_generate_carries_its_cache_between_steps(remote):
     "past_key_values" up to 5.23, "cache" from 5.24): after the prompt, every step feeds the model
     one token, not the whole sequence again."""
     _, _, hf = remote["t5"]
-    lengths, forward = [], hf.forward
+    lengths = []
+    forward = hf.forward
 
     def recording(input_ids, *args, **kwargs):
         lengths.append(input_ids.size(1))
@@ -654,7 +663,8 @@ def test_remote_code_refuses_what_it_cannot_read(remote):
         hf(torch.tensor([[1, V + 1, 2]]))
     with pytest.raises(ValueError, match="input_ids is empty"):
         hf.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
-    idx, mask = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
     with pytest.raises(
         ValueError, match="row 1 of attention_mask is all zeros: its prompt is empty"
     ) as e:
@@ -667,7 +677,8 @@ def prompts_left_padded() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tenso
     prompts = [
         torch.randint(0, V, (k,), generator=torch.Generator().manual_seed(k)) for k in (8, 5)
     ]
-    idx, mask = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.zeros(2, 8, dtype=torch.long)
     for b, p in enumerate(prompts):
         idx[b, 8 - len(p) :], mask[b, 8 - len(p) :] = p, 1
     return prompts, idx, mask
@@ -696,7 +707,8 @@ def test_remote_code_generate_is_sample_py_on_our_kv_cache(pe, remote):
             ours = model.generate(p[None], n, temperature=0, use_cache=use_cache)
             assert torch.equal(out.sequences[b, 8:], ours[0, len(p) :]), (use_cache, b)
         if use_cache:
-            cache, folder_model = out.past_key_values, sys.modules[type(hf).__module__]
+            cache = out.past_key_values
+            folder_model = sys.modules[type(hf).__module__]
             # one per padding
             assert isinstance(cache, transformers.Cache) and len(cache.groups) == 2
             assert all(type(rows.kv) is folder_model.KVCache for rows in cache.groups)
@@ -775,7 +787,8 @@ def test_other_code_in_the_folder_is_refused_at_load(remote, tmp_path):
     import shutil
 
     src = remote["fire"][0]
-    edited, mixed = tmp_path / "edited", tmp_path / "mixed"
+    edited = tmp_path / "edited"
+    mixed = tmp_path / "mixed"
     shutil.copytree(src, edited)
     (edited / "model.py").write_text((edited / "model.py").read_text() + "\n# changed\n")
     shutil.copytree(src, mixed)
@@ -925,7 +938,8 @@ def harness_docs(tmp_path_factory) -> Path:
     pytest.importorskip("lm_eval")
     from lib.datafiles import read_embedded_corpus
 
-    text, rows = read_embedded_corpus()[200_000:202_000], []
+    text = read_embedded_corpus()[200_000:202_000]
+    rows = []
     for start in range(0, 1_600, 400):
         cut = text.index("\n", start + 200) + 1
         prompt = text[text.rindex("\n", start, cut - 1) + 1 : cut]
@@ -1024,8 +1038,10 @@ def check_harness(
         )
         assert float(s["resps"][0][0]) == pytest.approx(ours, abs=1e-4)
     for s in samples["line"]:  # the harness moves the context's final newline to the continuation
-        context, line = s["doc"]["context"], s["doc"]["line"]
-        whole, head = tok.encode(context + line), tok.encode(context[:-1])
+        context = s["doc"]["context"]
+        line = s["doc"]["line"]
+        whole = tok.encode(context + line)
+        head = tok.encode(context[:-1])
         assert float(s["resps"][0][0][0]) == pytest.approx(
             our_loglikelihood(model, head, whole[len(head) :], eot_as), abs=1e-4
         )

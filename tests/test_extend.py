@@ -177,10 +177,12 @@ def test_learned_positions_extend_by_interpolation(sources, tmp_path):
 def test_resuming_an_extension_is_exact(sources, yarn_run, tmp_path):
     """Half the iterations, then --init_from=resume with the same options: the weights of the
     straight run, bit for bit (the source's folder is not read again: it may be gone)."""
-    out, opts = tmp_path / "split", ["--block_size=64", "--rope_scaling=yarn", "--lr_decay_iters=6"]
+    out = tmp_path / "split"
+    opts = ["--block_size=64", "--rope_scaling=yarn", "--lr_decay_iters=6"]
     extend(sources, "rope", out, *opts, "--max_iters=3")
     trained(out, f"--dataset={sources['data']}", *opts, "--max_iters=6", "--init_from=resume")
-    a, b = load_checkpoint(yarn_run / "ckpt.pt"), load_checkpoint(out / "ckpt.pt")
+    a = load_checkpoint(yarn_run / "ckpt.pt")
+    b = load_checkpoint(out / "ckpt.pt")
     assert a["model_args"] == b["model_args"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -307,7 +309,8 @@ def test_kv_cache_equals_the_full_forward_past_the_new_block(run, yarn_run, sour
     the encoding reaches."""
     if run == "yarn":
         model = model_from_checkpoint(load_checkpoint(yarn_run / "ckpt.pt")).eval()
-        T, chunks = 200, [50, 1, 1, 60, 1, 87]
+        T = 200
+        chunks = [50, 1, 1, 60, 1, 87]
     else:
         ckpt = extend(
             sources,
@@ -317,7 +320,9 @@ def test_kv_cache_equals_the_full_forward_past_the_new_block(run, yarn_run, sour
             "--max_iters=2",
             "--lr_decay_iters=2",
         )
-        model, T, chunks = model_from_checkpoint(ckpt).eval(), 64, [20, 1, 1, 42]
+        model = model_from_checkpoint(ckpt).eval()
+        T = 64
+        chunks = [20, 1, 1, 42]
     idx = torch.randint(
         0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(3)
     )
@@ -342,7 +347,8 @@ def test_eval_length_and_sample_read_the_scaling_unasked(yarn_run, tmp_path):
     data = np.fromfile(Path(ckpt["config"]["dataset"]) / "val.bin", dtype=np.uint16)[
         : L + 1
     ].astype(np.int64)
-    x, y = torch.from_numpy(data[:-1])[None], torch.from_numpy(data[1:])[None]
+    x = torch.from_numpy(data[:-1])[None]
+    y = torch.from_numpy(data[1:])[None]
     with torch.no_grad():
         logits, ours = model(x, y)
         model.set_rope_scaling("none")

@@ -32,7 +32,8 @@ def train_torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = load_checkpoint(a)["model"], load_checkpoint(b)["model"]
+    wa = load_checkpoint(a)["model"]
+    wb = load_checkpoint(b)["model"]
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], **TOL, msg=k)
@@ -72,7 +73,8 @@ def test_fsdp_trains_as_one_process_and_resumes_at_any_count(tiny_data, tmp_path
     assert_same_weights(tmp_path / "one4" / "ckpt.pt", two / "ckpt.pt")  # read from ckpt.dcp
     assert len(list((two / "ckpt.dcp").glob("*.distcp"))) == 2  # each process wrote its own shards
 
-    at1, at4 = tmp_path / "at1", tmp_path / "at4"
+    at1 = tmp_path / "at1"
+    at4 = tmp_path / "at4"
     shutil.copytree(two, at1, symlinks=True)
     shutil.copytree(two, at4, symlinks=True)
     train_here(data, *COMMON, *fsdp2, "--max_iters=8", "--init_from=resume", f"--out_dir={at1}")
@@ -219,7 +221,8 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(
     A resume (or an evaluation) with the other strategy, a shard missing, and float16 are each a
     one-line error, and the checkpoint stays. A copy that made ckpt.dcp a folder resumes and
     saves."""
-    data, out = f"--dataset={tiny_data}", tmp_path / "out"
+    data = f"--dataset={tiny_data}"
+    out = tmp_path / "out"
     train_here(data, *COMMON, "--parallel=fsdp", "--max_iters=4", f"--out_dir={out}")
     assert "parallel=fsdp in one process: it trains unsharded" in capsys.readouterr().out
     assert ShardedCheckpoint(out / "ckpt.dcp").meta["optimizer_saved"]
@@ -250,7 +253,9 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(
     assert r.returncode == 0 and (out / "ckpt.pt").is_file(), r.stderr
     # AdamW's state, by parameter index
     assert load_checkpoint(out / "ckpt.pt")["optimizer"]["state"]
-    plain, sharded, copied = tmp_path / "plain", tmp_path / "sharded", tmp_path / "copied"
+    plain = tmp_path / "plain"
+    sharded = tmp_path / "sharded"
+    copied = tmp_path / "copied"
     shutil.copytree(out, plain, symlinks=True)
     shutil.copytree(out, sharded, symlinks=True)
     shutil.copytree(out, copied)  # links followed: ckpt.dcp a folder
@@ -264,7 +269,8 @@ def test_one_process_fsdp_reads_consolidates_and_refuses_the_wrong_resume(
         f"--out_dir={sharded}",
     )
     # the latter from ckpt.dcp
-    a, b = load_checkpoint(plain / "ckpt.pt"), load_checkpoint(sharded / "ckpt.pt")
+    a = load_checkpoint(plain / "ckpt.pt")
+    b = load_checkpoint(sharded / "ckpt.pt")
     assert a["iter_num"] == b["iter_num"] == 8
     for k in a["model"]:
         # one process, the same arithmetic: exact

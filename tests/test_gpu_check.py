@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def gpu_check(tmp_path: Path, *stages: str) -> tuple[list[tuple[str, int]], list[str]]:
     """Run .ci/gpu-check with python3 and nvidia-smi stubbed (each records its arguments): each
     stage's name and time limit as stages.txt gives them, and the commands run, in order."""
-    stubs, out = tmp_path / "bin", tmp_path / "out"
+    stubs = tmp_path / "bin"
+    out = tmp_path / "out"
     stubs.mkdir()
     for name in ("python3", "nvidia-smi"):
         stub = stubs / name

@@ -41,7 +41,8 @@ def walk(encoding: str) -> list[str]:
     config = GPTConfig(
         block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16, pos_encoding=encoding
     )
-    model, idx = GPT(config).eval(), torch.randint(0, 32, (1, 4))
+    model = GPT(config).eval()
+    idx = torch.randint(0, 32, (1, 4))
     seen: dict[str, None] = {}
 
     def profile(frame, event, arg):
@@ -155,11 +156,11 @@ def test_the_walk_counts_what_runs():
 # packing lines cannot lower
 MODEL_FILES = ("model.py", "fast_paths.py", "generate.py", "shape.py")
 STATEMENT_CEILINGS = {
-    "model.py": 642,
-    "the model's files": 1418,
-    "the GPT class": 127,
-    "a function of the model's files": 42,
-    "train.py": 327,
+    "model.py": 662,
+    "the model's files": 1497,
+    "the GPT class": 129,
+    "a function of the model's files": 45,
+    "train.py": 344,
 }
 README_CEILING = 15000  # characters
 LINE_LENGTH = 100  # pyproject's, for ruff format and E501 on every file
@@ -275,3 +276,28 @@ def test_training_imports_none_of_the_comparison_s_tools():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_no_file_packs_assignments_into_tuples():
+    """No assignment of a tuple literal holding a computed value to a tuple of targets (`a, b =
+    f(x), g(y)`: one statement per value; a swap, names and constants alone, is fine), in every
+    file git tracks."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+
+    def computed(e: ast.expr) -> bool:
+        constant = isinstance(e, ast.UnaryOp) and isinstance(e.operand, ast.Constant)
+        return not (isinstance(e, ast.Name | ast.Constant) or constant)
+
+    packed = [
+        f"{path.relative_to(ROOT)}:{n.lineno}"
+        for path in (ROOT / name for name in tracked.stdout.split())
+        if "fixtures" not in path.parts
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Tuple) for t in n.targets)
+        and isinstance(n.value, ast.Tuple)
+        and any(computed(e) for e in n.value.elts)
+    ]
+    assert not packed, packed

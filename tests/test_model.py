@@ -116,7 +116,8 @@ def test_learned_positions_refuse_to_extrapolate():
 def test_sliding_window_forward_equals_cropped_forward_one_layer(pe):
     """With one layer, a relative encoding's sliding-window forward at position t equals a plain
     forward over the last W tokens (an independent check of the window mask)."""
-    model, W = tiny(pe, n_layer=1), 6
+    model = tiny(pe, n_layer=1)
+    W = 6
     idx = tokens(2, 20)
     windowed = model(idx, window=W)[0]
     for t in range(idx.size(1)):
@@ -130,7 +131,8 @@ def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
     """A rolling cache of width W gives the logits of a full forward with a sliding-window causal
     mask of W, whether its ring wraps every token (extra=0), every few tokens, or never
     (extra=40)."""
-    model, W = tiny(pe), 6
+    model = tiny(pe)
+    W = 6
     idx = tokens(2, sum(chunks))
     close(cached_logits(model, idx, chunks, window=W, extra=extra), model(idx, window=W)[0])
 
@@ -140,7 +142,9 @@ def test_rolling_cache_equals_sliding_window_forward(pe, chunks, extra):
 def test_generation_past_max_context_relative(pe, T):
     """Relative encodings: cached generation past max_context equals greedy sliding-window full
     forwards; uncached generation equals nanoGPT's crop-and-recompute."""
-    model, W, steps = tiny(pe), 6, 20
+    model = tiny(pe)
+    W = 6
+    steps = 20
     idx = tokens(2, T)
     windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
@@ -156,7 +160,9 @@ def test_generation_past_max_context_keeps_absolute_positions(pe, T):
     """FIRE reads absolute positions past its training length: cached generation past max_context
     equals greedy sliding-window full forwards at the tokens' own positions, and uncached generation
     re-runs the window at its positions (not from 0)."""
-    model, W, steps = tiny(pe), 6, 20
+    model = tiny(pe)
+    W = 6
+    steps = 20
     idx = tokens(2, T)
     windowed = greedy_reference(model, idx, steps, lambda m, x: m(x, window=W)[0][:, -1])
     assert torch.equal(model.generate(idx, steps, temperature=0, max_context=W), windowed)
@@ -176,7 +182,9 @@ def test_generation_past_max_context_keeps_absolute_positions(pe, T):
 def test_generation_past_max_context_absolute(pe, T, use_cache):
     """Absolute encodings past max_context crop to the last W tokens and restart positions at 0, as
     nanoGPT."""
-    model, W, steps = tiny(pe), 6, 20
+    model = tiny(pe)
+    W = 6
+    steps = 20
     idx = tokens(2, T)
     expected = greedy_reference(model, idx, steps, lambda m, x: m(x[:, -W:])[0][:, -1])
     assert torch.equal(
@@ -187,7 +195,9 @@ def test_generation_past_max_context_absolute(pe, T, use_cache):
 def test_rolling_cache_keeps_only_the_window():
     """The rolling cache is preallocated: S slots, position p in slot p % S, holding the last S
     positions."""
-    model, W, S = tiny("rope"), 6, 8
+    model = tiny("rope")
+    W = 6
+    S = 8
     cache = KVCache(model.config.n_layer, S)
     model(tokens(1, 20), cache=cache, window=W)
     assert (
@@ -220,8 +230,11 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
     """A KV cache's bookkeeping (next_pos, length, the slots' positions) changes in KVCache.claim
     alone, once per chunk the model writes (a chunk split to fit the window is several) and once per
     decoded token, and greedy generation through it still equals full forwards."""
-    claims, inside, version = [], [False], [None]
-    claim, set_attr = KVCache.claim, KVCache.__setattr__
+    claims = []
+    inside = [False]
+    version = [None]
+    claim = KVCache.claim
+    set_attr = KVCache.__setattr__
 
     def claiming(self, idx, *args):
         assert self.pos is None or self.pos._version == version[0], (
@@ -231,7 +244,8 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
         try:
             return claim(self, idx, *args)
         finally:
-            inside[0], version[0] = False, self.pos._version
+            inside[0] = False
+            version[0] = self.pos._version
             claims.append(idx.size(1))
 
     def watched(self, name, value):
@@ -394,8 +408,10 @@ def test_every_kernel_of_the_table_has_its_builder():
 def taken_paths(monkeypatch) -> list[str]:
     """The paths each forward builds from now on: a kernel's name, or sdpa_causal / sdpa_mask for
     the reference."""
-    got, answers = [], []
-    table, attention = fast_paths.kernel, model_py.attention_for
+    got = []
+    answers = []
+    table = fast_paths.kernel
+    attention = model_py.attention_for
     monkeypatch.setattr(
         fast_paths, "kernel", lambda *a, **k: answers.append(table(*a, **k)) or answers[-1]
     )
@@ -480,7 +496,9 @@ HANDWRITTEN = (
 def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention written out by hand: softmax(q·k/√d + bias + causal mask)·v, RoPE as
     complex numbers."""
-    attn, pe, cfg = model.transformer.h[0].attn, model.encoding, model.config
+    attn = model.transformer.h[0].attn
+    pe = model.encoding
+    cfg = model.config
     if cfg.pos_encoding not in HANDWRITTEN:
         pytest.fail(
             f"reference_attention has no formula for pos_encoding={cfg.pos_encoding!r}: write its "
@@ -512,7 +530,9 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
         scores = scores + pe.weight.double()[:, rel.clamp(-(r - 1), r - 1) + r - 1]
     # Raffel et al.: n < B/2 exact, then log-spaced up to max_distance, then the last
     if cfg.pos_encoding == "t5":
-        nb, md, exact = cfg.t5_num_buckets, cfg.t5_max_distance, cfg.t5_num_buckets // 2
+        nb = cfg.t5_num_buckets
+        md = cfg.t5_max_distance
+        exact = cfg.t5_num_buckets // 2
         bucket = lambda n: (
             n
             if n < exact
@@ -526,7 +546,8 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
         scores = scores - r1 * torch.log(1 + r2 * rel.clamp(min=0))
     # Li et al.: f(ψ(i - j) / (ψ(max(L, i)) + 1e-6)), ψ(x) = log(|c|·x + 1), layer 0
     if cfg.pos_encoding == "fire":
-        c, L = pe.c[0].abs().double(), (pe.L_multiplier[0] * cfg.block_size).abs().double()
+        c = pe.c[0].abs().double()
+        L = (pe.L_multiplier[0] * cfg.block_size).abs().double()
         psi = lambda x: torch.log(c * x + 1)  # noqa: E731
         x = psi(rel.clamp(min=0).double()) / (psi(torch.maximum(L, i[:, None].double())) + 1e-6)
         hidden = torch.relu(x[..., None] * pe.w1[0].double() + pe.b1[0].double())  # (T, T, 32)
@@ -537,7 +558,8 @@ def reference_attention(model: GPT, x: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(rel < 0, 0.0)
         # (B, nh, T, T)
         p = torch.stack([g[..., j:].sum(-1) for j in range(T)], -1).clamp(max=cfg.cope_p_max - 1)
-        z, lo = q @ pe.e[0].double().T, p.floor()
+        z = q @ pe.e[0].double().T
+        lo = p.floor()
         scores = (
             scores
             + z.gather(-1, p.ceil().long()) * (p - lo)
@@ -586,7 +608,8 @@ def test_a_decode_step_computes_a_shared_bias_once(pe, monkeypatch):
     bias once when the layers share it, and once per layer for a bias of each layer's own: never
     once per layer for a shared one."""
     model = tiny(pe, n_layer=3)
-    calls, pair_bias = [], model_py.pair_bias
+    calls = []
+    pair_bias = model_py.pair_bias
     monkeypatch.setattr(
         model_py, "pair_bias", lambda *a, **k: calls.append(1) or pair_bias(*a, **k)
     )
@@ -769,7 +792,8 @@ def test_shifting_positions(pe):
     idx = tokens(2, 16)
     # past block_size where it can: FIRE is relative below it
     shift = 237 if POS_ENCODINGS[pe].extrapolates else 37
-    base, shifted = model(idx)[0], model(idx, pos=torch.arange(16) + shift)[0]
+    base = model(idx)[0]
+    shifted = model(idx, pos=torch.arange(16) + shift)[0]
     if POS_ENCODINGS[pe].relative:
         close(shifted, base, tol=1e-4)
     else:
@@ -938,11 +962,13 @@ def test_compiled_fire_equals_eager_wherever_L_is():
         return logits, [p.grad.clone() for p in model.parameters()]
 
     counter = CompileCounterWithBackend("aot_eager")
-    compiled, graphs = torch.compile(model, backend=counter, fullgraph=True), None
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    graphs = None
     for multiplier in (1.0, 0.9, 0.47):  # L = 16, 14.4, 7.52: no query past it, one (<= T / 8), 8
         with torch.no_grad():
             model.encoding.L_multiplier.fill_(multiplier)
-        (a, grads_a), (b, grads_b) = run(compiled), run(model)
+        a, grads_a = run(compiled)
+        b, grads_b = run(model)
         # compiled once
         assert counter.frame_count >= 1 and graphs in (None, counter.frame_count), multiplier
         graphs = counter.frame_count  # (float64 makes Dynamo trace it twice)
@@ -1095,7 +1121,8 @@ def test_cpu_bias_kernels_gradients_equal_reference(
     if pe == "fire":
         model.encoding.L_multiplier.data.fill_(1.5 if step == 1 else 0.9)
     pos = {1: None, 2: 2 * torch.arange(T), -1: T + torch.arange(T)}[step]
-    idx, kw = tokens(3, T), dict(window=window, pos=pos)
+    idx = tokens(3, T)
+    kw = dict(window=window, pos=pos)
     autocast = torch.autocast("cpu", dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with autocast:
         model.attention_options = replace(model.attention_options, fused=False)
@@ -1350,7 +1377,8 @@ def test_fused_table_gradient_with_explicit_positions(
     monkeypatch.setattr(fast_paths, "flex_attention_lse", lambda *a: calls.append(1) or real(*a))
     T = 20
     model = tiny(pe, block_size=3 * T, **kw).train()
-    idx, pos = tokens(2, T), offset + stride * torch.arange(T)
+    idx = tokens(2, T)
+    pos = offset + stride * torch.arange(T)
     model.attention_options = replace(model.attention_options, fused=False)
     ref_logits, ref_grads = grads(model, idx, pos=pos)
     model.attention_options = replace(model.attention_options, fused=True)
@@ -1372,7 +1400,8 @@ def test_a_trainable_bias_never_takes_flex_attentions_own_gradient(
     threshold, with no table, never through FlexAttention in training (its rows a block of queries
     at a time, on any device); each with the reference's logits and gradients, and each still
     evaluates through FlexAttention."""
-    calls, paths = [], taken_paths(monkeypatch)
+    calls = []
+    paths = taken_paths(monkeypatch)
     monkeypatch.setattr(
         fast_paths, "flex_attention", lambda *a, **k: calls.append(1) or flex_attention(*a, **k)
     )
@@ -1438,10 +1467,12 @@ def test_table_gradient_on_cuda_is_deterministic_and_exact(R, cuda):
     s = ((q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(0, R)]).masked_fill(
         rel < 0, float("-inf")
     )
-    y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+    y = torch.softmax(s, -1) @ v
+    lse = s.logsumexp(-1)
     exact = fast_paths.table_grad(q, k, v, y, lse, dy, table)
     on_cuda = [t.cuda().float() for t in (q, k, v, y, lse, dy, table)]
-    got, again = fast_paths.table_grad(*on_cuda), fast_paths.table_grad(*on_cuda)
+    got = fast_paths.table_grad(*on_cuda)
+    again = fast_paths.table_grad(*on_cuda)
     assert torch.equal(got, again)
     torch.testing.assert_close(
         got.double().cpu(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item()
@@ -1461,7 +1492,8 @@ def test_table_gradient_of_a_table_over_every_distance_sums_each_entry(window):
     rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
     s = (q @ k.transpose(-2, -1)) / hs**0.5 + table[:, rel.clamp(min=0)]
     s = s.masked_fill(~fast_paths.sees(rel, window), float("-inf"))
-    y, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+    y = torch.softmax(s, -1) @ v
+    lse = s.logsumexp(-1)
     exact = fast_paths.table_grad(q, k, v, y, lse, dy, table, window)
     # y as a bf16 kernel's
     rounded = fast_paths.table_grad(q, k, v, y.bfloat16().double(), lse, dy, table, window)
@@ -1530,7 +1562,8 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
     ref_logits, ref_grads = grads(model, idx)
     assert not calls
     paths = taken_paths(monkeypatch)
-    compiled, notes = [torch.compile(model)], []
+    compiled = [torch.compile(model)]
+    notes = []
 
     def recompile(options):
         model.attention_options = options
@@ -1629,7 +1662,9 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
     options, note = fall_back(options, failure)
     assert "materialized bias" in note and options.fused is False
     assert fall_back(options, failure) is None
-    tries, notes, retried = [], [], []
+    tries = []
+    notes = []
+    retried = []
 
     def step():
         tries.append(1)
@@ -1782,10 +1817,8 @@ def test_reference_attention_adds_a_float32_bias_to_half_precision():
     from model import attend
 
     T = 4096
-    q, k = (
-        torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16),
-        torch.zeros(2, 1, T, 16, dtype=torch.bfloat16),
-    )
+    q = torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16)
+    k = torch.zeros(2, 1, T, 16, dtype=torch.bfloat16)
     rel = (T - 1) - torch.arange(T)  # the last query against every key
     # exact in bf16, mean near 0
     v = ((rel - 3050).float() / 8)[None, None, :, None].expand(2, 1, T, 16).bfloat16()
@@ -1881,7 +1914,8 @@ def test_kerple_log_bias_matches_the_formula():
     """KERPLE (log): bias = -r1·log(1 + r2·(i - j)) per head, r1, r2 > 0, a function of i - j
     alone."""
     pe = tiny("kerple").encoding
-    r1, r2 = pe.log_r1.exp().detach(), pe.log_r2.exp().detach()
+    r1 = pe.log_r1.exp().detach()
+    r2 = pe.log_r2.exp().detach()
     assert (r1 > 0).all() and (r2 > 0).all()
     n = torch.arange(0, 3000, 7).float()
     expected = -r1[:, None] * torch.log(1 + r2[:, None] * n)
@@ -1896,10 +1930,12 @@ def test_kerple_per_layer_gives_each_layer_its_own_pair():
     """kerple_per_layer=True (the paper's model): a (r1, r2) pair per head in every layer, so layers
     attend with different biases, and the cache still equals the full forward; the default shares
     one pair per head."""
-    shared, per_layer = tiny("kerple", n_layer=3), tiny("kerple", n_layer=3, kerple_per_layer=True)
+    shared = tiny("kerple", n_layer=3)
+    per_layer = tiny("kerple", n_layer=3, kerple_per_layer=True)
     assert shared.encoding.log_r1.shape == (4,) and not shared.encoding.per_layer
     assert per_layer.encoding.log_r1.shape == (12,) and per_layer.encoding.per_layer
-    pe, n = per_layer.encoding, torch.arange(50)
+    pe = per_layer.encoding
+    n = torch.arange(50)
     layer_bias = [
         pe.score_bias(torch.arange(4)[:, None] + 4 * layer, n + 50, 50) for layer in range(3)
     ]
@@ -1921,7 +1957,8 @@ def fire_reference(pe, layer: int, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     log(|c|·x + 1), L = |m|·L0, f = w2·relu(w1·x + b1) per head. i (Tq, 1) and j (Tk,) positions ->
     (nh, Tq, Tk)."""
     dt = pe.c.dtype
-    c, L = pe.c[layer].abs(), (pe.L_multiplier[layer] * pe.init_L).abs()
+    c = pe.c[layer].abs()
+    L = (pe.L_multiplier[layer] * pe.init_L).abs()
     d = (i - j).clamp(min=0).to(dt)
     x = torch.log(c * d + 1) / (torch.log(c * torch.maximum(L, i.to(dt)) + 1) + 1e-6)  # (Tq, Tk)
     hidden = torch.relu(x[..., None] * pe.w1[layer] + pe.b1[layer])  # (Tq, Tk, 32)
@@ -1970,13 +2007,15 @@ def test_fire_equals_the_papers_formula(multiplier, regime, path, monkeypatch):
         (logits**2).mean().backward()
         return logits, {n: p.grad for n, p in m.named_parameters()}
 
-    shapes, run_mlp = [], fast_paths.run_mlp
+    shapes = []
+    run_mlp = fast_paths.run_mlp
     monkeypatch.setattr(
         fast_paths,
         "run_mlp",
         lambda f, x, *w, **few: shapes.append(tuple(x.shape)) or run_mlp(f, x, *w, **few),
     )
-    (a, grads_a), (b, grads_b) = run(model), run(ref)
+    a, grads_a = run(model)
+    b, grads_b = run(ref)
     # the matrix: the MLP ran on the 24 distances, and pair by pair only on the queries past L (all
     # 24 only when all are). The CPU's path: on the 24 distances where no query is past L, else pair
     # by pair (one block of 24 queries). In a cache, every chunk's queries over the cache's 32 slots

@@ -86,7 +86,8 @@ def errors(pe: str) -> dict:
     a training step at the block, and logits at 16x it where the encoding runs there."""
     out = {}
     for seed in SEEDS:
-        model, idx = model_for(pe, seed), tokens(4, BLOCK, seed=seed + 1)
+        model = model_for(pe, seed)
+        idx = tokens(4, BLOCK, seed=seed + 1)
         logits, grads = step(model, idx, autocast=False)
         bf16_logits, bf16_grads = step(model, idx, autocast=True)
         floor_logits, floor_grads = step(rounded(model), idx, autocast=False)
@@ -140,7 +141,8 @@ def test_what_an_encoding_computes_under_autocast_is_its_float32(pe, train, monk
     outside autocast in float32 from the same inputs (bf16 ones as float32): autocast's bf16
     products would move CoPE's positions and FoX's sums."""
     model = model_for(pe, seed=0).train(train)
-    pe_module, calls = model.encoding, []
+    pe_module = model.encoding
+    calls = []
     for name in HOOKS:
         hook = getattr(pe_module, name)
 

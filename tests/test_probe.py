@@ -18,7 +18,8 @@ from model import POS_ENCODINGS, alibi_slopes, apply_rotary
 def by_hand(model, idx: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention probabilities (B, nh, T, T) from the weights: scores, bias, causal mask,
     softmax."""
-    c, B, T = model.config, *idx.shape
+    c = model.config
+    B, T = idx.shape
     hs = c.n_embd // c.n_head
     pos = torch.arange(T)
     x = model.transformer.wte(idx)
@@ -29,7 +30,8 @@ def by_hand(model, idx: torch.Tensor) -> torch.Tensor:
     q, k = (t.view(B, T, c.n_head, hs).transpose(1, 2) for t in (q, k))
     rope = model.encoding.rotary(pos)
     if rope is not None:
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q = apply_rotary(q, *rope)
+        k = apply_rotary(k, *rope)
     s = q @ k.transpose(-2, -1) / hs**0.5
     bias = model.encoding.score_bias(
         torch.arange(c.n_head)[:, None, None], pos[:, None], pos[None, :]
@@ -45,7 +47,8 @@ def test_attention_probs_equal_a_softmax_by_hand(pe):
     model = tiny(pe, block_size=32).eval()
     if pe == "bias_rpe":  # a table that is not all zero
         torch.nn.init.normal_(model.encoding.weight)
-    idx, before = tokens(2, 48), dict(vars(model))
+    idx = tokens(2, 48)
+    before = dict(vars(model))
     probs = probe.attention_probs(model, idx)
     assert len(probs) == model.config.n_layer and probs[0].shape == (2, model.config.n_head, 48, 48)
     close(probs[0], by_hand(model, idx))
@@ -223,7 +226,8 @@ def test_outputs_are_written_whole_and_optional(runs, tmp_path, monkeypatch):
     """--out_json and --plot get whole files (a PDF here: the suffix picks the format) and no
     temporary files; an empty value writes none (not even the default name in the working
     folder)."""
-    out, plot = tmp_path / "p.json", tmp_path / "p.pdf"
+    out = tmp_path / "p.json"
+    plot = tmp_path / "p.pdf"
     r = probe_here(
         str(runs["alibi"]), "--length=32", "--windows=2", f"--out_json={out}", f"--plot={plot}"
     )

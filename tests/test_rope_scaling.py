@@ -68,7 +68,8 @@ def test_yarn_matches_the_paper():
     fast dims and keeps the slow ones: k = 0 catches it."""
     pe = rope(128, 4096, "yarn", 16.0)
     assert (pe.low, pe.high) == (20, 46)
-    got, t = pe.inv_freq("cpu").double(), theta(128)
+    got = pe.inv_freq("cpu").double()
+    t = theta(128)
     close(got[:21], t[:21], tol=1e-7)
     close(got[46:], t[46:] / 16, tol=1e-7)
     ramp = (33 - 20) / (46 - 20)  # 0.5

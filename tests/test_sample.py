@@ -87,7 +87,8 @@ def test_sample_generates_with_and_without_cache(tmp_path):
         "--temperature=0",
         "--max_context=48",
     )
-    cached, uncached = run_sample(*common), sample_here(*common, "--no_cache")
+    cached = run_sample(*common)
+    uncached = sample_here(*common, "--no_cache")
     assert cached.returncode == 0, cached.stderr
     assert uncached.returncode == 0, uncached.stderr
     assert (
@@ -432,10 +433,8 @@ def test_huge_context_is_what_the_tokens_need(tmp_path, monkeypatch):
         "--max_new_tokens=40",
         "--temperature=0",
     )
-    huge, exact = (
-        sample_here(*common, "--max_context=1000000000000"),
-        sample_here(*common, "--max_context=46"),
-    )
+    huge = sample_here(*common, "--max_context=1000000000000")
+    exact = sample_here(*common, "--max_context=46")
     assert (
         huge.returncode == 0
         and huge.stdout == exact.stdout
@@ -552,7 +551,8 @@ def test_generate_takes_every_kind_of_number_and_integer_ids():
     """Numbers as users pass them (numpy integers, 0-d tensors) are taken at their value, ids of any
     integer width are ids, and a max_context longer than the prompt and the new tokens is capped
     there (as sample.py caps it: the same tokens, no cache of 10**10 slots)."""
-    model, idx = tiny("rope"), torch.tensor([[1, 2, 3, 4, 5, 6]])
+    model = tiny("rope")
+    idx = torch.tensor([[1, 2, 3, 4, 5, 6]])
     seeded = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     expected = generate(model, idx, 4, temperature=0.8, top_k=5, max_context=16, generator=seeded())
     kinds = dict(

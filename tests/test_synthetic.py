@@ -144,7 +144,8 @@ def test_copy_layout():
     rng = np.random.default_rng(0)
     for L in (2, 3, 64, 65):
         x, y = synthetic_tasks.sequence("copy", V, L, rng)
-        tokens, n = np.append(x, y[-1]), L // 2
+        tokens = np.append(x, y[-1])
+        n = L // 2
         assert (y >= 0).sum() == n and tokens[L - n] == SEP
         assert np.array_equal(tokens[L + 1 - n :], tokens[L - 2 * n : L - n])
         assert np.array_equal(y[y >= 0], tokens[L + 1 - n :])
@@ -258,10 +259,12 @@ def oracle_answers(x: np.ndarray) -> np.ndarray:
     rule, independently of the generators: the token after MARK (needle, passkey), k after it
     (offset), after the earlier copy of the current key (mqar), n + 1 back after SEP (copy)."""
     T = len(x)
-    marks, seps = np.flatnonzero(x == MARK), np.flatnonzero(x == SEP)
+    marks = np.flatnonzero(x == MARK)
+    seps = np.flatnonzero(x == SEP)
     if len(seps):  # copy: the string is x[s - n : s] and its copy ends at the last target
         return x[np.arange(T) - (T - seps[-1])]
-    out, first = np.zeros(T, dtype=np.int64), {}  # first: where each token first appears
+    out = np.zeros(T, dtype=np.int64)  # first: where each token first appears
+    first = {}
     for t in range(T):
         if x[t] == QUERY:
             out[t] = x[marks[0] + 1]
@@ -309,7 +312,8 @@ def reference_floor(task: str, L: int, n: int, **kw) -> float:
     """Each task's no-retrieval baseline, written here from the task's description (not
     synthetic.shortcut), on the evaluation's sequences: the expected accuracy of guessing uniformly
     among the baseline's candidates."""
-    rng, hits = S.eval_rng(0, task, L), []
+    rng = S.eval_rng(0, task, L)
+    hits = []
     for _ in range(n):
         # batch() draws whether each row is a curriculum row, also at evaluation (mix 0)
         rng.uniform()
@@ -344,7 +348,8 @@ def test_floor_is_the_no_retrieval_baseline(task):
     n = 300
     got = S.floor(task, V, 64, n, **kw)["token"]
     # the reference reads n sequences: the floor too
-    S.FLOOR_SEQUENCES, saved = n, S.FLOOR_SEQUENCES
+    saved = S.FLOOR_SEQUENCES
+    S.FLOOR_SEQUENCES = n
     try:
         first = S.floor(task, V, 64, n, **kw)["strategies"][next(iter(S.SHORTCUTS[task]))]
         assert first == pytest.approx(reference_floor(task, 64, n, **kw), abs=1e-12)

@@ -155,7 +155,8 @@ class Oracle(nn.Module):
 
     def __init__(self, seqs: list[np.ndarray], vocab: int):
         super().__init__()
-        self.seqs, self.vocab = torch.from_numpy(np.stack(seqs)), vocab
+        self.seqs = torch.from_numpy(np.stack(seqs))
+        self.vocab = vocab
 
     def forward(self, idx):
         B, T = idx.shape
@@ -169,11 +170,9 @@ class Blind(nn.Module):
 
     def __init__(self, vocab: int, digits: list[int], seed: int = 0):
         super().__init__()
-        self.vocab, self.digits, self.g = (
-            vocab,
-            torch.tensor(digits),
-            torch.Generator().manual_seed(seed),
-        )
+        self.vocab = vocab
+        self.digits = torch.tensor(digits)
+        self.g = torch.Generator().manual_seed(seed)
 
     def forward(self, idx):
         pick = self.digits[torch.randint(len(self.digits), idx.shape, generator=self.g)]
@@ -206,10 +205,8 @@ def test_random_gpt_retrieves_nothing_and_learned_positions_stop_at_block_size()
     """An untrained GPT scores (near) zero; past a learned table's block size the grid says n/a."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=len(SHAKESPEARE_CHARS), n_layer=1, n_head=2, n_embd=16, block_size=96)
-    rope, learned = (
-        GPT(GPTConfig(**cfg, pos_encoding="rope")).eval(),
-        GPT(GPTConfig(**cfg, pos_encoding="learned")),
-    )
+    rope = GPT(GPTConfig(**cfg, pos_encoding="rope")).eval()
+    learned = GPT(GPTConfig(**cfg, pos_encoding="learned"))
     assert tasks.evaluate_task(rope, CHAR, "passkey", 192, 20)["accuracy"] <= 0.05
     r = tasks.evaluate_checkpoint(
         learned.eval(), CHAR, [96, 192], [0.0, 1.0], 2, 0, list(text_tasks.TEXT_TASKS), 8, "cpu"
@@ -225,7 +222,8 @@ def test_answer_logits_equal_the_full_forward():
         GPTConfig(vocab_size=len(SHAKESPEARE_CHARS), n_layer=1, n_head=2, n_embd=16, block_size=96)
     ).eval()
     x, a = make("recall", CHAR, 96)
-    idx, mask = torch.from_numpy(x[None, :-1]), torch.from_numpy(a[None, 1:])
+    idx = torch.from_numpy(x[None, :-1])
+    mask = torch.from_numpy(a[None, 1:])
     torch.testing.assert_close(tasks.answer_logits(model, idx, mask), model(idx)[0][mask])
 
 
@@ -454,7 +452,8 @@ def test_folders_of_one_name_keep_their_rows(task_runs, tmp_path):
     """Two runs in folders of one name (a/out, b/out) keep a row each, labelled by their paths (the
     second used to replace the first); a task or a length given twice is one column; the JSON and
     the heatmap are written whole, with no temporary files."""
-    out, plot = tmp_path / "t.json", tmp_path / "t.svg"
+    out = tmp_path / "t.json"
+    plot = tmp_path / "t.svg"
     runs = ["--out_dir", str(task_runs["a/out"]), str(task_runs["b/out"])]
     r = tasks_here(
         *runs,

@@ -103,10 +103,8 @@ def test_resume_is_bit_exact(tiny_data, tmp_path):
     r = train(*common, "--max_iters=20", "--init_from=resume", f"--out_dir={tmp_path / 'split'}")
     assert_ok(r)
     assert "resuming from" in r.stdout
-    a, b = (
-        load_checkpoint(tmp_path / "straight" / "ckpt.pt"),
-        load_checkpoint(tmp_path / "split" / "ckpt.pt"),
-    )
+    a = load_checkpoint(tmp_path / "straight" / "ckpt.pt")
+    b = load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert a["iter_num"] == b["iter_num"] == 20
     assert_same_state(a["model"], b["model"])
     assert not torch.equal(
@@ -305,10 +303,8 @@ def test_fused_kernel_compile_failure_falls_back(
     assert log.count("failed to compile (the compiled step failed)") == (1 if options_help else 2)
     assert log.count("retries with kernel_options num_stages=1") == 1
     assert log.count("attention adds a materialized bias instead") == (0 if options_help else 1)
-    a, b = (
-        load_checkpoint(tmp_path / "eager" / "ckpt.pt"),
-        load_checkpoint(tmp_path / "fallback" / "ckpt.pt"),
-    )
+    a = load_checkpoint(tmp_path / "eager" / "ckpt.pt")
+    b = load_checkpoint(tmp_path / "fallback" / "ckpt.pt")
     assert b["iter_num"] == 10
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=1e-5)
@@ -404,7 +400,8 @@ def test_a_resume_on_other_data_is_refused(tiny_data, tmp_path):
     prepare_text(
         "a b c d\n" * 500, other, "char"
     )  # another character set: the ids mean other characters
-    task, text = tmp_path / "task", tmp_path / "text"
+    task = tmp_path / "task"
+    text = tmp_path / "text"
     train_here("--task=needle", "--block_size=64", "--max_iters=1", f"--out_dir={task}")
     train_here(f"--dataset={tiny_data}", "--max_iters=1", f"--out_dir={text}")
     before = {out: (out / "ckpt.pt").read_bytes() for out in (task, text)}
@@ -541,10 +538,8 @@ def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     r = torchrun(2, "train.py", *TINY, *common, "--batch_size=4", "--gradient_accumulation_steps=2",
                  f"--out_dir={tmp_path / 'two'}")  # fmt: skip
     assert_ok(r)
-    one, two = (
-        load_checkpoint(tmp_path / "one" / "ckpt.pt"),
-        load_checkpoint(tmp_path / "two" / "ckpt.pt"),
-    )
+    one = load_checkpoint(tmp_path / "one" / "ckpt.pt")
+    two = load_checkpoint(tmp_path / "two" / "ckpt.pt")
     assert len(two["rng"]) == 2 and two["iter_num"] == 6
     for k in one["model"]:
         torch.testing.assert_close(one["model"][k], two["model"][k], atol=1e-5, rtol=1e-4)

@@ -313,10 +313,12 @@ def test_a_lock_that_is_not_a_file_is_named_and_never_followed(tmp_path, kind):
     """out_dir/.lock that is a folder or a link (dangling, to a missing file in a folder elsewhere,
     or to a folder) is a one-line error naming it and the fix, before any work; the lock is never
     made through the link, and nothing there is removed."""
-    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out = tmp_path / "out"
+    elsewhere = tmp_path / "elsewhere"
     out.mkdir()
     (out / "ckpt.pt").write_bytes(b"a run")
-    lock, target = out / ".lock", elsewhere if kind == "link to a folder" else elsewhere / "lock"
+    lock = out / ".lock"
+    target = elsewhere if kind == "link to a folder" else elsewhere / "lock"
     if kind == "folder":
         lock.mkdir()
         (lock / "notes.txt").write_text("mine")
@@ -370,10 +372,8 @@ def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     file stays."""
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
-    stale, live = (
-        tmp_path / f".ckpt.pt.{dead.pid}.tmp",
-        tmp_path / f".ckpt_best.pt.{os.getpid()}.tmp",
-    )
+    stale = tmp_path / f".ckpt.pt.{dead.pid}.tmp"
+    live = tmp_path / f".ckpt_best.pt.{os.getpid()}.tmp"
     stale.write_bytes(b"half")
     live.write_bytes(b"half")
     removed = f"removed {stale.name}, left by a save that was killed mid-write"
