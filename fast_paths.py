@@ -1,16 +1,6 @@
-"""
-The fast paths: faster ways to compute the attention model.py computes, tested equal to it.
-model.py's attention_for asks `kernel()` once per forward (once per layer for a bias of each layer's
-own); where it names a kernel, `fast_attention()` builds it from tensors (the positions, the bias's
-table of distances where it has one), the bias by blocks of queries, model.py's SDPA and the layer's
-score bias as a function of (head, query position, key position). Nothing here imports the project's
-code or reads a model object: train.py and compare/bench.py hand the kernel fallbacks the options.
-
-Sections: the options and the table that picks a kernel, FlexAttention's paths, the kernels a block
-of queries at a time (a bias of i - j from its table, on a CPU; any bias by its rows, on a CPU and
-for FIRE's training on a GPU), the fallbacks when the compiler cannot build a kernel.
-docs/development.md ("How attention is computed") explains each path and why.
-"""
+"""The fast paths: faster ways to the attention model.py computes, each tested equal to it. Nothing
+here imports the project's code or reads a model object; docs/development.md ("How attention is
+computed") gives each path, its contract and why."""
 
 from __future__ import annotations
 
@@ -34,10 +24,9 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """The user's say in the table (model.attention_options; replaced, never edited). fused: a score
-    bias through FlexAttention; None: where it has a backward and is fused (compiled on CUDA);
-    False: never, nor the CPU's kernels. flex_kernel_options: FlexAttention's Triton options, e.g.
-    {"num_stages": 1}."""
+    """The user's say in the kernel table (model.attention_options; replaced, never edited): `fused`
+    (FlexAttention: None where it is fused, compiled on CUDA; False: never, nor the CPU's kernels)
+    and FlexAttention's Triton options."""
 
     fused: bool | None = None
     flex_kernel_options: dict | None = None
@@ -88,26 +77,9 @@ def kernel(
     compiling: bool | None = None,
     sums: bool = False,
 ) -> str | None:
-    """The attention of a forward with a score bias: the first row of the table that matches, a
-    kernel of this file's, or None for model.py's reference (SDPA under the bias matrix, -inf where
-    a query does not see a key).
-
-    | fused | the bias | device, compile | dropout | kernel |
-    |-----------|---------------------------------------|-------------------------|---------|----------------|
-    | yes, fits | trained: a table of i - j, own keys | · | no | flex_table | | yes, fits | not
-    trained | · | no | flex | | yes | trained, no table, own keys | · | no | bias_blocks | | not
-    False | a cached chunk of one block at most | CPU | no | the reference | | not False | a table
-    of i - j, trained or not | CPU: eager, or own keys | no | bias_table | | not False | a sum c_i -
-    c'_j (FoX's) | CPU: eager, or own keys | no | sum_blocks | | not False | any other, by blocks of
-    its rows | CPU: eager, or own keys | no | bias_blocks |
-
-    fused is options.fused, where None: compiling on CUDA; fits: FlexAttention takes head_dim on the
-    device (None: flex_fits, asked only where fused). trainable: autograd records the bias's
-    parameters; own_keys: the keys are the queries' own, in order (no cache); table: the bias comes
-    as its table over distances (a bias of i - j alone); cached: the keys are a KV cache's, for
-    `queries` queries (a decode step: one block, the reference's one matrix, computed once for the
-    layers that share it); sums: the bias is c_i - c'_j of a sum over the tokens (FoX's). compiling:
-    None reads torch.compiler.is_compiling()."""
+    """The kernel for a forward with a score bias: the first row of the table in docs/development.md
+    that matches ("flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks"), or None for
+    model.py's reference."""
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
     fused = (compiling and device == "cuda") if options.fused is None else options.fused
     flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
@@ -143,16 +115,9 @@ def fast_attention(
     starts: tuple[torch.Tensor, torch.Tensor] | None = None,
     attend: Callable | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The attention (q, k, v) -> y of kernel `name` (kernel's answer) for one layer's score bias
-    over this forward's queries. bias(h, i, j): the layer's bias at head h, query position i, key
-    position j (pos (Tq,) and key_pos (Tk,) hold them); query i sees key j where 0 <= i - j < window
-    (None: no window). table: a bias of i - j alone at distances 0 … D - 1 (nh, D), the last for
-    every longer distance; block_bias(i0, i1, j0, j1): the bias of queries i0 … i1 - 1 over keys j0
-    … j1 - 1 ((nh, bq, nk) or by rows (B, nh, bq, nk), -inf where a query does not see a key).
-    starts: under packing="documents", where each query's and each key's document starts ((B, Tq),
-    (B, Tk)): a query sees only keys of its own document, the bias read at stream positions (the
-    same i - j inside one). attend(q, k, v, bias): model.py's SDPA under a bias, which bias_blocks
-    runs on each block."""
+    """The attention (q, k, v) -> y of kernel `name` for one layer's score bias bias(h, i, j) over
+    this forward's queries, from its table, its rows or its formula (the arguments:
+    docs/development.md)."""
     query_starts, key_starts = (None, None) if starts is None else starts
     if name == "bias_table":
         # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
@@ -231,10 +196,9 @@ def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
 
 
 class TableGrad(torch.autograd.Function):
-    """The identity on attention's output y, whose backward gives the gradient of table (nh, R + 1),
-    a bias of the distance i - j alone, constant from distance R on (table_grad). FlexAttention's
-    own gradient would add every pair's share into the table's few entries with atomics, which
-    serialise and are not deterministic. Positions must be consecutive, as in training."""
+    """The identity on attention's output y, whose backward gives table (nh, R + 1) its gradient
+    (table_grad) without FlexAttention's atomics, which serialise and are not deterministic.
+    Positions must be consecutive, as in training."""
 
     @staticmethod
     def forward(ctx, y, lse, q, k, v, table, window, starts):
@@ -253,17 +217,9 @@ DIAGONAL_TILE = 128  # queries (and keys) per tile of table_grad
 
 
 def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=None) -> torch.Tensor:
-    """d loss / d table (nh, R + 1): dS = P ⊙ (dO·Vᵀ - rowsum(dO ⊙ O)) summed over the pairs that
-    read each entry, without a (T, T) tensor and without atomics (deterministic). The queries and
-    keys are cut in tiles of n; the tiles on one block diagonal (query tile - key tile = kd) see the
-    same distances kd·n + r - c, so their dS is summed over the batch and the tiles first, (nh, n,
-    n), then along its diagonals into the table. Only the block diagonals with a distance below R
-    (or the window) are read: linear in T for a clamped table (bias-RPE, T5), half of the pairs for
-    a table over every distance (KERPLE); dS sums to zero over each row, so the far entry's gradient
-    is minus the others' where some pair is past it (where none is, it sums its own: every row's
-    rounding, bf16 y and TF32, would gather in it). q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T);
-    window as Chunk's; starts (B, T) where each token's document starts (packing="documents"; None:
-    one stream)."""
+    """d loss / d table (nh, R + 1) from dS = P ⊙ (dO·Vᵀ - rowsum(dO ⊙ O)), in tiles of n queries
+    and keys, each block diagonal's tiles summed first, then along their diagonals: no (T, T)
+    tensor, no atomics. q, k, v, y, dy (B, nh, T, hs); lse (B, nh, T); starts (B, T) or None."""
     B, nh, T, hs = q.shape
     R = table.size(1) - 1
     if R == 0:  # one bias for every distance: softmax ignores it
@@ -334,9 +290,8 @@ def diagonal_sums(m: torch.Tensor) -> torch.Tensor:
 
 def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q·kᵀ·scale + bias)·v (scale None: 1/√hs) and its log-sum-exp (B, nh, Tq), for a float
-    bias (nh, Tq, Tk) or (B, nh, Tq, Tk): on a CPU by SDPA's flash kernel, elsewhere (or for a V of
-    another head size) by its math. In float32 at least, so that the bias is not rounded to steps of
-    q's precision (ALiBi's -m·3000 to steps of 1/16)."""
+    bias (nh or B, nh, Tq, Tk): SDPA's flash kernel on a CPU, else its math, in float32 at least (so
+    that ALiBi's -m·3000 is not rounded to steps of 1/16)."""
     work = torch.promote_types(q.dtype, torch.float32)
     q = q.to(work)
     k = k.to(work)
@@ -354,10 +309,8 @@ def flash(q, k, v, bias, scale: float | None = None) -> tuple[torch.Tensor, torc
 
 class TableBiasAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√hs + bias)·v for a bias of i - j alone, read from its table (nh, D) a block of
-    queries at a time (the last entry for every distance from D - 1 on), on a CPU: no (nh, Tq, Tk)
-    tensor, forward or backward. The forward is SDPA's flash kernel per block; the backward
-    recomputes each block's probabilities from the log-sum-exp and adds the bias's gradient into the
-    table's entries, in order (deterministic)."""
+    queries at a time on a CPU: no (nh, Tq, Tk) tensor, and a backward that adds the bias's gradient
+    into the table in order (deterministic)."""
 
     @staticmethod
     def forward(ctx, q, k, v, table, pos, key_pos, window, starts=None, key_starts=None):
@@ -447,12 +400,9 @@ def flash_blocks(q, k, v, blocks, bias: Callable) -> tuple[torch.Tensor, torch.T
 
 
 class SumBiasAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + c_i - c'_j)·v, a bias of two per-token vectors (FoX's running sums: c at
-    the queries (B, nh, Tq), c' at the keys (B, nh, Tk), None: the queries' own), a block of queries
-    at a time on a CPU: no (Tq, Tk) tensor, forward or backward. The bias is two more dimensions of
-    the queries and keys (with_sums), so that SDPA's flash kernels take it, forward and backward,
-    under a mask of the unseen keys alone; c's gradient is the new dimensions' (each row's sum of
-    dS, and minus each column's)."""
+    """softmax(q·kᵀ/√hs + c_i - c'_j)·v for FoX's two per-token sums (c (B, nh, Tq), c' (B, nh, Tk)
+    or None: the queries' own), a block of queries at a time on a CPU: the bias is two more
+    dimensions of q and k, so SDPA's flash kernels take it, forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_c, pos, key_pos, window, starts=None, key_starts=None):
@@ -577,11 +527,9 @@ class GateCounts:
 
 
 class CountAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√hs + q·e[p])·v for CoPE's counted positions p over the queries' own keys at
-    positions pos (Tq,) (window, documents' starts (B, Tq) as Chunk's), a block of queries at a
-    time, with a backward of its own that recomputes each block: no (Tq, Tk) tensor is kept, and a
-    block is a few passes (autograd through checkpointed blocks took twice as long). The keys are
-    read nearest first (reversed), so that the positions are a prefix sum."""
+    """softmax(q·kᵀ/√hs + q·e[p])·v for CoPE's counted positions p over the queries' own keys, a
+    block of queries at a time, the keys nearest first (so p is a prefix sum), with a backward of
+    its own that recomputes each block: no (Tq, Tk) tensor kept."""
 
     @staticmethod
     def forward(ctx, q, k, v, e, counts: GateCounts, pos, window, starts, blocks):
@@ -660,11 +608,9 @@ class CountAttention(torch.autograd.Function):
 
 
 class Keys:
-    """What CountAttention's blocks read: the queries qs and the keys reversed kf (B, nh, T, hs), z
-    = q·e[n] and z[n + 1] (B, nh, Tq, p_max; z[p_max - 1] at the end, where p stops), the positions,
-    and buffers each as large as the largest block (B, nh, TABLE_BLOCK, Tk), kept between calls: on
-    a CPU a fresh tensor of a block's size costs as much again as the pass that fills it (the
-    allocator returns its pages, and each is faulted in again)."""
+    """What CountAttention's blocks read: queries, keys reversed (B, nh, T, hs), z = q·e and its
+    steps, positions, and buffers of the largest block's size kept between calls (a fresh one costs
+    a CPU as much as the pass that fills it)."""
 
     kept: dict = {}  # (name, dtype, device) -> a flat buffer, grown as needed
 
@@ -697,10 +643,9 @@ def reversed_keys(cols: slice, Tk: int) -> slice:
 def counted_scores(
     keys: Keys, rows: slice, cols: slice, scores: bool = True, near: int | None = None
 ) -> tuple:
-    """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: the bias z[p] alone) over the
-    keys in cols nearest first, -inf where a query does not see a key, and what the backward reads:
-    the gates g, then over the `near` nearest keys (None: found here, the keys before every count
-    has stopped at p_max - 1) ⌊p⌋, p - ⌊p⌋ and z's step at each pair, and near; in keys' buffers."""
+    """A block's scores q·kᵀ/√hs + z[p] (B, nh, bq, nk) (scores False: z[p] alone) over keys `cols`,
+    nearest first, -inf where unseen; in keys' buffers what the backward reads: the gates, and over
+    the `near` nearest keys ⌊p⌋, p - ⌊p⌋ and z's step."""
     them = reversed_keys(cols, keys.kf.size(2))
     qb = keys.qs[:, :, rows]
     kb = keys.kf[:, :, them]
@@ -742,10 +687,9 @@ def counted_scores(
 def key_span(
     i0: int, i1: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None = None
 ) -> tuple[int, int]:
-    """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: with their own keys none past the last
-    query (its future), none window or more before the first, and under packing="documents" none
-    before the earliest start of their documents (eager: the start is data, read on the host;
-    compiled, from the first key)."""
+    """The keys j0 … j1 - 1 that queries i0 … i1 - 1 may see: none in their future, none a window or
+    more back, and under packing="documents" none before their documents' earliest start (eager:
+    read on the host; compiled: from the first key)."""
     if not own_keys:
         return 0, Tk
     # own keys: consecutive, key j at position pos[0] + j
@@ -793,13 +737,9 @@ def bias_blocks(
     span: Callable[[int, int], tuple],
     attend,
 ) -> Callable:
-    """Attention with a score bias a block of queries at a time (on a CPU; on a GPU a trained bias
-    without a table, FIRE's): the keys j0 … j1 - 1 = span(i0, i1) that queries i0 … i1 - 1 may see,
-    their bias block_bias(i0, i1, j0, j1) (fast_attention's), then attend(q, k, v, bias) (model.py's
-    SDPA under a bias): no (nh, Tq, Tk) tensor. With a gradient each block runs under activation
-    checkpointing, so that its bias and probabilities are computed again in the backward, one block
-    at a time, and autograd takes the bias's gradient into its parameters from there (FIRE's MLP,
-    any formula)."""
+    """Attention with a score bias a block of queries at a time: each block's keys (span), its bias
+    block_bias(i0, i1, j0, j1), then attend(q, k, v, bias); with a gradient each block is
+    checkpointed, so autograd takes the bias's gradient into its formula. No (nh, Tq, Tk) tensor."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)
@@ -833,14 +773,9 @@ def content_attention(
     attend: Callable,
     counts: Callable[[], GateCounts] | None = None,
 ) -> Callable:
-    """The attention (q, k, v, x) -> y of a bias that reads the content (model.py's CoPE, FoX):
-    content_bias(q, k, seen, order, sums) of a block of queries over their keys, -inf where a query
-    does not see a key (visible(i0, i1, j0, j1)), by kernel's blocks of queries (no (Tq, Tk) tensor:
-    sum_blocks, SumBiasAttention; bias_blocks: by rows, or CountAttention over the queries' own keys
-    where counts() gives a bias of counted positions) or as one block (the reference). The keys are
-    counted in position order (`order` sorts a cache's ring; None: in order); forget(x) is what each
-    token adds to a running sum (B, nh, T) (None: none), summed over the chunk or, with a cache, by
-    sums(increments): the queries' and every key's."""
+    """The attention (q, k, v, x) -> y of a bias that reads the content (CoPE, FoX): content_bias of
+    a block of queries over their keys, by the kernel's blocks (sum_blocks, CountAttention,
+    bias_blocks) or as one block; forget(x) and sums give FoX's running sums."""
     order = None if own_keys else key_pos.argsort()  # (Tk,)
     query_starts, key_starts = (None, None) if starts is None else starts
     span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
@@ -888,10 +823,9 @@ def content_attention(
 
 @dataclass(frozen=True)
 class MLPBias:
-    """One layer's bias f(x) as its encoding declares it (model.FIRE.layer_bias): x = input(c,
-    threshold, i, j) of the query and key positions, f(x) = mlp(x, w1, b1, w2, together) summed over
-    its units (the last dim of w1, b1, w2 (nh, units)), and for a query below the threshold (i <
-    threshold) x a function of i - j alone."""
+    """One layer's bias f(x) as FIRE declares it (model.FIRE.layer_bias): x = input(c, threshold, i,
+    j), f(x) = mlp(x, w1, b1, w2, together) summed over its units; below the threshold (i <
+    threshold) x is a function of i - j alone."""
 
     input: Callable
     mlp: Callable
@@ -955,10 +889,9 @@ def mlp_distances(f: MLPBias, T: int, c, threshold, w1, b1, w2) -> torch.Tensor:
 
 
 def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
-    """The bias as a table over the distances 0 … T - 1 (nh, T) where every query is below the
-    threshold and the keys are the queries' own at consecutive positions pos (T,), queries (T,) or
-    (B, T) their positions (in documents); else None. Eager on a CPU only: whether every query is
-    below it reads the data (a host sync per layer on a GPU)."""
+    """The bias as a table over distances 0 … T - 1 (nh, T) where every query at `queries` ((T,) or
+    (B, T)) is below the threshold and the keys are its own at consecutive positions, else None.
+    Eager on a CPU only: the test reads the data."""
     if torch.compiler.is_compiling() or pos.device.type != "cpu":
         return None
     if bool(queries.max() >= f.threshold):  # at i = L max(L, i) splits its gradient: by pairs
@@ -967,11 +900,9 @@ def mlp_table(f: MLPBias, pos: torch.Tensor, queries: torch.Tensor) -> torch.Ten
 
 
 def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2) -> torch.Tensor:
-    """The bias (B, nh, T, T) of packed documents begun in the chunk, the keys the queries' own, at
-    consecutive positions pos (T,), doc_pos (B, T) each query's position in its document: a function
-    of that position p and the distance d alone, so the MLP runs once per (p, d) for the positions
-    past the threshold (every position, compiled: their number is data) and once per d for those
-    below, then each row gathers its own."""
+    """The bias (B, nh, T, T) of packed documents begun in the chunk: a function of a query's
+    position in its document and the distance alone, so the MLP runs once per (position, distance)
+    past the threshold and once per distance below it; each row gathers its own."""
     T = len(pos)
     device = pos.device
     # p < L
@@ -988,12 +919,9 @@ def mlp_by_document_position(f: MLPBias, pos, doc_pos, c, threshold, w1, b1, w2)
 def mlp_matrix(
     f: MLPBias, pos, key_pos, own_keys: bool, doc_pos=None, recompute: bool = False
 ) -> torch.Tensor:
-    """The bias at every pair of queries at pos (Tq,) and keys at key_pos (Tk,), (nh, Tq, Tk), its x
-    and units computed once for the layer; doc_pos: under packing="documents" each query's and key's
-    position in its document ((B, Tq), (B, Tk)): (B, nh, Tq, Tk). Where the keys are the queries'
-    own at consecutive positions, a query below the threshold has x of i - j alone: its row is a
-    gather from the MLP run on the T distances; only queries past it (a suffix) take the MLP per
-    pair. recompute: in the backward, so autograd keeps the bias, not its intermediates."""
+    """The bias at every pair of queries at pos (Tq,) and keys at key_pos (Tk,), (nh, Tq, Tk), or
+    (B, nh, Tq, Tk) with doc_pos: a gather from the MLP on the distances below the threshold, the
+    MLP per pair past it. recompute: in the backward (autograd keeps the bias alone)."""
     # the tensors the MLP's evaluations take (so that checkpointing and torch.cond see them); w2
     # (nh, 1, 1, units)
     operands = f.c, f.threshold, f.w1, f.b1, f.w2[:, None, None]
@@ -1143,10 +1071,9 @@ def with_kernel_fallbacks(
     retry: Callable[[AttentionOptions], None],
     log=print,
 ):
-    """step(), and where the fused kernel cannot be compiled, step() again after each fallback in
-    turn (one log line each). options: the model's attention options (None: it has no score bias, so
-    no fused kernel to fall back from); retry(options) gives the model the fallback's options and
-    puts back what the failed step changed. A fallback stays."""
+    """step(), and where the fused kernel cannot be compiled, again after each fallback in turn (one
+    log line each, a fallback stays). options: the model's (None: no score bias); retry(options)
+    gives the model the fallback's options and puts back what the failed step changed."""
     while True:
         try:
             return step()

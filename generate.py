@@ -1,12 +1,6 @@
-"""
-Generation (nanochat's engine.py, gpt-fast's generate.py): the loop that feeds a model.GPT one token
-at a time through its KV cache, and sampling. The model neither builds nor holds any of it:
-sample.py and compare/bench.py call `generate(model, idx, ...)` (as GPT.generate, nanoGPT's call,
-does), the Hugging Face export `next_logits`.
-
-Each new token takes a prefill that starts a cache, one token through the decode step (compiled on
-request), or the whole window again where no cache can be exact.
-"""
+"""Generation (nanochat's engine.py, gpt-fast's generate.py): the loop that feeds a model.GPT a
+token at a time through its KV cache, and sampling. The model neither builds nor holds any of it:
+sample.py calls `generate(model, idx, ...)`, the Hugging Face export `next_logits`."""
 
 from __future__ import annotations
 
@@ -30,10 +24,9 @@ except ImportError:
 
 
 class KVCache:
-    """Keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots:
-    position p lives in slot p % S, and `pos` (S,) holds each slot's position (EMPTY, in every
-    query's future, where unused). Fixed shapes and in-place writes let a compiled decode step run
-    as one CUDA graph. `claim` is the one method that advances it."""
+    """Keys (after rotation) and values of every layer, each (B, nh, S, hs), in a ring of S slots
+    (position p in slot p % S; `pos` (S,) holds each slot's, EMPTY where unused). Fixed shapes and
+    in-place writes make a compiled decode step one CUDA graph; `claim` alone advances it."""
 
     EMPTY = 2**62
 
@@ -74,10 +67,9 @@ class KVCache:
         pos=None,
         last: int | None = None,
     ) -> Chunk:
-        """The Chunk of idx (B, T), its slots claimed and its keys every slot's: the one method that
-        advances a cache. At the cache's next T positions, or at pos (T,), the last of them `last`
-        (a host int: no sync); eot_token: packing="documents"'s, where each token's document starts.
-        model.GPT.chunk checks a chunk before it claims."""
+        """The Chunk of idx (B, T), its slots claimed and its keys every slot's: at the next T
+        positions, or at pos (T,) whose last is `last` (a host int: no sync); eot_token: where
+        documents start (packing="documents"). model.GPT.chunk checks a chunk before it claims."""
         T = idx.size(1)
         start = self.next_pos
         if pos is None:  # the cache's next T positions
@@ -155,12 +147,9 @@ def generate(
     generator: torch.Generator | None = None,
     compile: bool = False,
 ) -> torch.Tensor:
-    """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. The model
-    attends to at most max_context tokens (default block_size): past it, the absolute encodings crop
-    to the last max_context tokens and restart at position 0 (nanoGPT's way), the others roll their
-    cache, keys keeping their positions. use_cache=False re-runs the window every token;
-    compile=True compiles the decode step. A bad argument is a ValueError naming it, its value and
-    what is allowed, before any work."""
+    """Extend idx (B, T) by max_new_tokens sampled tokens (temperature 0: greedy), attending to at
+    most max_context tokens: past it the absolute encodings crop and restart at 0, the others roll
+    their cache. A bad argument is a ValueError naming it, before any work."""
     # a numpy scalar's or 0-d tensor's value
     numbers = (max_new_tokens, temperature, top_k, top_p, max_context)
     max_new_tokens, temperature, top_k, top_p, max_context = (
@@ -272,11 +261,9 @@ COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled(model: GPT, device_type: str) -> Callable:
-    """decode_step compiled for this model and its encoding, once, then reused by every generate()
-    call: on CUDA one graph replayed over the static cache; on a CPU, batch-1 matmuls as fused
-    multiply-reductions (faster than MKL's GEMV). Dynamo keeps its graphs, and its limit of 8
-    recompiles, per code object: each model compiles a copy of decode_step's code, so a process that
-    compiles many models never reaches the limit (an error with fullgraph)."""
+    """decode_step compiled for this model once, then reused by every generate() call (on CUDA one
+    graph over the static cache). Each model compiles a copy of decode_step's code, so that dynamo's
+    limit of recompiles per code object is never reached."""
     encoding, decode = COMPILED.get(model, (None, None))
     if encoding is not model.encoding:
         if device_type == "cuda":

@@ -1,7 +1,6 @@
-"""nanoPE's model: a decoder-only GPT (GPT-2's architecture) whose attention takes any positional
-encoding of POS_ENCODINGS, or none; its decoding with generate.py's KV cache equals its full
-forward. Top to bottom: encodings, config, chunk positions, attention, the transformer, the GPT.
-Positions travel as `pos` (T,), a Chunk per forward."""
+"""nanoPE's model: a decoder-only GPT (GPT-2's) whose attention takes any encoding of POS_ENCODINGS,
+or none; its decoding with generate.py's KV cache equals its full forward. Top to bottom: encodings,
+config, chunk positions, attention, the transformer, the GPT; positions travel as a Chunk."""
 
 from __future__ import annotations
 
@@ -947,11 +946,9 @@ def attention_for(
     layer: int = 0,
     cache=None,
 ) -> Callable:
-    """This forward's attention (q, k, v) -> y, chosen here once: SDPA causal over the queries' own
-    keys, or under the mask of what each query sees; with a score bias (layer's, for a per-layer
-    one) fast_paths.kernel's answer, or the reference: the bias at every pair, -inf where a query
-    does not see a key; a bias that reads the content, by blocks of queries as each layer runs
-    (content_attention). x: the layer's input (B, T, C)."""
+    """This forward's attention (q, k, v) -> y, chosen once: SDPA (causal, or under the mask of what
+    each query sees), or with a score bias the kernel fast_paths.kernel names, or the reference (the
+    bias at every pair; by blocks for a bias of the content). docs/development.md has the table."""
     documents = chunk.starts is not None
     if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
         # causal over the queries' own keys

@@ -1,9 +1,6 @@
-"""
-The model's settings that are not an encoding's formula: the shape every model has (ModelShape, its
-fields and their checks), how an encoding declares an option of its own (Option, with the checks its
-values take), and activation checkpointing, a training setting of its blocks. model.py builds
-GPTConfig from ModelShape and every encoding's options; nothing here imports the project's code.
-"""
+"""The model's settings that are not an encoding's formula: the shape every model has (ModelShape),
+how an encoding declares an option (Option, with its checks), and activation checkpointing. model.py
+builds GPTConfig from these; nothing here imports the project's code."""
 
 from __future__ import annotations
 

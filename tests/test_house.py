@@ -301,3 +301,16 @@ def test_no_file_packs_assignments_into_tuples():
         and any(computed(e) for e in n.value.elts)
     ]
     assert not packed, packed
+
+
+def test_the_model_s_docstrings_are_short():
+    """Every docstring of the model's files is at most 3 lines (a line or two; the spec lives in
+    docs/development.md)."""
+    long = [
+        f"{name}: {getattr(n, 'name', 'the module')}"
+        for name in MODEL_FILES
+        for n in ast.walk(ast.parse((ROOT / name).read_text()))
+        if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and len((ast.get_docstring(n, clean=False) or "").splitlines()) > 3
+    ]
+    assert not long, long
