@@ -38,7 +38,7 @@ from lib.datafiles import (
     tokenizer_difference,
     trained_distances,
 )
-from lib.devices import autocast, check_memory, default_device, estimate_mfu, peak_flops
+from lib.devices import autocast, check_memory, default_device
 from lib.options import check_fits, odd_values, resolve
 from lib.parallel import (
     STRATEGIES,
@@ -49,6 +49,7 @@ from lib.parallel import (
     stop_on_signals,
     strategy,
 )
+from lib.progress import Progress, format_duration
 from lib.synthetic_tasks import LEARNED, learned_at
 from lib.tokenizer import GPT2Tokenizer
 from model import ENCODING_OPTIONS, GPT, POS_ENCODINGS, GPTConfig
@@ -154,7 +155,6 @@ defaults = dict(
 )
 # each encoding's: rpe_max_distance, ...
 defaults |= {name: opt.default for name, (_, opt) in ENCODING_OPTIONS.items()}
-ESTIMATE_AFTER = 10  # iterations timed before the whole run's time is estimated
 CPU_SIZED_FLOPS = 1e11  # training FLOPs per iteration above which a CPU takes seconds per iteration
 # longer work between log lines shows progress
 PROGRESS_SECONDS = float(os.environ.get("NANOPE_PROGRESS_SECONDS", 10))
@@ -553,83 +553,6 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
     ):
         run.checkpointer.save(run, run.procs, best=improved)
     return seconds
-
-
-class Progress:
-    """The run's clock and its log lines: the time per iteration (averaged past the first ones:
-    compilation, warm-up), the run's estimate after ESTIMATE_AFTER iterations, and each
-    log_interval's loss, speed, MFU and ETA."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.start_iter = run.iter_num
-        self.dt_avg = None
-        self.eval_dt = 0.0
-        self.t0 = time.time()
-        self.flops = peak_flops(run.procs.device)
-
-    def evaluated(self, seconds: float) -> None:
-        self.eval_dt = seconds
-        self.t0 = time.time()
-
-    def left(self) -> tuple[int, int]:
-        """Iterations and evaluations left after this one."""
-        left = self.run.cfg["max_iters"] - self.run.iter_num - 1
-        return left, left // self.run.cfg["eval_interval"] + 1
-
-    def stepped(self, loss: torch.Tensor, lr: float, wandb) -> None:
-        run = self.run
-        cfg = self.run.cfg
-        log = self.run.procs.log
-        t1 = time.time()
-        dt = t1 - self.t0
-        self.t0 = t1
-        # skip the first iterations (compilation, warm-up) in the average
-        if run.iter_num > self.start_iter + 1:
-            self.dt_avg = dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * dt
-        if run.iter_num == self.start_iter and (
-            line := run.strategy.memory_line(run.model, run.optimizer)
-        ):
-            log(line)  # AdamW's state exists from the first step
-        left, evals = self.left()
-        if run.iter_num == self.start_iter + ESTIMATE_AFTER and left > 0:
-            log(
-                f"this run: about {format_duration(self.dt_avg * left + self.eval_dt * evals)} "
-                f"more ({left:,} "
-                f"iterations at {self.dt_avg * 1000:.0f} ms, {evals} evaluations at "
-                f"{self.eval_dt:.1f} s)"
-            )
-        if run.iter_num % cfg["log_interval"] == 0 and run.procs.master:
-            eta = (self.dt_avg or dt) * left + self.eval_dt * evals
-            tok_s = run.tokens_per_iter / dt
-            per_process = run.tokens_per_iter // run.procs.world_size
-            mfu = (
-                estimate_mfu(run.model, per_process, self.dt_avg or dt, self.flops)
-                if self.flops
-                else None
-            )
-            log(
-                f"iter {run.iter_num}: loss {loss.item():.4f}, time {dt * 1000:.1f}ms, "
-                f"{tok_s:,.0f} tok/s"
-                + (f", mfu {mfu * 100:.1f}%" if mfu is not None else "")
-                + f", eta {format_duration(eta)}"
-            )
-            if wandb:
-                metrics = {
-                    "iter": run.iter_num,
-                    "train/loss_step": loss.item(),
-                    "lr": lr,
-                    "tokens_per_sec": tok_s,
-                }
-                wandb.log(metrics | ({"mfu": mfu} if mfu is not None else {}))
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h = seconds // 3600
-    m = seconds // 60 % 60
-    s = seconds % 60
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def with_fallback(run: Run, step):

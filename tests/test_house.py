@@ -160,7 +160,7 @@ STATEMENT_CEILINGS = {
     "the model's files": 1497,
     "the GPT class": 129,
     "a function of the model's files": 45,
-    "train.py": 344,
+    "train.py": 299,
 }
 README_CEILING = 15000  # characters
 LINE_LENGTH = 100  # pyproject's, for ruff format and E501 on every file
