@@ -63,13 +63,13 @@ def fused_attention_note(
 
 
 def kernel(
-    options: AttentionOptions,
+    attention_options: AttentionOptions,
     *,
     trainable: bool,
     own_keys: bool,
     device: str,
     dropout: bool,
-    table: bool = False,
+    has_table: bool = False,
     cached: bool = False,
     queries: int = 0,
     head_dim: int | None = None,
@@ -81,29 +81,33 @@ def kernel(
     that matches ("flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks"), or None for
     model.py's reference."""
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
-    fused = (compiling and device == "cuda") if options.fused is None else options.fused
+    fused = (
+        (compiling and device == "cuda")
+        if attention_options.fused is None
+        else attention_options.fused
+    )
     flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
-    if flex and trainable and table and own_keys:
+    if flex and trainable and has_table and own_keys:
         return "flex_table"
     if flex and not trainable:
         return "flex"
     # FIRE on a GPU: never FlexAttention's atomics
-    if fused and not dropout and trainable and own_keys and not table:
+    if fused and not dropout and trainable and own_keys and not has_table:
         return "bias_blocks"
     cpu = (
         device == "cpu"
         and (own_keys or not compiling)
         and not dropout
-        and options.fused is not False
+        and attention_options.fused is not False
     )
     if not cpu or (cached and queries <= TABLE_BLOCK):
         return None
-    return "bias_table" if table else "sum_blocks" if sums else "bias_blocks"
+    return "bias_table" if has_table else "sum_blocks" if sums else "bias_blocks"
 
 
 def fast_attention(
     name: str,
-    options: AttentionOptions,
+    attention_options: AttentionOptions,
     bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     pos: torch.Tensor,
@@ -138,7 +142,13 @@ def fast_attention(
     block_mask = create_block_mask(visible, batch, None, len(pos), len(key_pos), device=pos.device)
     if name == "flex_table":  # own keys: the keys' starts are the queries'
         return flex_table(
-            table, pos, key_pos, window, block_mask, options.flex_kernel_options, query_starts
+            table,
+            pos,
+            key_pos,
+            window,
+            block_mask,
+            attention_options.flex_kernel_options,
+            query_starts,
         )
     if name == "flex":
         if starts is None:
@@ -154,7 +164,7 @@ def fast_attention(
             v,
             score_mod=score_mod,
             block_mask=block_mask,
-            kernel_options=options.flex_kernel_options,
+            kernel_options=attention_options.flex_kernel_options,
         )
     raise ValueError(f"kernel() answered {name!r}, which fast_attention does not build")
 
@@ -738,13 +748,13 @@ def bias_blocks(
     attend,
 ) -> Callable:
     """Attention with a score bias a block of queries at a time: each block's keys (span), its bias
-    block_bias(i0, i1, j0, j1), then attend(q, k, v, bias); with a gradient each block is
+    block_bias(i0, i1, j0, j1), then attend(q, k, v, score_bias); with a gradient each block is
     checkpointed, so autograd takes the bias's gradient into its formula. No (nh, Tq, Tk) tensor."""
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
         j0, j1 = span(i0, i1)
         return attend(
-            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], bias=block_bias(i0, i1, j0, j1)
+            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], score_bias=block_bias(i0, i1, j0, j1)
         )
 
     def attention(q, k, v):
@@ -810,7 +820,7 @@ def content_attention(
             )
         if kernel == "bias_blocks":
             return bias_blocks(block_bias, span, attend)(q, k, v)
-        return attend(q, k, v, bias=block_bias(0, q.size(2), 0, k.size(2)))
+        return attend(q, k, v, score_bias=block_bias(0, q.size(2), 0, k.size(2)))
 
     return attention
 
@@ -1000,15 +1010,6 @@ def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) 
     return torch.cat([by_distance(*operands, prefix=T - n), pairs(pos[T - n :])(*operands)], dim=1)
 
 
-KERNELS = (
-    "flex_table",
-    "flex",
-    "bias_table",
-    "sum_blocks",
-    "bias_blocks",
-)  # kernel()'s answers, each a path of fast_attention
-
-
 # --------------------------------------------------------------------------------------------------
 # Kernel fallbacks: a fused kernel that the compiler cannot build for this model on this GPU
 # (Triton's shared memory, an unsupported shape) is replaced, never a crash: first the same kernel
@@ -1045,15 +1046,15 @@ def compiler_failure(e: BaseException | None) -> bool:
 
 
 def fall_back(
-    options: AttentionOptions, error: BaseException
+    attention_options: AttentionOptions, error: BaseException
 ) -> tuple[AttentionOptions, str] | None:
-    """Where error is the compiler failing on the fused kernel the default options chose, the next
-    fallback's options and what changed (one line); None where there is nothing to fall back from or
-    to."""
-    if not (options.fused is None and compiler_failure(error)):
+    """Where error is the compiler failing on the fused kernel the default attention_options chose,
+    the next fallback's attention_options and what changed (one line); None where there is nothing
+    to fall back from or to."""
+    if not (attention_options.fused is None and compiler_failure(error)):
         return None
     for what, settings in KERNEL_FALLBACKS:
-        if any(getattr(options, k) != v for k, v in settings.items()):
+        if any(getattr(attention_options, k) != v for k, v in settings.items()):
             first_line = next(
                 (ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__
             )[:200]
@@ -1061,26 +1062,26 @@ def fall_back(
                 f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); "
                 f"{what}"
             )
-            return replace(options, **settings), note
+            return replace(attention_options, **settings), note
     return None
 
 
 def with_kernel_fallbacks(
     step: Callable,
-    options: AttentionOptions | None,
+    attention_options: AttentionOptions | None,
     retry: Callable[[AttentionOptions], None],
     log=print,
 ):
     """step(), and where the fused kernel cannot be compiled, again after each fallback in turn (one
-    log line each, a fallback stays). options: the model's (None: no score bias); retry(options)
-    gives the model the fallback's options and puts back what the failed step changed."""
+    log line each; a fallback stays). retry(attention_options) gives the model the fallback's and
+    puts back what the failed step changed; None: the model has no score bias."""
     while True:
         try:
             return step()
         except Exception as e:
-            fallback = None if options is None else fall_back(options, e)
+            fallback = None if attention_options is None else fall_back(attention_options, e)
             if fallback is None:
                 raise
-            options, note = fallback
+            attention_options, note = fallback
             log(f"note: {note}")
-            retry(options)
+            retry(attention_options)

@@ -867,15 +867,16 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal, or plus bias (nh, Tq, Tk) or (B,
-    nh, Tq, Tk), -inf where unseen; under a bias, bf16 q attend in float32 like FlexAttention (SDPA
-    would round it; fast_paths' too)."""
-    if bias is None:
+    """SDPA of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs): causal, or plus score_bias (nh, Tq, Tk)
+    or (B, nh, Tq, Tk), -inf where unseen; under a bias, bf16 q attend in float32 like FlexAttention
+    (SDPA would round it; fast_paths' too)."""
+    if score_bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    bias = bias if bias.dim() == 4 else bias[None]  # 4-D: CPUs take their flash kernel
+    # 4-D: CPUs take their flash kernel
+    bias = score_bias if score_bias.dim() == 4 else score_bias[None]
     # float64 q: the bias as float64 (the CPU flash kernel's mask)
     work = torch.promote_types(q.dtype, torch.float32)
     with torch.autocast(q.device.type, enabled=False):  # autocast would take SDPA back to bf16
@@ -941,7 +942,7 @@ def attention_for(
     chunk: Chunk,
     pe: PositionalEncoding,
     config: GPTConfig,
-    options: AttentionOptions,
+    attention_options: AttentionOptions,
     dropout_p: float,
     layer: int = 0,
     cache=None,
@@ -993,9 +994,9 @@ def attention_for(
     )
     head_dim = config.n_embd // config.n_head
     facts.update(
-        table=table is not None, queries=len(chunk.pos), head_dim=head_dim, sums=pe.forgets
+        has_table=table is not None, queries=len(chunk.pos), head_dim=head_dim, sums=pe.forgets
     )
-    name = fast_paths.kernel(options, **facts)
+    name = fast_paths.kernel(attention_options, **facts)
     starts = (chunk.starts, chunk.key_starts) if documents else None
     positions = dict(
         pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts
@@ -1016,11 +1017,17 @@ def attention_for(
         )
     if name is None:  # the reference
         matrix = bias_matrix()
-        return lambda q, k, v, x: attend(q, k, v, bias=matrix, dropout_p=dropout_p)
+        return lambda q, k, v, x: attend(q, k, v, score_bias=matrix, dropout_p=dropout_p)
     block_bias = lambda i0, i1, j0, j1: bias_matrix(chunk.block(i0, i1, j0, j1), recompute=False)  # noqa: E731
     bias = lambda h, i, j: pe.score_bias(h + first, i, j)  # noqa: E731
     fast = fast_paths.fast_attention(
-        name, options, bias, **positions, table=table, block_bias=block_bias, attend=attend
+        name,
+        attention_options,
+        bias,
+        **positions,
+        table=table,
+        block_bias=block_bias,
+        attend=attend,
     )
     return lambda q, k, v, x: fast(q, k, v)
 
@@ -1274,9 +1281,10 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         layers = range(self.config.n_layer) if pe.per_layer else [0]
         dropout_p = self.config.dropout if self.training else 0.0
-        options = self.attention_options
+        attention_options = self.attention_options
         attentions = [
-            attention_for(chunk, pe, self.config, options, dropout_p, n, cache) for n in layers
+            attention_for(chunk, pe, self.config, attention_options, dropout_p, n, cache)
+            for n in layers
         ]
         if wrap_attention is not None:
             attentions = [wrap_attention(a) for a in attentions]

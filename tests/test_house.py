@@ -157,7 +157,7 @@ def test_the_walk_counts_what_runs():
 MODEL_FILES = ("model.py", "fast_paths.py", "generate.py", "shape.py")
 STATEMENT_CEILINGS = {
     "model.py": 662,
-    "the model's files": 1497,
+    "the model's files": 1496,
     "the GPT class": 129,
     "a function of the model's files": 45,
     "train.py": 299,

@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
 import model as model_py
-from fast_paths import KERNELS, AttentionOptions, kernel, with_kernel_fallbacks
+from fast_paths import AttentionOptions, kernel, with_kernel_fallbacks
 from generate import KVCache, generate, sample_next
 from model import (
     ENCODING_OPTIONS,
@@ -278,7 +278,7 @@ def test_the_cache_advances_only_in_claim(monkeypatch):
 # each row of the table below changes what it needs
 FACTS = dict(
     bias=True,
-    table=True,
+    has_table=True,
     trainable=True,
     window=False,
     cached=False,
@@ -310,10 +310,10 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     "fused, facts, path",
     [
         # sdpa_causal: no bias, no window, no cache, whatever else holds
-        (None, dict(bias=False, table=False), "sdpa_causal"),
-        (True, dict(bias=False, table=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
-        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),
-        (None, dict(bias=False, table=False, cached=True, trainable=False), "sdpa_mask"),
+        (None, dict(bias=False, has_table=False), "sdpa_causal"),
+        (True, dict(bias=False, has_table=False, **CUDA_COMPILED, dropout=True), "sdpa_causal"),
+        (None, dict(bias=False, has_table=False, window=True), "sdpa_mask"),
+        (None, dict(bias=False, has_table=False, cached=True, trainable=False), "sdpa_mask"),
         # flex_table: a trainable bias handed as its table, fused (by default: compiled on CUDA),
         # consecutive, no cache
         (None, CUDA_COMPILED, "flex_table"),
@@ -322,46 +322,46 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
         (None, dict(**CUDA_COMPILED, cached=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, consecutive=False), "sdpa_mask"),
         # FIRE compiled: no table, its rows by blocks
-        (None, dict(**CUDA_COMPILED, table=False), "bias_blocks"),
-        (None, dict(**CUDA_COMPILED, table=False, dropout=True), "sdpa_mask"),
-        (None, dict(**CUDA_COMPILED, table=False, cached=True), "sdpa_mask"),
-        (None, dict(device="cuda", table=False), "sdpa_mask"),  # uncompiled on CUDA: not fused
+        (None, dict(**CUDA_COMPILED, has_table=False), "bias_blocks"),
+        (None, dict(**CUDA_COMPILED, has_table=False, dropout=True), "sdpa_mask"),
+        (None, dict(**CUDA_COMPILED, has_table=False, cached=True), "sdpa_mask"),
+        (None, dict(device="cuda", has_table=False), "sdpa_mask"),  # uncompiled on CUDA: not fused
         (None, dict(**CUDA_COMPILED, dropout=True), "sdpa_mask"),
         (None, dict(**CUDA_COMPILED, fits=False), "sdpa_mask"),
         (False, CUDA_COMPILED, "sdpa_mask"),
         # uncompiled on CUDA: FlexAttention would not be fused
         (None, dict(device="cuda"), "sdpa_mask"),
         # flex: a bias without a gradient (ALiBi, or evaluation), fused, any cache or window
-        (None, dict(**CUDA_COMPILED, trainable=False, table=False), "flex"),
+        (None, dict(**CUDA_COMPILED, trainable=False, has_table=False), "flex"),
         (True, dict(trainable=False, cached=True, window=True, consecutive=False), "flex"),
         # eager on a CPU: not fused by default
-        (None, dict(trainable=False, table=False), "bias_blocks"),
+        (None, dict(trainable=False, has_table=False), "bias_blocks"),
         (True, dict(trainable=False, dropout=True), "sdpa_mask"),
         (True, dict(trainable=False, fits=False), "bias_table"),
-        (True, dict(trainable=False, fits=False, table=False), "bias_blocks"),
+        (True, dict(trainable=False, fits=False, has_table=False), "bias_blocks"),
         # uncompiled on CUDA: not fused, the reference
         (None, dict(trainable=False, device="cuda"), "sdpa_mask"),
         # compiled, keys from a cache
         (None, dict(trainable=False, compiling=True, cached=True), "sdpa_mask"),
         # bias_blocks: any other bias on a CPU (FIRE past its threshold), trained or not, eager, or
         # compiled with the keys the queries' own; no dropout, unless fused is False
-        (None, dict(table=False), "bias_blocks"),
-        (True, dict(table=False), "bias_blocks"),
-        (None, dict(table=False, cached=True, window=True, consecutive=False), "bias_blocks"),
+        (None, dict(has_table=False), "bias_blocks"),
+        (True, dict(has_table=False), "bias_blocks"),
+        (None, dict(has_table=False, cached=True, window=True, consecutive=False), "bias_blocks"),
         # the reference: a cached chunk of one block of queries at most on a CPU (a decode step),
         # whose one block would be the reference's matrix
-        (None, dict(table=False, trainable=False, cached=True, queries=1), "sdpa_mask"),
-        (None, dict(table=False, trainable=False, cached=True, queries=64), "sdpa_mask"),
-        (None, dict(table=False, trainable=False, cached=True, queries=65), "bias_blocks"),
+        (None, dict(has_table=False, trainable=False, cached=True, queries=1), "sdpa_mask"),
+        (None, dict(has_table=False, trainable=False, cached=True, queries=64), "sdpa_mask"),
+        (None, dict(has_table=False, trainable=False, cached=True, queries=65), "bias_blocks"),
         (True, dict(trainable=False, cached=True, queries=1), "flex"),  # fused: FlexAttention first
-        (None, dict(table=False, compiling=True), "bias_blocks"),
-        (None, dict(table=False, compiling=True, window=True), "bias_blocks"),
-        (False, dict(table=False), "sdpa_mask"),
-        (None, dict(table=False, compiling=True, cached=True), "sdpa_mask"),
-        (None, dict(table=False, compiling=True, consecutive=False), "sdpa_mask"),
-        (None, dict(table=False, dropout=True), "sdpa_mask"),
+        (None, dict(has_table=False, compiling=True), "bias_blocks"),
+        (None, dict(has_table=False, compiling=True, window=True), "bias_blocks"),
+        (False, dict(has_table=False), "sdpa_mask"),
+        (None, dict(has_table=False, compiling=True, cached=True), "sdpa_mask"),
+        (None, dict(has_table=False, compiling=True, consecutive=False), "sdpa_mask"),
+        (None, dict(has_table=False, dropout=True), "sdpa_mask"),
         # learned positions' table trains: no bias
-        (None, dict(bias=False, table=False, window=True), "sdpa_mask"),
+        (None, dict(bias=False, has_table=False, window=True), "sdpa_mask"),
         # bias_table: a bias of i - j alone handed as its table (on a CPU), trained or not, eager or
         # with own keys
         (None, dict(), "bias_table"),
@@ -387,21 +387,22 @@ def test_attention_path_follows_its_table(fused, facts, path):
 
 def test_every_kernel_of_the_table_has_its_builder():
     """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention
-    or (for a bias of the content) content_attention builds (KERNELS, the one list), or None for the
+    or (for a bias of the content) content_attention builds, or None for the
     reference; each is the answer for some facts: none is unreachable."""
-    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "table", "sums"]
+    kernels = ("flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks")
+    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "has_table", "sums"]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
         for device in ("cpu", "cuda")
         for bits in itertools.product((False, True), repeat=len(names))
     }
-    assert answers == set(KERNELS) | {None}
+    assert answers == set(kernels) | {None}
     builders = inspect.getsource(fast_paths.fast_attention) + inspect.getsource(
         fast_paths.content_attention
     )
     assert all(
-        f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in KERNELS
+        f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in kernels
     )
 
 
@@ -1825,7 +1826,7 @@ def test_reference_attention_adds_a_float32_bias_to_half_precision():
     seen = (rel >= 3000) & (rel <= 3100)
     bias = (-rel.float() / 256).masked_fill(~seen, float("-inf"))[None, None]  # (nh=1, Tq=1, Tk)
     exact = torch.softmax(bias.double(), -1) @ v.double()
-    got = attend(q, k, v, bias=bias)
+    got = attend(q, k, v, score_bias=bias)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=2**-8, atol=0)
 
