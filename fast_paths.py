@@ -255,27 +255,21 @@ def table_grad(q, k, v, y, lse, dy, table, window: int | None = None, starts=Non
     near_grad = torch.zeros(nh, band, device=q.device, dtype=dtype)
     for kd in range(last + 1):  # query tiles kd … nb - 1 against key tiles 0 … nb - 1 - kd
         rel = kd * n + r - c  # (n, n): i - j
-        # (nb - kd, n, 1): the query's index
-        i = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r
-        near = (rel >= 0) & (rel < band) & (i < T)  # (nb - kd, n, n)
+        query = torch.arange(kd, nb, device=q.device)[:, None, None] * n + r  # (nb - kd, n, 1)
+        near = (rel >= 0) & (rel < band) & (query < T)  # (nb - kd, n, n)
         if sb is not None:  # and in the query's document: (B, 1, nb - kd, n, n)
             near = near & (sb[:, kd:, :, None] == sb[:, : nb - kd, None, :])[:, None]
-        qt = qb[:, :, kd:]
-        dyt = dyb[:, :, kd:]
-        lt = lse_b[:, :, kd:]
-        Dt = D[:, :, kd:]
-        kt = kb[:, :, : nb - kd]
-        vt = vb[:, :, : nb - kd]
-        # (B,nh,nb-kd,n,n)
-        s = (qt @ kt.transpose(-2, -1)) * hs**-0.5 + frozen[:, rel.clamp(0, R)][None, :, None]
-        p = torch.where(near, (s - lt).exp(), 0.0)
-        # (nh, n, n), over the batch and the tiles
-        ds = (p * (dyt @ vt.transpose(-2, -1) - Dt)).sum((0, 2))
+        # query tiles kd … against key tiles … nb - 1 - kd: (B, nh, nb - kd, n, n)
+        s = qb[:, :, kd:] @ kb[:, :, : nb - kd].transpose(-2, -1) * hs**-0.5
+        s = s + frozen[:, rel.clamp(0, R)][None, :, None]
+        p = torch.where(near, (s - lse_b[:, :, kd:]).exp(), 0.0)
+        # dS = P ⊙ (dP - D), summed over the batch and the tiles: (nh, n, n)
+        dp = dyb[:, :, kd:] @ vb[:, :, : nb - kd].transpose(-2, -1)
+        ds = (p * (dp - D[:, :, kd:])).sum((0, 2))
         sums = diagonal_sums(ds)  # (nh, 2n - 1): distances kd·n - (n - 1) … kd·n + n - 1
         lo = kd * n - (n - 1)
-        d0 = max(0, kd * n - (n - 1))
         d1 = min(band, kd * n + n)
-        near_grad[:, d0:d1] += sums[:, d0 - lo : d1 - lo]
+        near_grad[:, max(0, lo) : d1] += sums[:, max(0, lo) - lo : d1 - lo]
     if direct:  # entries past the last seen distance (a window shorter than the table) have none
         return F.pad(near_grad, (0, R + 1 - band)).to(table.dtype)
     return torch.cat([near_grad, -near_grad.sum(1, keepdim=True)], dim=1).to(table.dtype)

@@ -991,30 +991,18 @@ def attention_for(
         device=device,
         dropout=dropout_p > 0,
         cached=chunk.cached,
-    )
-    head_dim = config.n_embd // config.n_head
-    facts.update(
-        has_table=table is not None, queries=len(chunk.pos), head_dim=head_dim, sums=pe.forgets
+        has_table=table is not None,
+        queries=len(chunk.pos),
+        head_dim=config.n_embd // config.n_head,
+        sums=pe.forgets,
     )
     name = fast_paths.kernel(attention_options, **facts)
     starts = (chunk.starts, chunk.key_starts) if documents else None
     positions = dict(
         pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts
     )
-    # the bias reads q, k or x: built as each layer runs, by blocks where the table says so
-    if pe.reads_content:
-        sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
-        bias = (
-            partial(pe.content_bias, layer),
-            partial(pe.forget, layer) if pe.forgets else None,
-            sums,
-        )
-        visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
-        counts = pe.counts and partial(pe.counts, layer)  # CoPE's counted positions, for its kernel
-        run = partial(attend, dropout_p=dropout_p)
-        return fast_paths.content_attention(
-            *bias, visible, **positions, kernel=name, attend=run, counts=counts
-        )
+    if pe.reads_content:  # built as each layer runs, by blocks where the table says so
+        return content_attention_for(pe, layer, chunk, cache, seen, positions, name, dropout_p)
     if name is None:  # the reference
         matrix = bias_matrix()
         return lambda q, k, v, x: attend(q, k, v, score_bias=matrix, dropout_p=dropout_p)
@@ -1030,6 +1018,25 @@ def attention_for(
         attend=attend,
     )
     return lambda q, k, v, x: fast(q, k, v)
+
+
+def content_attention_for(
+    pe: PositionalEncoding, layer: int, chunk: Chunk, cache, seen, positions, kernel, dropout_p
+) -> Callable:
+    """attention_for's attention (q, k, v, x) -> y for a bias that reads q, k or x (CoPE's, FoX's):
+    the encoding's content_bias (and forget) over each block of queries and the keys it sees."""
+    sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
+    bias = (
+        partial(pe.content_bias, layer),
+        partial(pe.forget, layer) if pe.forgets else None,
+        sums,
+    )
+    visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
+    counts = pe.counts and partial(pe.counts, layer)  # CoPE's counted positions, for its kernel
+    run = partial(attend, dropout_p=dropout_p)
+    return fast_paths.content_attention(
+        *bias, visible, **positions, kernel=kernel, attend=run, counts=counts
+    )
 
 
 # ---- The transformer
@@ -1317,38 +1324,38 @@ class GPT(nn.Module):
         return generate(self, idx, max_new_tokens, **options)
 
     @classmethod
-    def from_hf(cls, hf_model, dropout: float = 0.0) -> GPT:
-        """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
-        c = hf_model.config
-        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(
-                f"only GPT-2's tanh GELU is supported, this model uses {c.activation_function!r}"
-            )
-        shape = dict(
-            block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head
-        )
-        config = GPTConfig(
-            **shape,
-            n_embd=c.n_embd,
-            dropout=dropout,
-            bias=True,
-            pos_encoding="learned",
-            gelu="tanh",
-        )
-        model = cls(config)
-        theirs = {
-            k: v.t() if k.endswith(CONV1D_WEIGHTS) else v for k, v in hf_model.state_dict().items()
-        }
-        if missing := [k for k in model.state_dict() if k not in theirs]:
-            raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
-        # theirs holds buffers ours derives (the causal mask)
-        model.load_state_dict(theirs, strict=False)
-        return model
-
-    @classmethod
     def from_pretrained(cls, model_type: str, dropout: float = 0.0) -> GPT:
         """GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory) via
         transformers."""
         from transformers import GPT2LMHeadModel
 
-        return cls.from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
+        return from_hf(GPT2LMHeadModel.from_pretrained(model_type), dropout=dropout)
+
+
+def from_hf(hf_model, dropout: float = 0.0) -> GPT:
+    """Build from a `transformers` GPT2LMHeadModel (learned positions, GPT-2's tanh GELU)."""
+    c = hf_model.config
+    if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(
+            f"only GPT-2's tanh GELU is supported, this model uses {c.activation_function!r}"
+        )
+    shape = dict(
+        block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head
+    )
+    config = GPTConfig(
+        **shape,
+        n_embd=c.n_embd,
+        dropout=dropout,
+        bias=True,
+        pos_encoding="learned",
+        gelu="tanh",
+    )
+    model = GPT(config)
+    theirs = {
+        k: v.t() if k.endswith(CONV1D_WEIGHTS) else v for k, v in hf_model.state_dict().items()
+    }
+    if missing := [k for k in model.state_dict() if k not in theirs]:
+        raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")
+    # theirs holds buffers ours derives (the causal mask)
+    model.load_state_dict(theirs, strict=False)
+    return model

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from lib import checkpoint as checkpoint_py
 from lib.checkpoint import ShardedCheckpoint, load_checkpoint, save_checkpoint, save_sharded
 from model import GPT, POS_ENCODINGS, GPTConfig
+from model import from_hf as model_from_hf
 
 transformers = pytest.importorskip("transformers")
 from export import hf as export  # noqa: E402
@@ -145,7 +146,7 @@ def test_generate_with_their_cache_gives_our_tokens(pe, kw, tmp_path):
 def test_gpt2_export_then_import_gives_back_the_weights(tmp_path):
     ckpt, model = checkpoint(pos_encoding="learned", gelu="tanh")
     hf, _ = exported(ckpt, tmp_path)
-    back = GPT.from_hf(hf).state_dict()
+    back = model_from_hf(hf).state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(back[k], v), k
 

@@ -156,10 +156,10 @@ def test_the_walk_counts_what_runs():
 # packing lines cannot lower
 MODEL_FILES = ("model.py", "fast_paths.py", "generate.py", "shape.py")
 STATEMENT_CEILINGS = {
-    "model.py": 662,
-    "the model's files": 1496,
-    "the GPT class": 129,
-    "a function of the model's files": 45,
+    "model.py": 663,
+    "the model's files": 1492,
+    "the GPT class": 116,
+    "a function of the model's files": 40,
     "train.py": 299,
 }
 README_CEILING = 15000  # characters

@@ -873,7 +873,7 @@ def test_overfits_one_batch(pe):
 
 
 def test_gpt2_parity_with_transformers(tmp_path):
-    """A random transformers GPT2LMHeadModel converted with GPT.from_hf (and saved/loaded through
+    """A random transformers GPT2LMHeadModel converted with model.from_hf (and saved/loaded through
     from_pretrained) gives the same logits."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -884,7 +884,7 @@ def test_gpt2_parity_with_transformers(tmp_path):
     with torch.no_grad():
         expected = hf(idx).logits
     for ours in (
-        GPT.from_hf(hf),
+        model_py.from_hf(hf),
         GPT.from_pretrained(str(hf.save_pretrained(tmp_path) or tmp_path)),
     ):
         ours.eval()
