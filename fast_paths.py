@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.nn import functional as F
@@ -33,33 +34,11 @@ class AttentionOptions:
 
 
 FLEX_MIN_HEAD_DIM = 16  # on CUDA: Triton's tl.dot needs at least 16
-MATERIALIZED = (
-    "attention adds a materialized bias instead (slower, memory quadratic in the context)"
-)
 
 
 def flex_fits(head_dim: int, device_type: str) -> bool:
     """Whether FlexAttention takes this head dim on this device."""
     return device_type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
-
-
-def fused_attention_note(
-    head_dim: int, device_type: str, dropout: float = 0.0, compiled: bool = True
-) -> str | None:
-    """Why a score bias cannot be fused in training on this device, for the user; None where it can
-    (or where no fused kernel is taken anyway: a CPU, or an uncompiled run, for dropout)."""
-    if device_type != "cuda":
-        return None
-    if not flex_fits(head_dim, device_type):
-        why = (
-            f"FlexAttention needs a head dim of at least {FLEX_MIN_HEAD_DIM} on CUDA (this model "
-            f"has {head_dim})"
-        )
-        return f"{why}: {MATERIALIZED}"
-    if dropout > 0 and compiled:
-        why = f"FlexAttention has no attention dropout (dropout={dropout:g})"
-        return f"{why}: in training {MATERIALIZED}; --dropout=0 fuses it"
-    return None
 
 
 def kernel(
@@ -76,24 +55,26 @@ def kernel(
     fits: bool | None = None,
     compiling: bool | None = None,
     sums: bool = False,
-) -> str | None:
-    """The kernel for a forward with a score bias: the first row of the table in docs/development.md
-    that matches ("flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks"), or None for
-    model.py's reference."""
+    content: bool = False,
+) -> Callable[[LayerBias], Callable] | None:
+    """The builder of the kernel for a forward with a score bias: the first row of the table in
+    docs/development.md that matches, or None for model.py's reference (a bias of the content: its
+    own, one_block)."""
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
     fused = (
         (compiling and device == "cuda")
         if attention_options.fused is None
         else attention_options.fused
     )
-    flex = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
-    if flex and trainable and has_table and own_keys:
-        return "flex_table"
-    if flex and not trainable:
-        return "flex"
+    fusable = fused and not dropout and (flex_fits(head_dim, device) if fits is None else fits)
+    reference = one_block if content else None
+    if fusable and trainable and has_table and own_keys:
+        return flex_table
+    if fusable and not trainable:
+        return reference if content else flex
     # FIRE on a GPU: never FlexAttention's atomics
     if fused and not dropout and trainable and own_keys and not has_table:
-        return "bias_blocks"
+        return bias_blocks
     cpu = (
         device == "cpu"
         and (own_keys or not compiling)
@@ -101,72 +82,97 @@ def kernel(
         and attention_options.fused is not False
     )
     if not cpu or (cached and queries <= TABLE_BLOCK):
-        return None
-    return "bias_table" if has_table else "sum_blocks" if sums else "bias_blocks"
+        return reference
+    return bias_table if has_table else sum_blocks if sums else bias_blocks
 
 
-def fast_attention(
-    name: str,
-    attention_options: AttentionOptions,
-    bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    window: int | None,
-    own_keys: bool,
-    table: torch.Tensor | None = None,
-    block_bias: Callable[[int, int, int, int], torch.Tensor] | None = None,
-    starts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attend: Callable | None = None,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The attention (q, k, v) -> y of kernel `name` for one layer's score bias bias(h, i, j) over
-    this forward's queries, from its table, its rows or its formula (the arguments:
-    docs/development.md)."""
-    query_starts, key_starts = (None, None) if starts is None else starts
-    if name == "bias_table":
-        # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
-        other_pos, key_starts = (None, None) if own_keys else (key_pos, key_starts)
-        return lambda q, k, v: TableBiasAttention.apply(
-            q, k, v, table, pos, other_pos, window, query_starts, key_starts
+@dataclass(frozen=True)
+class LayerBias:
+    """One layer's score bias over a forward's chunk, as model.attention_for hands it to the
+    builder kernel() chose: the positions, and the bias by formula, table, rows or content."""
+
+    pos: torch.Tensor  # (Tq,) the queries' positions
+    key_pos: torch.Tensor  # (Tk,) the keys'
+    window: int | None
+    own_keys: bool  # the keys are the queries' own, in order (no cache)
+    starts: tuple | None  # where each query's and key's document starts, (B, Tq) and (B, Tk)
+    attention_options: AttentionOptions
+    attend: Callable  # model.attend with the run's dropout: SDPA under a score bias
+    block: Callable  # block(i0, i1, j0, j1): the chunk of queries i0 … i1 - 1 over keys j0 … j1 - 1
+    seen: Callable  # seen(chunk): what its queries see, (1 or B, 1, Tq, Tk)
+    score: Callable | None = None  # score(h + first_head, i, j): the bias at a pair
+    first_head: int = 0
+    table: torch.Tensor | None = None  # (nh, D): a bias of i - j alone at distances 0 … D - 1
+    matrix: Callable | None = None  # matrix(chunk): its bias (nh or B, nh, Tq, Tk), -inf unseen
+    content_bias: Callable | None = None  # (q, k, seen, order, sums) of a block: CoPE's, FoX's
+    forget: Callable | None = None  # x -> what each token adds to FoX's running sums (B, nh, T)
+    sums: Callable | None = None  # a cache's: increments -> the queries' and every key's sums
+    counts: Callable | None = None  # () -> GateCounts: CoPE's counted positions
+
+
+def flex_mask(layer: LayerBias):
+    """FlexAttention's block mask of what each query sees (causal, the window, its document)."""
+
+    def visible(b, h, i, j):  # query and key indices -> bool
+        seen = sees(layer.pos[i] - layer.key_pos[j], layer.window)
+        return (
+            seen
+            if layer.starts is None
+            else seen & (layer.starts[0][b, i] == layer.starts[1][b, j])
         )
-    if name == "bias_blocks":
-        span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
-        return bias_blocks(block_bias, span, attend)
-    if starts is None:
-        visible = lambda b, h, i, j: sees(pos[i] - key_pos[j], window)  # noqa: E731  query and key indices -> bool
-    else:
-        visible = lambda b, h, i, j: (
-            sees(pos[i] - key_pos[j], window) & (query_starts[b, i] == key_starts[b, j])
-        )  # noqa: E731
-    batch = None if starts is None else query_starts.size(0)
-    block_mask = create_block_mask(visible, batch, None, len(pos), len(key_pos), device=pos.device)
-    if name == "flex_table":  # own keys: the keys' starts are the queries'
-        return flex_table(
-            table,
-            pos,
-            key_pos,
-            window,
-            block_mask,
-            attention_options.flex_kernel_options,
-            query_starts,
-        )
-    if name == "flex":
-        if starts is None:
-            score_mod = lambda s, b, h, i, j: s + bias(h, pos[i], key_pos[j]).to(s.dtype)  # noqa: E731
-        # at positions in each document: a bias that reads the query's own (FIRE's) reads its
-        # document's
-        else:
-            doc_pos = lambda b, i, j: (pos[i] - query_starts[b, i], key_pos[j] - key_starts[b, j])  # noqa: E731
-            score_mod = lambda s, b, h, i, j: s + bias(h, *doc_pos(b, i, j)).to(s.dtype)  # noqa: E731
-        return lambda q, k, v: flex_attention(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            kernel_options=attention_options.flex_kernel_options,
-        )
-    raise ValueError(f"kernel() answered {name!r}, which fast_attention does not build")
+
+    batch = None if layer.starts is None else layer.starts[0].size(0)
+    shape = (len(layer.pos), len(layer.key_pos))  # Tq, Tk
+    return create_block_mask(visible, batch, None, *shape, device=layer.pos.device)
+
+
+def flex(layer: LayerBias) -> Callable:
+    """FlexAttention with the bias as its score_mod, read at positions in each document where there
+    are documents (a bias that reads the query's own position, FIRE's, reads its document's)."""
+    block_mask = flex_mask(layer)
+
+    def score_mod(s, b, h, i, j):
+        i_pos = layer.pos[i]
+        j_pos = layer.key_pos[j]
+        if layer.starts is not None:  # positions in each document
+            i_pos = i_pos - layer.starts[0][b, i]
+            j_pos = j_pos - layer.starts[1][b, j]
+        return s + layer.score(h + layer.first_head, i_pos, j_pos).to(s.dtype)
+
+    options = layer.attention_options.flex_kernel_options
+    return lambda q, k, v, x: flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options
+    )
+
+
+def flex_table(layer: LayerBias) -> Callable:
+    """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the
+    distances 0 … R (the last for every longer one), which TableGrad gives its gradient."""
+    frozen = layer.table.detach()
+    R = layer.table.size(1) - 1
+    rel = lambda i, j: (layer.pos[i] - layer.key_pos[j]).clamp(0, R)  # noqa: E731
+    score_mod = lambda s, b, h, i, j: s + frozen[h, rel(i, j)].to(s.dtype)  # noqa: E731
+    block_mask = flex_mask(layer)
+    options = layer.attention_options.flex_kernel_options
+    starts = None if layer.starts is None else layer.starts[0]  # own keys: the keys' are the same
+
+    def attention(q, k, v, x):
+        y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
+        return TableGrad.apply(y, lse, q, k, v, layer.table, layer.window, starts)
+
+    return attention
+
+
+def bias_table(layer: LayerBias) -> Callable:
+    """TableBiasAttention: a bias of i - j alone read from its table, a block of queries at a time
+    (on a CPU)."""
+    query_starts, key_starts = layer.starts or (None, None)
+    # Dynamo traces no Function given one tensor twice: None where the keys are the queries' own
+    key_pos = None if layer.own_keys else layer.key_pos
+    key_starts = None if layer.own_keys else key_starts
+    return lambda q, k, v, x: TableBiasAttention.apply(
+        q, k, v, layer.table, layer.pos, key_pos, layer.window, query_starts, key_starts
+    )
 
 
 def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -177,23 +183,6 @@ def sees(rel: torch.Tensor, window: int | None) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # FlexAttention: the score bias as its score_mod, under a block mask of what each query sees
-
-
-def flex_table(
-    table, pos, key_pos, window, block_mask, kernel_options: dict | None, starts=None
-) -> Callable:
-    """FlexAttention reading a bias of i - j alone as a constant, its table (nh, R + 1) over the
-    distances 0 … R (the last for every longer one), which TableGrad gives its gradient. starts (B,
-    T): where each token's document starts (packing="documents"), else None."""
-    frozen = table.detach()
-    R = table.size(1) - 1
-    score_mod = lambda s, b, h, i, j: s + frozen[h, (pos[i] - key_pos[j]).clamp(0, R)].to(s.dtype)  # noqa: E731
-
-    def attention(q, k, v):
-        y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options)
-        return TableGrad.apply(y, lse, q, k, v, table, window, starts)
-
-    return attention
 
 
 def flex_attention_lse(q, k, v, score_mod, block_mask, kernel_options=None):
@@ -736,7 +725,7 @@ def same_document(
     return starts[:, query_slice, None] == key_starts[:, None, key_slice]
 
 
-def bias_blocks(
+def in_blocks(
     block_bias: Callable[[int, int, int, int], torch.Tensor],
     span: Callable[[int, int], tuple],
     attend,
@@ -762,59 +751,79 @@ def bias_blocks(
     return attention
 
 
-def content_attention(
-    content_bias: Callable,
-    forget: Callable,
-    sums: Callable | None,
-    visible: Callable[[int, int, int, int], torch.Tensor],
-    *,
-    pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    window: int | None,
-    own_keys: bool,
-    starts: tuple[torch.Tensor, torch.Tensor] | None,
-    kernel: str | None,
-    attend: Callable,
-    counts: Callable[[], GateCounts] | None = None,
-) -> Callable:
-    """The attention (q, k, v, x) -> y of a bias that reads the content (CoPE, FoX): content_bias of
-    a block of queries over their keys, by the kernel's blocks (sum_blocks, CountAttention,
-    bias_blocks) or as one block; forget(x) and sums give FoX's running sums."""
-    order = None if own_keys else key_pos.argsort()  # (Tk,)
-    query_starts, key_starts = (None, None) if starts is None else starts
-    span = lambda i0, i1: key_span(i0, i1, len(key_pos), own_keys, pos, query_starts, window)  # noqa: E731
+def span_of(layer: LayerBias) -> Callable[[int, int], tuple[int, int]]:
+    """(i0, i1) -> the keys j0, j1 that queries i0 … i1 - 1 may see (key_span)."""
+    starts = None if layer.starts is None else layer.starts[0]
+    return partial(
+        key_span, Tk=len(layer.key_pos), own_keys=layer.own_keys, pos=layer.pos, starts=starts,
+        window=layer.window,
+    )  # fmt: skip
+
+
+def content_rows(layer: LayerBias, q, k, x, order) -> tuple:
+    """A bias of the content over this layer's q and k: FoX's running sums (the queries', every
+    key's; None) and block_bias(i0, i1, j0, j1), -inf where a query does not see a key."""
+    running = None if layer.forget is None else layer.forget(x)  # (B, nh, T)
+    if running is not None:
+        running = (c := running.cumsum(-1), c) if layer.sums is None else layer.sums(running)
+
+    def block_bias(i0, i1, j0, j1):
+        seen = layer.seen(layer.block(i0, i1, j0, j1))
+        part = None if running is None else (running[0][..., i0:i1], running[1][..., j0:j1])
+        bias = layer.content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)
+        return bias.masked_fill(~seen, float("-inf"))
+
+    return running, block_bias
+
+
+def one_block(layer: LayerBias) -> Callable:
+    """A bias of the content as one block of every query over every key (its reference); a cache's
+    keys are counted in position order."""
+    order = None if layer.own_keys else layer.key_pos.argsort()  # (Tk,)
 
     def attention(q, k, v, x):
-        running = None if forget is None else forget(x)  # (B, nh, T)
-        if running is not None:
-            running = (c := running.cumsum(-1), c) if sums is None else sums(running)
+        _, block_bias = content_rows(layer, q, k, x, order)
+        return layer.attend(q, k, v, score_bias=block_bias(0, q.size(2), 0, k.size(2)))
 
-        def block_bias(i0, i1, j0, j1):
-            seen = visible(i0, i1, j0, j1)
-            part = None if running is None else (running[0][..., i0:i1], running[1][..., j0:j1])
-            # a cache's chunk: one block
-            bias = content_bias(q[:, :, i0:i1], k[:, :, j0:j1], seen, order, part)
-            return bias.masked_fill(~seen, float("-inf"))
+    return attention
 
-        if kernel == "sum_blocks":  # c_i - c'_j alone (FoX's): its CPU kernel
-            # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
-            c, key_c = running
-            key_c, keys, their_starts = (
-                (None, None, None) if own_keys else (key_c, key_pos, key_starts)
-            )
-            return SumBiasAttention.apply(
-                q, k, v, c, key_c, pos, keys, window, query_starts, their_starts
-            )
-        # CoPE's positions, counted in order
-        if kernel == "bias_blocks" and counts is not None and own_keys:
-            gate_counts = counts()
-            blocks = list(query_blocks(q.size(2), k.size(2), True, pos, query_starts, window))
+
+def sum_blocks(layer: LayerBias) -> Callable:
+    """FoX's c_i - c'_j by SumBiasAttention (on a CPU), from the running sums of forget(x)."""
+    query_starts, key_starts = layer.starts or (None, None)
+    # own keys: the keys' are the queries' own, given once (as to TableBiasAttention)
+    key_pos = None if layer.own_keys else layer.key_pos
+    key_starts = None if layer.own_keys else key_starts
+
+    def attention(q, k, v, x):
+        (c, key_c), _ = content_rows(layer, q, k, x, None)
+        key_c = None if layer.own_keys else key_c
+        return SumBiasAttention.apply(
+            q, k, v, c, key_c, layer.pos, key_pos, layer.window, query_starts, key_starts
+        )
+
+    return attention
+
+
+def bias_blocks(layer: LayerBias) -> Callable:
+    """Any bias a block of queries at a time (in_blocks): its rows, or a bias of the content's
+    blocks; CoPE's counted positions over the queries' own keys by CountAttention."""
+    span = span_of(layer)
+    if layer.content_bias is None:
+        rows = in_blocks(lambda *block: layer.matrix(layer.block(*block)), span, layer.attend)
+        return lambda q, k, v, x: rows(q, k, v)
+    order = None if layer.own_keys else layer.key_pos.argsort()  # (Tk,)
+    starts = None if layer.starts is None else layer.starts[0]
+
+    def attention(q, k, v, x):
+        if layer.counts is not None and layer.own_keys:  # CoPE's positions, counted in order
+            counts = layer.counts()
+            blocks = list(query_blocks(q.size(2), k.size(2), True, layer.pos, starts, layer.window))
             return CountAttention.apply(
-                q, k, v, gate_counts.e, gate_counts, pos, window, query_starts, blocks
+                q, k, v, counts.e, counts, layer.pos, layer.window, starts, blocks
             )
-        if kernel == "bias_blocks":
-            return bias_blocks(block_bias, span, attend)(q, k, v)
-        return attend(q, k, v, score_bias=block_bias(0, q.size(2), 0, k.size(2)))
+        _, block_bias = content_rows(layer, q, k, x, order)
+        return in_blocks(block_bias, span, layer.attend)(q, k, v)
 
     return attention
 
@@ -1002,80 +1011,3 @@ def mlp_suffix(f: MLPBias, pos: torch.Tensor, pairs: Callable, operands: tuple) 
     if n == 0 or n == T:
         return (by_distance if n == 0 else pairs(pos))(*operands)
     return torch.cat([by_distance(*operands, prefix=T - n), pairs(pos[T - n :])(*operands)], dim=1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernel fallbacks: a fused kernel that the compiler cannot build for this model on this GPU
-# (Triton's shared memory, an unsupported shape) is replaced, never a crash: first the same kernel
-# with one pipeline stage (less shared memory per block), then a materialized bias (always
-# compiles). Each replaces fields of the model's AttentionOptions.
-KERNEL_FALLBACKS = [
-    (
-        "FlexAttention retries with kernel_options num_stages=1 (less shared memory)",
-        {"flex_kernel_options": {"num_stages": 1}},
-    ),
-    (MATERIALIZED, {"fused": False}),
-]
-
-
-def compiler_failure(e: BaseException | None) -> bool:
-    """Whether e, or an exception it came from, is the compiler's (Dynamo's backend, Inductor,
-    Triton)."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    # imported here: torch does not load inductor until it compiles
-    from torch._inductor import exc as inductor_exc
-
-    kinds = (BackendCompilerFailed, getattr(inductor_exc, "InductorError", BackendCompilerFailed))
-    while e is not None:
-        name = f"{type(e).__module__}.{type(e).__name__}"
-        if (
-            isinstance(e, kinds)
-            or name.startswith("triton.")
-            or name.endswith("NoTritonConfigsError")
-        ):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def fall_back(
-    attention_options: AttentionOptions, error: BaseException
-) -> tuple[AttentionOptions, str] | None:
-    """Where error is the compiler failing on the fused kernel the default attention_options chose,
-    the next fallback's attention_options and what changed (one line); None where there is nothing
-    to fall back from or to."""
-    if not (attention_options.fused is None and compiler_failure(error)):
-        return None
-    for what, settings in KERNEL_FALLBACKS:
-        if any(getattr(attention_options, k) != v for k, v in settings.items()):
-            first_line = next(
-                (ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__
-            )[:200]
-            note = (
-                f"the fused attention kernel (FlexAttention) failed to compile ({first_line}); "
-                f"{what}"
-            )
-            return replace(attention_options, **settings), note
-    return None
-
-
-def with_kernel_fallbacks(
-    step: Callable,
-    attention_options: AttentionOptions | None,
-    retry: Callable[[AttentionOptions], None],
-    log=print,
-):
-    """step(), and where the fused kernel cannot be compiled, again after each fallback in turn (one
-    log line each; a fallback stays). retry(attention_options) gives the model the fallback's and
-    puts back what the failed step changed; None: the model has no score bias."""
-    while True:
-        try:
-            return step()
-        except Exception as e:
-            fallback = None if attention_options is None else fall_back(attention_options, e)
-            if fallback is None:
-                raise
-            attention_options, note = fallback
-            log(f"note: {note}")
-            retry(attention_options)

@@ -947,9 +947,9 @@ def attention_for(
     layer: int = 0,
     cache=None,
 ) -> Callable:
-    """This forward's attention (q, k, v) -> y, chosen once: SDPA (causal, or under the mask of what
-    each query sees), or with a score bias the kernel fast_paths.kernel names, or the reference (the
-    bias at every pair; by blocks for a bias of the content). docs/development.md has the table."""
+    """This forward's attention (q, k, v, x) -> y, chosen once: SDPA (causal, or under the mask of
+    what each query sees), or with a score bias the builder fast_paths.kernel chooses, or the
+    reference (the bias at every pair). docs/development.md has the table."""
     documents = chunk.starts is not None
     if not pe.has_score_bias and chunk.window is None and not chunk.cached and not documents:
         # causal over the queries' own keys
@@ -985,7 +985,8 @@ def attention_for(
         if (device == "cpu" or trainable) and not chunk.cached
         else None
     )
-    facts = dict(
+    build = fast_paths.kernel(
+        attention_options,
         trainable=trainable,
         own_keys=own_keys,
         device=device,
@@ -995,48 +996,32 @@ def attention_for(
         queries=len(chunk.pos),
         head_dim=config.n_embd // config.n_head,
         sums=pe.forgets,
+        content=pe.reads_content,
     )
-    name = fast_paths.kernel(attention_options, **facts)
-    starts = (chunk.starts, chunk.key_starts) if documents else None
-    positions = dict(
-        pos=chunk.pos, key_pos=chunk.key_pos, window=chunk.window, own_keys=own_keys, starts=starts
-    )
-    if pe.reads_content:  # built as each layer runs, by blocks where the table says so
-        return content_attention_for(pe, layer, chunk, cache, seen, positions, name, dropout_p)
-    if name is None:  # the reference
+    if build is None:  # the reference
         matrix = bias_matrix()
         return lambda q, k, v, x: attend(q, k, v, score_bias=matrix, dropout_p=dropout_p)
-    block_bias = lambda i0, i1, j0, j1: bias_matrix(chunk.block(i0, i1, j0, j1), recompute=False)  # noqa: E731
-    bias = lambda h, i, j: pe.score_bias(h + first, i, j)  # noqa: E731
-    fast = fast_paths.fast_attention(
-        name,
+    content = pe.reads_content  # the bias reads q, k or x: built as each layer runs
+    bias = fast_paths.LayerBias(
+        chunk.pos,
+        chunk.key_pos,
+        chunk.window,
+        own_keys,
+        (chunk.starts, chunk.key_starts) if documents else None,
         attention_options,
-        bias,
-        **positions,
+        attend=partial(attend, dropout_p=dropout_p),
+        block=chunk.block,
+        seen=seen,
+        score=pe.score_bias,
+        first_head=first,
         table=table,
-        block_bias=block_bias,
-        attend=attend,
+        matrix=partial(bias_matrix, recompute=False),
+        content_bias=partial(pe.content_bias, layer) if content else None,
+        forget=partial(pe.forget, layer) if pe.forgets else None,
+        sums=None if cache is None else partial(cache.sums, layer, chunk=chunk),
+        counts=pe.counts and partial(pe.counts, layer),  # CoPE's counted positions
     )
-    return lambda q, k, v, x: fast(q, k, v)
-
-
-def content_attention_for(
-    pe: PositionalEncoding, layer: int, chunk: Chunk, cache, seen, positions, kernel, dropout_p
-) -> Callable:
-    """attention_for's attention (q, k, v, x) -> y for a bias that reads q, k or x (CoPE's, FoX's):
-    the encoding's content_bias (and forget) over each block of queries and the keys it sees."""
-    sums = None if cache is None else lambda increments: cache.sums(layer, increments, chunk)  # noqa: E731
-    bias = (
-        partial(pe.content_bias, layer),
-        partial(pe.forget, layer) if pe.forgets else None,
-        sums,
-    )
-    visible = lambda *block: seen(chunk.block(*block))  # noqa: E731  (i0, i1, j0, j1) -> (.., bq, nk)
-    counts = pe.counts and partial(pe.counts, layer)  # CoPE's counted positions, for its kernel
-    run = partial(attend, dropout_p=dropout_p)
-    return fast_paths.content_attention(
-        *bias, visible, **positions, kernel=kernel, attend=run, counts=counts
-    )
+    return build(bias)  # the one call into the kernels
 
 
 # ---- The transformer
@@ -1131,7 +1116,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
         self.use_encoding(self.transformer.wpe)
-        # what fast_attention reads; replaced, never edited
+        # what kernel() and its builders read; replaced, never edited
         self.attention_options = AttentionOptions()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections

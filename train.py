@@ -22,7 +22,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from fast_paths import fused_attention_note, with_kernel_fallbacks
 from lib import runs
 from lib.batches import Batches
 from lib.checkpoint import Checkpoint, Checkpointer, CheckpointError, TrainingState
@@ -39,6 +38,7 @@ from lib.datafiles import (
     trained_distances,
 )
 from lib.devices import autocast, check_memory, default_device
+from lib.kernel_fallbacks import fused_attention_note, with_kernel_fallbacks
 from lib.options import check_fits, odd_values, resolve
 from lib.parallel import (
     STRATEGIES,
@@ -557,8 +557,8 @@ def evaluate_and_save(run: Run, stop: torch.Tensor, wandb, lr: float) -> float |
 
 def with_fallback(run: Run, step):
     """step(), falling back to another attention kernel where the fused one cannot be compiled
-    (fast_paths.py's KERNEL_FALLBACKS, one log line each). The training sampler and the gradients
-    are put back first, so the retried step is the step that failed."""
+    (lib/kernel_fallbacks.py's KERNEL_FALLBACKS, one log line each). The training sampler and the
+    gradients are put back first, so the retried step is the step that failed."""
     sampler = run.data_rng.get_state()
 
     def retry(options):

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from fast_paths import AttentionOptions, with_kernel_fallbacks
+from fast_paths import AttentionOptions
 from generate import generate
 from lib.configurator import ConfigError
 from lib.devices import allow_tf32, autocast, check_device, estimate_mfu, peak_flops
+from lib.kernel_fallbacks import with_kernel_fallbacks
 from lib.parallel import STRATEGIES
 from model import GPT, POS_ENCODINGS, GPTConfig
 from shape import PACKINGS
@@ -490,7 +491,7 @@ def in_a_fresh_process(fn, *args):
 def bench_attention(args, device: str) -> None:
     """The bias encodings' attention at long contexts, forward + backward. The reference path is
     SDPA with the materialized (nh, T, T) bias: its math path, or on a CPU its flash kernel where
-    the bias needs no gradient. The default is fast_attention's: on a GPU FlexAttention (FIRE: its
+    the bias needs no gradient. The default is the kernel table's: on a GPU FlexAttention (FIRE: its
     rows a block of queries at a time), on a CPU the table kernel (FIRE past its threshold: by
     rows)."""
     batch = 4 if device == "cuda" else 1

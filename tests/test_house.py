@@ -156,8 +156,8 @@ def test_the_walk_counts_what_runs():
 # packing lines cannot lower
 MODEL_FILES = ("model.py", "fast_paths.py", "generate.py", "shape.py")
 STATEMENT_CEILINGS = {
-    "model.py": 663,
-    "the model's files": 1492,
+    "model.py": 649,
+    "the model's files": 1483,
     "the GPT class": 116,
     "a function of the model's files": 40,
     "train.py": 299,

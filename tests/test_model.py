@@ -6,6 +6,7 @@ import inspect
 import itertools
 import math
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +31,10 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fast_paths
 import model as model_py
-from fast_paths import AttentionOptions, kernel, with_kernel_fallbacks
+from fast_paths import AttentionOptions, kernel
 from generate import KVCache, generate, sample_next
+from lib import kernel_fallbacks
+from lib.kernel_fallbacks import with_kernel_fallbacks
 from model import (
     ENCODING_OPTIONS,
     GPT,
@@ -302,7 +305,8 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     if not bias:
         return "sdpa_causal" if not window and not cached else "sdpa_mask"
     return (
-        kernel(options, own_keys=consecutive and not cached, cached=cached, **facts) or "sdpa_mask"
+        name_of(kernel(options, own_keys=consecutive and not cached, cached=cached, **facts))
+        or "sdpa_mask"
     )
 
 
@@ -377,33 +381,72 @@ def attention_path(options: AttentionOptions, bias, window, cached, consecutive,
     ],
 )
 def test_attention_path_follows_its_table(fused, facts, path):
-    """fast_paths.kernel gives the kernel its docstring's table names for each row, and the next row
-    down (at last model.py's reference) where a row's condition fails."""
-    assert path in ("sdpa_causal", "sdpa_mask") or path in fast_paths.kernel.__doc__
+    """fast_paths.kernel gives the builder docs/development.md's table names for each row, and the
+    next row down (at last model.py's reference) where a row's condition fails."""
+    table = (Path(__file__).parents[1] / "docs" / "development.md").read_text()
+    table = table.split("### The kernel table, row by row")[1].split("###")[0]
+    assert path in ("sdpa_causal", "sdpa_mask") or f"`{path}`" in table
     # kernel options pick no path
     options = AttentionOptions(fused=fused, flex_kernel_options={"num_stages": 1})
     assert attention_path(options, **{**FACTS, **facts}) == path
 
 
+def name_of(builder) -> str | None:
+    """A builder kernel() answers, by name (None: model.py's reference)."""
+    return None if builder is None else builder.__name__
+
+
+@pytest.mark.parametrize("pe", BIASED)
+@pytest.mark.parametrize("grad", [True, False])
+def test_attention_is_built_in_one_call_per_forward(pe, grad, monkeypatch):
+    """model.py calls into the kernels at one site, the builder fast_paths.kernel returns, once per
+    forward (once per layer for a bias of each layer's own), training and evaluating on a CPU."""
+    source = inspect.getsource(model_py)
+    assert source.count("fast_paths.kernel(") == 1 and source.count("build(") == 1
+    built = []
+    kernel = fast_paths.kernel
+
+    def spy(*a, **k):
+        builder = kernel(*a, **k)
+
+        def counted(layer: fast_paths.LayerBias):
+            built.append(builder.__name__)
+            return builder(layer)
+
+        return counted
+
+    monkeypatch.setattr(fast_paths, "kernel", spy)
+    model = tiny(pe, block_size=130, n_layer=3)
+    with torch.set_grad_enabled(grad):
+        model(torch.randint(0, VOCAB, (2, 130)))
+    assert len(built) == (3 if model.encoding.per_layer else 1), built
+
+
 def test_every_kernel_of_the_table_has_its_builder():
-    """Over every combination of facts, fast_paths.kernel answers only kernels that fast_attention
-    or (for a bias of the content) content_attention builds, or None for the
-    reference; each is the answer for some facts: none is unreachable."""
-    kernels = ("flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks")
-    names = ["trainable", "own_keys", "compiling", "dropout", "fits", "has_table", "sums"]
+    """Over every combination of facts, fast_paths.kernel answers only builders of fast_paths (each
+    from a LayerBias to the attention), or None for the reference; each is the answer for some
+    facts: none is unreachable, and no answer is a name."""
+    names = [
+        "trainable",
+        "own_keys",
+        "compiling",
+        "dropout",
+        "fits",
+        "has_table",
+        "sums",
+        "content",
+    ]
     answers = {
         kernel(AttentionOptions(fused=fused), device=device, **dict(zip(names, bits, strict=True)))
         for fused in (None, True, False)
         for device in ("cpu", "cuda")
         for bits in itertools.product((False, True), repeat=len(names))
     }
-    assert answers == set(kernels) | {None}
-    builders = inspect.getsource(fast_paths.fast_attention) + inspect.getsource(
-        fast_paths.content_attention
-    )
-    assert all(
-        f'name == "{name}"' in builders or f'kernel == "{name}"' in builders for name in kernels
-    )
+    builders = {"flex_table", "flex", "bias_table", "sum_blocks", "bias_blocks", "one_block"}
+    assert {name_of(a) for a in answers} == builders | {None}
+    for builder in answers - {None}:
+        assert getattr(fast_paths, builder.__name__) is builder
+        assert list(inspect.signature(builder).parameters) == ["layer"]
 
 
 def taken_paths(monkeypatch) -> list[str]:
@@ -421,7 +464,7 @@ def taken_paths(monkeypatch) -> list[str]:
         answers.clear()
         built = attention(chunk, pe, *args)
         if pe.has_score_bias:
-            got.append(answers[-1] or "sdpa_mask")
+            got.append(name_of(answers[-1]) or "sdpa_mask")
         else:
             got.append("sdpa_causal" if chunk.window is None and not chunk.cached else "sdpa_mask")
         return built
@@ -1584,7 +1627,7 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
     fused = head_dim >= 16 and wpe.relative and model.attention_options.fused is not False
     assert bool(calls) == fused, "FlexAttention where it fits, the materialized elsewhere"
     assert pe != "fire" or notes or set(paths) == {"bias_blocks"}, paths
-    assert (fast_paths.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
+    assert (kernel_fallbacks.fused_attention_note(head_dim, "cuda") is None) == (head_dim >= 16)
 
     def as_exact_as_eager(got, ref, exact):
         eager_error = (ref.double() - exact).abs().max().item()
@@ -1648,7 +1691,7 @@ def test_kernel_fallbacks_in_order_and_only_for_the_compilers_failures():
     options."""
     from torch._inductor.runtime.triton_heuristics import NoTritonConfigsError
 
-    from fast_paths import fall_back
+    from lib.kernel_fallbacks import fall_back
 
     failure = RuntimeError("the compiled step failed")
     failure.__cause__ = NoTritonConfigsError(
@@ -1855,7 +1898,8 @@ def test_fused_attention_note_names_the_head_dim_limit_and_dropout():
     and there is no note. Attention dropout (FlexAttention has none) sends a score bias to the
     materialized bias in training: the note says so and names the fix; a CPU's paths take dropout
     the same way for every encoding (no note)."""
-    from fast_paths import flex_fits, fused_attention_note
+    from fast_paths import flex_fits
+    from lib.kernel_fallbacks import fused_attention_note
 
     assert not flex_fits(8, "cuda") and flex_fits(8, "cpu") and flex_fits(16, "cuda")
     note = fused_attention_note(8, "cuda")
