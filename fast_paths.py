@@ -153,11 +153,13 @@ def flex_table(layer: LayerBias) -> Callable:
     rel = lambda i, j: (layer.pos[i] - layer.key_pos[j]).clamp(0, R)  # noqa: E731
     score_mod = lambda s, b, h, i, j: s + frozen[h, rel(i, j)].to(s.dtype)  # noqa: E731
     block_mask = flex_mask(layer)
-    options = layer.attention_options.flex_kernel_options
-    starts = None if layer.starts is None else layer.starts[0]  # own keys: the keys' are the same
 
     def attention(q, k, v, x):
-        y, lse = flex_attention_lse(q, k, v, score_mod, block_mask, options)
+        y, lse = flex_attention_lse(
+            q, k, v, score_mod, block_mask, layer.attention_options.flex_kernel_options
+        )
+        # own keys: the keys' starts are the queries'
+        starts = layer.starts and layer.starts[0]
         return TableGrad.apply(y, lse, q, k, v, layer.table, layer.window, starts)
 
     return attention
@@ -367,13 +369,16 @@ class TableBiasAttention(torch.autograd.Function):
 
 
 TABLE_BLOCK = 64  # queries per block of TableBiasAttention and bias_blocks
+COUNT_BLOCK = 32  # of CountAttention (less causal waste; BENCHMARKS.md)
 
 
-def query_blocks(Tq: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None):
-    """The blocks of TABLE_BLOCK queries, each as (its queries, the keys they may see: key_span),
-    two slices."""
-    for i0 in range(0, Tq, TABLE_BLOCK):
-        i1 = min(i0 + TABLE_BLOCK, Tq)
+def query_blocks(
+    Tq: int, Tk: int, own_keys: bool, pos: torch.Tensor, starts, window: int | None, n=TABLE_BLOCK
+):
+    """The blocks of n queries, each as (its queries, the keys they may see: key_span), two
+    slices."""
+    for i0 in range(0, Tq, n):
+        i1 = min(i0 + n, Tq)
         yield slice(i0, i1), slice(*key_span(i0, i1, Tk, own_keys, pos, starts, window))
 
 
@@ -818,7 +823,11 @@ def bias_blocks(layer: LayerBias) -> Callable:
     def attention(q, k, v, x):
         if layer.counts is not None and layer.own_keys:  # CoPE's positions, counted in order
             counts = layer.counts()
-            blocks = list(query_blocks(q.size(2), k.size(2), True, layer.pos, starts, layer.window))
+            blocks = list(
+                query_blocks(
+                    q.size(2), k.size(2), True, layer.pos, starts, layer.window, COUNT_BLOCK
+                )
+            )
             return CountAttention.apply(
                 q, k, v, counts.e, counts, layer.pos, layer.window, starts, blocks
             )

@@ -139,6 +139,7 @@ def test_blocks_of_queries_skip_the_keys_before_their_documents(pe, monkeypatch)
     spans = []
     key_span = fast_paths.key_span
     monkeypatch.setattr(fast_paths, "key_span", lambda *a: spans.append(key_span(*a)) or spans[-1])
+    monkeypatch.setattr(fast_paths, "COUNT_BLOCK", fast_paths.TABLE_BLOCK)  # CoPE's, as the others'
     model = packed_model(pe, block_size=160)
     assert_documents_alone(model, [documents((60, 50, 40), 0), documents((30, 40, 80), 1)])
     # the second and third block of the packed rows
