@@ -202,7 +202,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m compare.eval_length",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])

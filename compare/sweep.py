@@ -1071,6 +1071,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path]:
     """The options, checked (a bad one is a one-line error before any work), and the output
     folder."""
     p = argparse.ArgumentParser(
+        prog="python -m compare.sweep",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,

@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
     from lib.runs import load_run
 
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m compare.synthetic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task"

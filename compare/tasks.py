@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     from lib.tokenizer import tokenizer_from_meta
 
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m compare.tasks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--out_dir", nargs="+", required=True, help="folders holding ckpt.pt (train.py's out_dir)"

@@ -658,7 +658,9 @@ def export(
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("out_dir", help="a training run's folder (its ckpt.pt)")
     p.add_argument("--out", required=True, help="the directory to write")

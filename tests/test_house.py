@@ -314,3 +314,18 @@ def test_the_model_s_docstrings_are_short():
         and len((ast.get_docstring(n, clean=False) or "").splitlines()) > 3
     ]
     assert not long, long
+
+
+@pytest.mark.parametrize(
+    "module", ["compare.bench", "compare.eval_length", "compare.probe", "compare.sweep",
+               "compare.synthetic", "compare.tasks", "export.hf"],
+)  # fmt: skip
+def test_each_tool_names_the_one_way_to_run_it(module, capsys):
+    """A tool's --help (and every usage error) names the command that runs it, python -m ...,
+    not its file."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    command = "export" if module == "export.hf" else module
+    assert capsys.readouterr().out.startswith(f"usage: python -m {command} ")
