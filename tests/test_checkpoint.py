@@ -224,40 +224,49 @@ FIXTURE_ARGS = [
     "--warmup_iters=2",
     "--lr_decay_iters=12",
     "--learning_rate=3e-3",
-    "--pos_encoding=alibi",
     "--max_iters=12",
     "--init_from=resume",
 ]
 
 
 @pytest.mark.parametrize("kind", ["plain", "sharded"])
-def test_checkpoints_of_the_earlier_version_resume_to_its_weights(kind, tmp_path):
-    """A ckpt.pt and a sharded ckpt.dcp written by the version before the redesign resume in today's
-    train.py and reach the weights that version's uninterrupted run reached. Not bit for bit: the
-    stored weights were computed on another machine, whose CPU kernels may round differently (one
-    float32 ulp, ~4e-9 here, was seen on a CPU with AVX-512). A resume that loses anything (AdamW's
-    state, the sampler, the RNGs, the schedule) changes the six steps it trains, and each step moves
-    the weights by about the rate, 3e-3: the tolerance is a thousandth of that, and the test checks
-    that the six steps do move every tensor far beyond it."""
+@pytest.mark.parametrize(
+    "version, encoding", [("before_redesign", "alibi"), ("before_encoding_key", "learned")]
+)
+def test_checkpoints_of_the_earlier_version_resume_to_its_weights(
+    kind, version, encoding, tmp_path
+):
+    """A ckpt.pt and a sharded ckpt.dcp written by the version before the redesign (ALiBi) and by
+    the one before the encoding's key moved from transformer.wpe to encoding (learned) resume in
+    today's train.py and reach the weights that version's uninterrupted run reached. Not bit for
+    bit: the stored weights were computed on another machine, whose CPU kernels may round
+    differently (one float32 ulp, ~4e-9 here, was seen on a CPU with AVX-512). A resume that loses
+    anything (AdamW's state, the sampler, the RNGs, the schedule) changes the six steps it trains,
+    and each step moves the weights by about the rate, 3e-3: the tolerance is a thousandth of that,
+    and the test checks that the six steps do move every tensor far beyond it."""
     from conftest import train_in_process
 
+    from lib.checkpoint import model_state
     from lib.datafiles import prepare_text, read_embedded_corpus
 
+    fixtures = FIXTURES.parent / version
     data = tmp_path / "data"
     prepare_text(read_embedded_corpus()[:200_000], data, "char")
     out = tmp_path / "run"
     if kind == "plain":
         out.mkdir()
-        shutil.copy(FIXTURES / "plain_ckpt.pt", out / "ckpt.pt")
+        shutil.copy(fixtures / "plain_ckpt.pt", out / "ckpt.pt")
     else:
-        shutil.copytree(FIXTURES / "sharded", out, symlinks=True)
+        shutil.copytree(fixtures / "sharded", out, symlinks=True)
     extra = ["--parallel=fsdp"] if kind == "sharded" else []
-    train_in_process([*FIXTURE_ARGS, *extra, f"--dataset={data}", f"--out_dir={out}"])
+    args = [*FIXTURE_ARGS, f"--pos_encoding={encoding}", *extra]
+    train_in_process([*args, f"--dataset={data}", f"--out_dir={out}"])
     resumed = load_checkpoint(out / "ckpt.pt")
-    expected = torch.load(FIXTURES / f"{kind}_final_model.pt", weights_only=True)
+    # the weights under today's keys
+    expected = model_state(torch.load(fixtures / f"{kind}_final_model.pt", weights_only=True))
     assert resumed["iter_num"] == 12 and resumed["model"].keys() == expected.keys()
     # the same run at iteration 6 (both kinds)
-    at_6 = load_checkpoint(FIXTURES / "plain_ckpt.pt")["model"]
+    at_6 = load_checkpoint(fixtures / "plain_ckpt.pt")["model"]
     tolerance = 3e-6
     for k, v in expected.items():
         torch.testing.assert_close(resumed["model"][k], v, rtol=0, atol=tolerance, msg=k)
