@@ -1107,7 +1107,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=POS_ENCODINGS[config.pos_encoding](config),
+                encoding=POS_ENCODINGS[config.pos_encoding](config),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -1115,7 +1115,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
-        self.use_encoding(self.transformer.wpe)
+        self.use_encoding(self.transformer.encoding)
         # what kernel() and its builders read; replaced, never edited
         self.attention_options = AttentionOptions()
         self.apply(self._init_weights)
@@ -1124,9 +1124,9 @@ class GPT(nn.Module):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def use_encoding(self, encoding: PositionalEncoding) -> None:
-        """Make encoding the model's: transformer.wpe (GPT-2's checkpoint key), read as
-        self.encoding (unregistered)."""
-        self.transformer.wpe = encoding
+        """Make encoding the model's: transformer.encoding, read as self.encoding (unregistered
+        there: one module, one key)."""
+        self.transformer.encoding = encoding
         self.__dict__["encoding"] = encoding
 
     def _init_weights(self, module):
@@ -1336,8 +1336,10 @@ def from_hf(hf_model, dropout: float = 0.0) -> GPT:
         gelu="tanh",
     )
     model = GPT(config)
+    # GPT-2's position table (wpe) is our learned encoding's
     theirs = {
-        k: v.t() if k.endswith(CONV1D_WEIGHTS) else v for k, v in hf_model.state_dict().items()
+        k.replace(".wpe.", ".encoding."): v.t() if k.endswith(CONV1D_WEIGHTS) else v
+        for k, v in hf_model.state_dict().items()
     }
     if missing := [k for k in model.state_dict() if k not in theirs]:
         raise ValueError(f"the Hugging Face model lacks weights for {missing[:3]}…")

@@ -147,13 +147,30 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
         raise CheckpointError(
             f"{path} is not a nanoPE/nanoGPT checkpoint: it lacks {', '.join(missing)}"
         )
+    ckpt["model"] = model_state(ckpt["model"])
     return ckpt
 
 
+EARLIER_KEY = "transformer.wpe."  # the encoding's key until 2026-12-07 (GPT-2's name for its table)
+
+
 def model_state(state: dict) -> dict:
-    """A saved model state as this GPT loads it: nanoGPT's compiled runs leave an `_orig_mod.`
-    prefix on each key."""
-    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    """A saved model state under today's keys: nanoGPT's compiled runs leave an `_orig_mod.` prefix
+    on each key, and runs before 2026-12-07 saved the encoding under transformer.wpe."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    return renamed(state, EARLIER_KEY, "transformer.encoding.")
+
+
+def renamed(state, old: str, new: str):
+    """A state (nested dicts and lists; tensors are kept, not copied) whose parameter names begin
+    with new instead of old: the keys and the optimizer's lists of names."""
+    if isinstance(state, dict):
+        return {renamed(k, old, new): renamed(v, old, new) for k, v in state.items()}
+    if isinstance(state, list):
+        return [renamed(v, old, new) for v in state]
+    if isinstance(state, str) and state.startswith(old):
+        return new + state.removeprefix(old)
+    return state
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
@@ -367,7 +384,12 @@ class ShardedCheckpoint(Checkpoint):
             with single_process_quiet(), unless_replaced(self.link, self.folder):
                 # still whole: torch logs a traceback for a .metadata it cannot open
                 sharded_folder(self.folder)
-                dcp.load(state, checkpoint_id=self.folder, no_dist=not dist.is_initialized())
+                # a checkpoint of the encoding's earlier key is read under it
+                saved = dcp.FileSystemReader(self.folder).read_metadata().state_dict_metadata
+                earlier = any(EARLIER_KEY in k for k in saved)
+                asked = renamed(state, "transformer.encoding.", EARLIER_KEY) if earlier else state
+                dcp.load(asked, checkpoint_id=self.folder, no_dist=not dist.is_initialized())
+                state.update(renamed(asked, EARLIER_KEY, "transformer.encoding."))
         # a shard that its size check let through, yet cannot be read
         except dcp.api.CheckpointException:
             raise CheckpointError(

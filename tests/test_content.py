@@ -134,7 +134,9 @@ def test_equals_the_papers_equations_forward_and_gradients(pe, path, monkeypatch
     assert taken == [KERNELS_TAKEN[path][pe]]
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
-    assert grads.keys() == grads_ref.keys() and any(n.startswith("transformer.wpe") for n in grads)
+    assert grads.keys() == grads_ref.keys() and any(
+        n.startswith("transformer.encoding") for n in grads
+    )
     for n in grads_ref:
         torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-10, msg=n)
 
@@ -181,7 +183,7 @@ def test_cope_equals_x_transformers_cope(documents):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((y.detach(), x.grad.clone(), grads))
     (y, gx, grads), (y_ref, gx_ref, grads_ref) = results
-    assert grads.keys() == grads_ref.keys() and "transformer.wpe.e" in grads
+    assert grads.keys() == grads_ref.keys() and "transformer.encoding.e" in grads
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-10)
     for n in grads_ref:

@@ -165,13 +165,15 @@ def test_learned_positions_extend_by_interpolation(sources, tmp_path):
     )
     source_ckpt = load_checkpoint(sources["learned"] / "ckpt.pt")
     assert (
-        ckpt["model"]["transformer.wpe.weight"].shape == (64, 32)
+        ckpt["model"]["transformer.encoding.weight"].shape == (64, 32)
         and ckpt["model_args"]["block_size"] == 64
     )
     before = extended_model(
         source(str(sources["learned"])), ckpt["config"], source_ckpt["tokenizer"]
     )
-    assert torch.equal(before.encoding.weight[::4], source_ckpt["model"]["transformer.wpe.weight"])
+    assert torch.equal(
+        before.encoding.weight[::4], source_ckpt["model"]["transformer.encoding.weight"]
+    )
 
 
 def test_resuming_an_extension_is_exact(sources, yarn_run, tmp_path):

@@ -1058,7 +1058,7 @@ def test_pe_lr_scale_moves_the_encoding_faster():
     opt.step()
     for name, p in model.named_parameters():
         step = (p.detach() - before[name]).abs()
-        if name == "transformer.wpe.weight":
+        if name == "transformer.encoding.weight":
             moved = table_grad.abs() > 1e-5
             assert moved.sum() > 0
             close(step[moved], torch.full_like(step[moved], 1e-2), tol=1e-4)
@@ -1190,10 +1190,10 @@ def test_cpu_bias_kernels_gradients_equal_reference(
         for n in exact:
             assert error(fused_grads[n], exact[n]) <= 2 * error(ref_grads[n], exact[n]) + 1e-3, n
     # every query past L: x does not read L
-    zero = {"transformer.wpe.L_multiplier"} if step == -1 else set()
+    zero = {"transformer.encoding.L_multiplier"} if step == -1 else set()
     assert all(
         ref_grads[n].abs().sum() > 0
-        for n, _ in model.encoding.named_parameters("transformer.wpe")
+        for n, _ in model.encoding.named_parameters("transformer.encoding")
         if n not in zero
     )
 
@@ -1231,7 +1231,7 @@ def test_cpu_bias_kernels_equal_the_reference_in_float64(pe, kw):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-12)
     float32_table = pe in ("bias_rpe", "t5")
     for n in ref:
-        tol = 1e-6 if float32_table and n.startswith("transformer.wpe") else 1e-10
+        tol = 1e-6 if float32_table and n.startswith("transformer.encoding") else 1e-10
         torch.testing.assert_close(
             got[n], ref[n], rtol=tol, atol=tol * ref[n].abs().max().item(), msg=n
         )
@@ -1399,7 +1399,7 @@ def test_table_gradient_equals_reference(
     span = model.encoding.far_distance
     # a key past the span: the shared far entry has a gradient
     if span is not None and 0 < span < (window or T):
-        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0
+        assert ref_grads["transformer.encoding.weight"][:, -1].abs().sum() > 0
 
 
 @pytest.mark.parametrize(
@@ -1639,7 +1639,9 @@ def test_compiled_fused_attention_gradients_on_cuda(pe, head_dim, cuda, monkeypa
         as_exact_as_eager(fused_grads[name], ref_grads[name], exact_grads[name])
     assert ref_grads["transformer.h.0.attn.c_attn.weight"].abs().sum() > 0
     if pe == "bias_rpe":
-        assert ref_grads["transformer.wpe.weight"][:, -1].abs().sum() > 0  # the clamped entry too
+        assert (
+            ref_grads["transformer.encoding.weight"][:, -1].abs().sum() > 0
+        )  # the clamped entry too
 
 
 @pytest.mark.parametrize("pe", ENCODINGS)

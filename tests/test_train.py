@@ -108,7 +108,7 @@ def test_resume_is_bit_exact(tiny_data, tmp_path):
     assert a["iter_num"] == b["iter_num"] == 20
     assert_same_state(a["model"], b["model"])
     assert not torch.equal(
-        half["model"]["transformer.wpe.weight"], a["model"]["transformer.wpe.weight"]
+        half["model"]["transformer.encoding.weight"], a["model"]["transformer.encoding.weight"]
     )
     for sa, sb in zip(
         a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True
@@ -596,7 +596,7 @@ def test_init_from_local_gpt2_folder(tiny_data, tmp_path):
     assert (
         ckpt["model_args"]["pos_encoding"] == "learned" and ckpt["model_args"]["block_size"] == 32
     )
-    assert ckpt["model"]["transformer.wpe.weight"].shape == (32, 16)
+    assert ckpt["model"]["transformer.encoding.weight"].shape == (32, 16)
     import train as train_py
 
     r = run_cli(
