@@ -151,6 +151,7 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> dict:
     return ckpt
 
 
+ENCODING_KEY = "transformer.encoding."  # the encoding's parameters
 EARLIER_KEY = "transformer.wpe."  # the encoding's key until 2026-12-07 (GPT-2's name for its table)
 
 
@@ -158,7 +159,7 @@ def model_state(state: dict) -> dict:
     """A saved model state under today's keys: nanoGPT's compiled runs leave an `_orig_mod.` prefix
     on each key, and runs before 2026-12-07 saved the encoding under transformer.wpe."""
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-    return renamed(state, EARLIER_KEY, "transformer.encoding.")
+    return renamed(state, EARLIER_KEY, ENCODING_KEY)
 
 
 def renamed(state, old: str, new: str):
@@ -190,7 +191,7 @@ class PlainCheckpoint(Checkpoint):
         self.meta = {k: v for k, v in self.ckpt.items() if k not in STATES}
 
     def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        model.load_state_dict(model_state(self.ckpt["model"]))
+        model.load_state_dict(self.ckpt["model"])  # load_checkpoint gave it today's keys
         optimizer.load_state_dict(self.ckpt["optimizer"])
 
 
@@ -387,9 +388,10 @@ class ShardedCheckpoint(Checkpoint):
                 # a checkpoint of the encoding's earlier key is read under it
                 saved = dcp.FileSystemReader(self.folder).read_metadata().state_dict_metadata
                 earlier = any(EARLIER_KEY in k for k in saved)
-                asked = renamed(state, "transformer.encoding.", EARLIER_KEY) if earlier else state
+                asked = renamed(state, ENCODING_KEY, EARLIER_KEY) if earlier else state
                 dcp.load(asked, checkpoint_id=self.folder, no_dist=not dist.is_initialized())
-                state.update(renamed(asked, EARLIER_KEY, "transformer.encoding."))
+                if earlier:  # what was read, under today's names
+                    state.update(renamed(asked, EARLIER_KEY, ENCODING_KEY))
         # a shard that its size check let through, yet cannot be read
         except dcp.api.CheckpointException:
             raise CheckpointError(
