@@ -243,8 +243,8 @@ def test_generation_after_an_end_of_text_token(pe):
 def test_compiled_documents_equal_eager(pe):
     """torch.compile'd: a training step's logits and gradients over packed rows equal the eager
     model's (float32, to its rounding), and the compiled decode step generates the eager tokens
-    across an end-of-text token."""
-    model = packed_model(pe).float()
+    across an end-of-text token (one layer: a second adds only compile time)."""
+    model = packed_model(pe, n_layer=1).float()
     rows = torch.stack(
         [torch.cat(documents(lengths, seed)) for seed, lengths in enumerate(LAYOUTS)]
     )
