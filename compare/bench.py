@@ -27,6 +27,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.bench")
+
 import torch
 
 from fast_paths import AttentionOptions

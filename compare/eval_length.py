@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.eval_length")
+
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -26,6 +26,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.probe")
+
 import numpy as np
 import torch
 

@@ -51,6 +51,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.sweep")
+
 import numpy as np
 import torch
 

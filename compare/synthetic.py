@@ -19,6 +19,9 @@ import json
 import sys
 from copy import deepcopy
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.synthetic")
+
 import numpy as np
 import torch
 

@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m compare.tasks")
+
 import numpy as np
 import torch
 

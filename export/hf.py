@@ -44,6 +44,9 @@ import sys
 import uuid
 from pathlib import Path
 
+if not __package__:  # run by its path, where the project's modules are not importable
+    sys.exit("run it from the repository's root as: python -m export")
+
 import torch
 
 from lib.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint

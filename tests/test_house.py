@@ -4,6 +4,7 @@ a reader holds."""
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -329,3 +330,8 @@ def test_each_tool_names_the_one_way_to_run_it(module, capsys):
         importlib.import_module(module).main(["--help"])
     command = "export" if module == "export.hf" else module
     assert capsys.readouterr().out.startswith(f"usage: python -m {command} ")
+    # run by its path: one line naming that command, before any import of the project
+    path = ROOT / (module.replace(".", "/") + ".py")
+    r = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == f"run it from the repository's root as: python -m {command}\n"
