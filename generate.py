@@ -215,7 +215,7 @@ def next_logits(
     """Logits (B, vocab_size) of the token after idx (B, T), whose last tokens `new` the cache has
     not read, attending to at most W tokens; and the cache to pass next time. decode: the decode
     step (compiled or not)."""
-    pe = model.encoding
+    pe = model.transformer.encoding
     T = idx.size(1)
     if not use_cache or min(T, W) > pe.cache_span:  # the whole window again
         # FIRE reads the window at its own positions
@@ -265,14 +265,14 @@ def compiled(model: GPT, device_type: str) -> Callable:
     graph over the static cache). Each model compiles a copy of decode_step's code, so that dynamo's
     limit of recompiles per code object is never reached."""
     encoding, decode = COMPILED.get(model, (None, None))
-    if encoding is not model.encoding:
+    if encoding is not model.transformer.encoding:
         if device_type == "cuda":
             kw = dict(mode="reduce-overhead")
         else:
             kw = dict(options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
         step = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__)
         decode = torch.compile(types.MethodType(step, model), fullgraph=True, **kw)
-        COMPILED[model] = (model.encoding, decode)
+        COMPILED[model] = (model.transformer.encoding, decode)
     return lambda model, idx, chunk, cache: decode(idx, chunk, cache)
 
 
@@ -288,7 +288,7 @@ def context_window(model: GPT, max_context: int | None = None) -> int:
     W = config.block_size if max_context is None else max_context
     if type(W) is not int or W < 1:  # True is an int to Python, and no context
         raise ValueError(f"max_context={max_context!r} must be a positive integer")
-    if W > model.encoding.max_length:
+    if W > model.transformer.encoding.max_length:
         raise ValueError(
             f"max_context={W} is longer than pos_encoding={config.pos_encoding!r} can take "
             f"(block_size={config.block_size}); use max_context <= {config.block_size}"

@@ -1115,7 +1115,6 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
-        self.use_encoding(self.transformer.encoding)
         # what kernel() and its builders read; replaced, never edited
         self.attention_options = AttentionOptions()
         self.apply(self._init_weights)
@@ -1123,11 +1122,10 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    def use_encoding(self, encoding: PositionalEncoding) -> None:
-        """Make encoding the model's: transformer.encoding, read as self.encoding (unregistered
-        there: one module, one key)."""
-        self.transformer.encoding = encoding
-        self.__dict__["encoding"] = encoding
+    @property
+    def encoding(self) -> PositionalEncoding:
+        """The positional encoding, transformer.encoding (the model's own code reads it there)."""
+        return self.transformer.encoding
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -1141,20 +1139,20 @@ class GPT(nn.Module):
         """Parameter count; by default without the position table (the token table is tied to
         lm_head)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields the tied table once
-        return n - self.encoding.position_params() if non_embedding else n
+        return n - self.transformer.encoding.position_params() if non_embedding else n
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the training context (e.g. GPT-2's 1024 to 256)."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        self.encoding.crop(block_size)
+        self.transformer.encoding.crop(block_size)
 
     def extend_block_size(self, block_size: int) -> None:
         """Lengthen the training context (a run extended longer): a table of positions is
         interpolated."""
         assert block_size >= self.config.block_size
         self.config.block_size = block_size
-        self.encoding.extend(block_size)
+        self.transformer.encoding.extend(block_size)
 
     def configure_optimizers(
         self,
@@ -1166,8 +1164,10 @@ class GPT(nn.Module):
     ) -> torch.optim.AdamW:
         """AdamW decaying matrices only (no biases, norms, score bias); pe_lr_scale: the encoding's
         groups' lr_scale."""
-        no_decay = {id(p) for p in self.encoding.no_decay()}
-        encoding = {id(p) for p in self.encoding.parameters()} if pe_lr_scale != 1.0 else set()
+        no_decay = {id(p) for p in self.transformer.encoding.no_decay()}
+        encoding = (
+            {id(p) for p in self.transformer.encoding.parameters()} if pe_lr_scale != 1.0 else set()
+        )
         groups = {}
         for p in self.parameters():
             if p.requires_grad:
@@ -1233,7 +1233,7 @@ class GPT(nn.Module):
         explicit_pos = pos is not None
         # .max() syncs: only for explicit positions
         last = int(pos.max()) if explicit_pos else start + T - 1
-        if last + 1 > self.encoding.max_length:
+        if last + 1 > self.transformer.encoding.max_length:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no position past "
                 f"block_size={self.config.block_size} "
@@ -1242,10 +1242,10 @@ class GPT(nn.Module):
                 f"extrapolates ({', '.join(n for n, c in POS_ENCODINGS.items() if c.extrapolates)})"
             )
         span = last + 1 if window is None else min(last + 1, window)
-        if cache is not None and span > self.encoding.cache_span:
+        if cache is not None and span > self.transformer.encoding.cache_span:
             raise ValueError(
                 "this encoding changes every key as the length grows past "
-                f"{self.encoding.cache_span} (here {span}; "
+                f"{self.transformer.encoding.cache_span} (here {span}; "
                 "RoPE's dynamic_ntk scaling does), so no KV cache can be exact there; run without "
                 "a cache (generate() "
                 "does so by itself)"
@@ -1263,7 +1263,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """features() of a chunk whose slots are claimed: tensor code only, so a decode step
         compiles to one graph."""
-        pe = self.encoding
+        pe = self.transformer.encoding
         x = self.transformer.wte(idx)  # (B, T, C)
         # or (B, T), in each document
         pos = chunk.pos if chunk.starts is None else chunk.document_positions()[0]
@@ -1290,7 +1290,7 @@ class GPT(nn.Module):
     ) -> None:
         """Switch RoPE's scaling at inference (yarn, factor 4: 4x the training length); L0: the
         config's by default."""
-        if not self.encoding.rope_scalable:
+        if not self.transformer.encoding.rope_scalable:
             raise ValueError(
                 f"rope_scaling applies to RoPE, not pos_encoding={self.config.pos_encoding!r}"
             )
@@ -1299,7 +1299,8 @@ class GPT(nn.Module):
             self.config, rope_scaling=scaling, rope_factor=factor, rope_original_max_len=L0
         )
         # it holds no weights
-        self.use_encoding(type(self.encoding)(self.config).to(self.lm_head.weight.device))
+        encoding = type(self.transformer.encoding)(self.config)
+        self.transformer.encoding = encoding.to(self.lm_head.weight.device)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """nanoGPT's call: extend idx (B, T) by max_new_tokens tokens with generate.py's generate

@@ -157,9 +157,9 @@ def test_the_walk_counts_what_runs():
 # packing lines cannot lower
 MODEL_FILES = ("model.py", "fast_paths.py", "generate.py", "shape.py")
 STATEMENT_CEILINGS = {
-    "model.py": 649,
-    "the model's files": 1483,
-    "the GPT class": 116,
+    "model.py": 648,
+    "the model's files": 1482,
+    "the GPT class": 115,
     "a function of the model's files": 40,
     "train.py": 299,
 }
