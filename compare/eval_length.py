@@ -43,7 +43,7 @@ from lib.datafiles import DataError, dataset_dir, load_meta, validation_tokens
 from lib.devices import DTYPES, autocast, check_device, device_memory, forward_bytes, gb, missing
 from lib.options import idle_option
 from lib.outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
-from lib.runs import load_run
+from lib.runs import add_run_folders, load_run
 from model import GPT, ROPE_SCALINGS
 from shape import PACKINGS
 
@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
+    add_run_folders(p, nargs="+")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument(
         "--names", nargs="+", default=None, help="a label per checkpoint (default: its encoding)"

@@ -37,7 +37,7 @@ from lib.configurator import ConfigError
 from lib.datafiles import DataError, validation_tokens
 from lib.devices import check_device, device_memory, forward_bytes, gb
 from lib.outputs import PLOT_FORMATS, OutputError, check_output, save_figure, write_atomic
-from lib.runs import load_run
+from lib.runs import add_run_folders, load_run
 from model import GPT
 
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("out_dirs", nargs="+", help="folders holding ckpt.pt (train.py's out_dir)")
+    add_run_folders(p, nargs="+")
     p.add_argument(
         "--names",
         nargs="+",

@@ -242,15 +242,15 @@ def main(argv: list[str] | None = None) -> dict:
     from lib.configurator import ConfigError
     from lib.devices import check_device
     from lib.outputs import OutputError, check_output, write_atomic
-    from lib.runs import load_run
+    from lib.runs import add_run_folders, load_run
 
     p = argparse.ArgumentParser(
         prog="python -m compare.synthetic",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "out_dirs", nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task"
+    add_run_folders(
+        p, nargs="+", help="folders holding ckpt.pt of runs trained on a synthetic task"
     )
     p.add_argument(
         "--lengths",

@@ -52,6 +52,7 @@ import torch
 from lib.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from lib.devices import DTYPES, device_memory, missing
 from lib.outputs import cannot_write
+from lib.runs import add_run_folders
 from lib.tokenizer import GPT2_EOT, GPT2_RANKS, tokenizer_from_meta
 from model import CONV1D_WEIGHTS, GPT, LLAMA3_HIGH, LLAMA3_LOW, YARN_ALPHA, YARN_BETA
 
@@ -665,7 +666,7 @@ def main(argv: list[str] | None = None) -> Path:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("out_dir", help="a training run's folder (its ckpt.pt)")
+    add_run_folders(p, "out_dir", help="a training run's folder (its ckpt.pt)")
     p.add_argument("--out", required=True, help="the directory to write")
     p.add_argument(
         "--ckpt", default="ckpt.pt", help="which checkpoint of the run (ckpt_best.pt: the best)"

@@ -5,6 +5,7 @@ extension may change, and the model it starts from. Either way the run's latest 
 once, in either format (checkpoint.latest).
 """
 
+import argparse
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -16,6 +17,31 @@ from model import GPT, POS_ENCODINGS, GPTConfig
 
 # --------------------------------------------------------------------------------------------------
 # The evaluation scripts' reader
+
+
+class FoldersComeAsArguments(argparse.Action):
+    """--out_dir, as train.py and sample.py take it, where a tool takes the runs' folders as its
+    arguments: an error that shows the command without it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        folders = " ".join(values) or "out-rope"
+        parser.error(
+            f"{option_string} is train.py's and sample.py's; here the folders come as arguments: "
+            f"{parser.prog} {folders} ..."
+        )
+
+
+def add_run_folders(p: argparse.ArgumentParser, name: str = "out_dirs", **kw) -> None:
+    """The runs' folders, each holding train.py's ckpt.pt, as p's arguments (one: name out_dir)."""
+    kw.setdefault("help", "folders holding ckpt.pt (train.py's out_dir)")
+    p.add_argument(name, **kw)
+    p.add_argument(
+        "--out_dir",
+        nargs="*",
+        action=FoldersComeAsArguments,
+        dest="misplaced",
+        help=argparse.SUPPRESS,
+    )
 
 
 @dataclass

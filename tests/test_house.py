@@ -335,3 +335,21 @@ def test_each_tool_names_the_one_way_to_run_it(module, capsys):
     r = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, cwd=ROOT)
     assert (r.returncode, r.stdout) == (1, "")
     assert r.stderr == f"run it from the repository's root as: python -m {command}\n"
+
+
+@pytest.mark.parametrize(
+    "module", ["compare.eval_length", "compare.probe", "compare.synthetic", "export.hf"]
+)
+def test_a_tool_of_run_folders_shows_them_without_out_dir(module, capsys):
+    """train.py's and sample.py's --out_dir=<folder>, given to a tool that takes the runs' folders
+    as its arguments: one line that shows the command without it."""
+    import importlib
+
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main(["--out_dir=out-rope", "--lengths", "64"])
+    command = "export" if module == "export.hf" else module
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m {command}: error: --out_dir is train.py's and sample.py's; here the folders "
+        f"come as arguments: python -m {command} out-rope ..."
+    )
