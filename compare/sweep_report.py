@@ -240,7 +240,7 @@ def retrieval_lines(report: dict, runs: list[TextRun]) -> list[str]:
     lengths = tk["lengths"]
     depths = tk["depths"]
     lines = [
-        "## Retrieval tasks (compare/tasks.py), mean ± std over seeds",
+        "## Retrieval tasks (python -m compare.tasks), mean ± std over seeds",
         "",
         f"{tk['trials']} sequences per cell, the same for every run; passkey over {len(depths)} "
         "depths. Exact match of "
