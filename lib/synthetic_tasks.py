@@ -264,7 +264,8 @@ def check(
         raise SyntheticError(
             f"task_vocab={vocab} is too small for {task!r}: {N_SPECIAL} special tokens and three "
             "ranges (keys, "
-            f"values, filler) of {v.n} tokens each, where the task needs {least}; use task_vocab "
+            f"values, filler) of {max(v.n, 0)} tokens each, where the task needs {least}; use "
+            "task_vocab "
             ">= "
             f"{N_SPECIAL + 3 * least} (128 is the default)"
         )

@@ -193,6 +193,9 @@ def test_too_short_and_too_small_vocabulary_are_errors(task):
         match=rf"task_vocab={synthetic_tasks.N_SPECIAL + 3 * least - 1} is too small.*>= ",
     ):
         synthetic_tasks.check(task, 64, synthetic_tasks.N_SPECIAL + 3 * least - 1)
+    # fewer tokens than the special ones: ranges of none, not of a negative count
+    with pytest.raises(synthetic_tasks.SyntheticError, match=r"filler\) of 0 tokens each"):
+        synthetic_tasks.check(task, 64, 2)
 
 
 def test_unknown_task_and_bad_queries_are_errors():
